@@ -1,0 +1,526 @@
+//! The KV cache manager: per-sequence page tables over one `BlockPool`, with
+//! copy-on-write sharing and the radix `PrefixCache`.
+//!
+//! A sequence's page table maps logical block `i` (positions
+//! `i * block_size .. (i + 1) * block_size`) to a physical block; position
+//! `p` lives at slot `table[p / block_size] * block_size + p % block_size`.
+//!
+//! ```text
+//!   tokens   | cached prefix (shared, full) | own blocks ...  | last (partial) |
+//!   table    |  b7   b2                     |  b5   b1        |  b8  (3/16)    |
+//! ```
+//!
+//! Sharing: `fork` gives a child every block of its parent (refcount + 1).
+//! The first write into a shared, partially filled last block copies it: the
+//! writer gets a fresh block and a (src, dst) copy order for the model runner
+//! to execute on device before the step. Full blocks are never written again,
+//! so they are never copied.
+//!
+//! Every block is in exactly one state:
+//! - free: on the pool's free list, refcount 0;
+//! - referenced: refcount = number of page-table entries + prefix pins holding it;
+//! - cached-unreferenced: in the prefix tree with refcount 0, evictable (LRU).
+//!
+//! Invariants (checked by `check_invariants`):
+//! - free + referenced + cached-unreferenced = num_blocks;
+//! - every block's refcount equals its holders, counted over all live
+//!   sequences (table entries plus pins);
+//! - a sequence's table has exactly ceil(num_tokens / block_size) entries;
+//! - a block that will be written (the last block of a sequence while it is
+//!   partially filled) has refcount 1, so no two sequences write one slot;
+//! - the prefix tree's own invariants (`PrefixCache::check_invariants`).
+//!
+//! A sequence's cached blocks form a path from its salt's root. When the tree
+//! already holds equal tokens under another block (two sequences computed the
+//! same block at once), the sequence keeps its own block in its table and
+//! pins the tree's block, so the path stays whole and later blocks can still
+//! be cached under it.
+
+use crate::block_pool::{BlockId, BlockPool};
+use crate::error::{KvError, KvResult};
+use crate::prefix_cache::{InsertOutcome, NodeId, PrefixCache, PrefixCacheStats};
+
+/// Handle of a live sequence: slab index in the low 32 bits, generation in
+/// the high 32 bits, so a stale handle is an error rather than an alias.
+pub type SeqId = u64;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockCopy {
+    pub src: BlockId,
+    pub dst: BlockId,
+}
+
+#[derive(Debug, Clone, Default)]
+struct PageTable {
+    blocks: Vec<BlockId>,
+    num_tokens: usize,
+    /// Salt root of the sequence's prefix path.
+    root: NodeId,
+    /// Deepest tree node on this sequence's cached path (`root` when none).
+    path_tail: NodeId,
+    /// Leading logical blocks already registered in the tree.
+    num_cached_blocks: usize,
+    /// False after a hash collision or a cache reset: stop caching this one.
+    caching: bool,
+    cache_epoch: u64,
+    /// Tree blocks pinned in place of own duplicate blocks, by logical index.
+    pins: Vec<(usize, BlockId)>,
+}
+
+#[derive(Debug, Clone, Default)]
+struct Slot {
+    generation: u32,
+    table: Option<PageTable>,
+}
+
+#[derive(Debug, Clone)]
+pub struct KvCacheManager {
+    pool: BlockPool,
+    cache: PrefixCache,
+    enable_prefix_caching: bool,
+    cache_epoch: u64,
+    slots: Vec<Slot>,
+    free_slots: Vec<u32>,
+    num_live: usize,
+    scratch: Vec<BlockId>,
+}
+
+impl KvCacheManager {
+    pub fn new(num_blocks: usize, block_size: usize, enable_prefix_caching: bool) -> KvResult<Self> {
+        let pool = BlockPool::new(num_blocks, block_size)?;
+        Ok(Self {
+            cache: PrefixCache::new(num_blocks, block_size),
+            pool,
+            enable_prefix_caching,
+            cache_epoch: 0,
+            slots: Vec::new(),
+            free_slots: Vec::new(),
+            num_live: 0,
+            scratch: Vec::new(),
+        })
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.pool.block_size()
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.pool.num_blocks()
+    }
+
+    pub fn num_free_blocks(&self) -> usize {
+        self.pool.num_free()
+    }
+
+    /// Blocks an allocation can get right now: free plus evictable.
+    pub fn num_available_blocks(&self) -> usize {
+        self.pool.num_free() + self.cache.num_evictable()
+    }
+
+    /// Blocks held by live sequences (what vLLM calls KV cache usage).
+    pub fn num_referenced_blocks(&self) -> usize {
+        self.num_blocks() - self.num_available_blocks()
+    }
+
+    pub fn num_cached_blocks(&self) -> usize {
+        self.cache.num_cached()
+    }
+
+    pub fn usage(&self) -> f64 {
+        self.num_referenced_blocks() as f64 / self.num_blocks() as f64
+    }
+
+    pub fn prefix_cache_enabled(&self) -> bool {
+        self.enable_prefix_caching
+    }
+
+    pub fn prefix_cache_stats(&self) -> &PrefixCacheStats {
+        &self.cache.stats
+    }
+
+    pub fn num_sequences(&self) -> usize {
+        self.num_live
+    }
+
+    pub fn refcount(&self, block: BlockId) -> KvResult<u32> {
+        self.pool.refcount(block)
+    }
+
+    /// A new, empty sequence whose prefix blocks are shared only with
+    /// sequences of the same `salt`.
+    pub fn create_sequence(&mut self, salt: Option<&str>) -> SeqId {
+        let root = self.cache.acquire_root(salt);
+        let table = PageTable {
+            root,
+            path_tail: root,
+            caching: self.enable_prefix_caching,
+            cache_epoch: self.cache_epoch,
+            ..PageTable::default()
+        };
+        self.insert_table(table)
+    }
+
+    fn insert_table(&mut self, table: PageTable) -> SeqId {
+        self.num_live += 1;
+        let index = match self.free_slots.pop() {
+            Some(index) => index,
+            None => {
+                self.slots.push(Slot::default());
+                (self.slots.len() - 1) as u32
+            }
+        };
+        let slot = &mut self.slots[index as usize];
+        slot.table = Some(table);
+        ((slot.generation as u64) << 32) | index as u64
+    }
+
+    fn table(&self, seq: SeqId) -> KvResult<&PageTable> {
+        let slot = self.slots.get((seq & 0xffff_ffff) as usize);
+        match slot {
+            Some(slot) if slot.generation as u64 == seq >> 32 => {
+                slot.table.as_ref().ok_or(KvError::UnknownSequence { seq })
+            }
+            _ => Err(KvError::UnknownSequence { seq }),
+        }
+    }
+
+    fn table_mut(&mut self, seq: SeqId) -> KvResult<&mut PageTable> {
+        let slot = self.slots.get_mut((seq & 0xffff_ffff) as usize);
+        match slot {
+            Some(slot) if slot.generation as u64 == seq >> 32 => {
+                slot.table.as_mut().ok_or(KvError::UnknownSequence { seq })
+            }
+            _ => Err(KvError::UnknownSequence { seq }),
+        }
+    }
+
+    pub fn num_tokens(&self, seq: SeqId) -> KvResult<usize> {
+        Ok(self.table(seq)?.num_tokens)
+    }
+
+    pub fn block_table(&self, seq: SeqId) -> KvResult<&[BlockId]> {
+        Ok(&self.table(seq)?.blocks)
+    }
+
+    /// Attach the longest cached prefix of `tokens` (whole blocks) to an empty
+    /// sequence, pinning those blocks; returns the number of tokens matched.
+    /// Pass the tokens whose KV may be reused (a scheduler leaves out the
+    /// last prompt token so that its logits are computed).
+    pub fn match_prefix(&mut self, seq: SeqId, tokens: &[u32]) -> KvResult<usize> {
+        let table = self.table(seq)?;
+        if table.num_tokens != 0 {
+            return Err(KvError::SequenceNotEmpty { seq, num_tokens: table.num_tokens });
+        }
+        if !table.caching || table.cache_epoch != self.cache_epoch {
+            return Ok(0);
+        }
+        let root = table.root;
+        let mut found = std::mem::take(&mut self.scratch);
+        found.clear();
+        let num_found = self.cache.longest_prefix(root, tokens, &mut found);
+        for &block in &found {
+            if self.pool.refcount(block)? == 0 {
+                self.cache.unmark_evictable(block);
+            }
+            self.pool.retain(block)?;
+        }
+        let block_size = self.block_size();
+        let table = self.table_mut(seq)?;
+        table.blocks.extend_from_slice(&found);
+        table.num_tokens = num_found * block_size;
+        table.num_cached_blocks = num_found;
+        table.path_tail = found.last().copied().unwrap_or(root);
+        self.scratch = found;
+        Ok(num_found * block_size)
+    }
+
+    /// Blocks `allocate_slots(seq, num_new_tokens)` would take from the pool
+    /// (new blocks plus a copy-on-write copy), without changing anything.
+    pub fn blocks_needed(&self, seq: SeqId, num_new_tokens: usize) -> KvResult<usize> {
+        let table = self.table(seq)?;
+        Ok(self.blocks_needed_for(table, num_new_tokens))
+    }
+
+    fn blocks_needed_for(&self, table: &PageTable, num_new_tokens: usize) -> usize {
+        if num_new_tokens == 0 {
+            return 0;
+        }
+        let block_size = self.block_size();
+        let total_blocks = (table.num_tokens + num_new_tokens).div_ceil(block_size);
+        let copy = match table.blocks.last() {
+            Some(&last) if table.num_tokens % block_size != 0 => {
+                usize::from(self.pool.refcount(last).unwrap_or(0) > 1)
+            }
+            _ => 0,
+        };
+        total_blocks - table.blocks.len() + copy
+    }
+
+    /// Reserve KV slots for the next `num_new_tokens` positions of `seq`,
+    /// all or nothing: on `OutOfBlocks` nothing changed. A copy-on-write of a
+    /// shared, partially filled last block is appended to `copies`.
+    pub fn allocate_slots(
+        &mut self,
+        seq: SeqId,
+        num_new_tokens: usize,
+        copies: &mut Vec<BlockCopy>,
+    ) -> KvResult<()> {
+        let needed = self.blocks_needed_for(self.table(seq)?, num_new_tokens);
+        self.ensure_free(needed)?;
+        let block_size = self.block_size();
+        let mut table = self.take_table(seq)?;
+        if num_new_tokens > 0 && table.num_tokens % block_size != 0 {
+            let last = *table.blocks.last().expect("a partial block exists");
+            if self.pool.refcount(last)? > 1 {
+                let dst = self.pool.allocate_one().expect("ensured free blocks");
+                self.pool.release(last)?;
+                *table.blocks.last_mut().expect("checked above") = dst;
+                copies.push(BlockCopy { src: last, dst });
+            }
+        }
+        let total_blocks = (table.num_tokens + num_new_tokens).div_ceil(block_size);
+        let extra = total_blocks - table.blocks.len();
+        self.pool.allocate(extra, &mut table.blocks)?;
+        table.num_tokens += num_new_tokens;
+        debug_assert!(
+            table.num_tokens % block_size == 0
+                || self.pool.refcount(*table.blocks.last().unwrap()).unwrap() == 1,
+            "the block being written must be owned by the writer alone"
+        );
+        self.put_table(seq, table);
+        Ok(())
+    }
+
+    /// Make `count` blocks free, evicting cached-unreferenced ones LRU first.
+    fn ensure_free(&mut self, count: usize) -> KvResult<()> {
+        let available = self.num_available_blocks();
+        if count > available {
+            return Err(KvError::OutOfBlocks { requested: count, available });
+        }
+        while self.pool.num_free() < count {
+            let block = self.cache.evict_one().expect("counted as evictable");
+            self.pool.push_free(block)?;
+        }
+        Ok(())
+    }
+
+    fn take_table(&mut self, seq: SeqId) -> KvResult<PageTable> {
+        self.table(seq)?;
+        Ok(self.slots[(seq & 0xffff_ffff) as usize].table.take().expect("checked"))
+    }
+
+    fn put_table(&mut self, seq: SeqId, table: PageTable) {
+        self.slots[(seq & 0xffff_ffff) as usize].table = Some(table);
+    }
+
+    /// The slot id of position `pos` of `seq`.
+    pub fn slot(&self, seq: SeqId, pos: usize) -> KvResult<u32> {
+        let table = self.table(seq)?;
+        if pos >= table.num_tokens {
+            return Err(KvError::InvalidArgument(format!(
+                "position {pos} has no KV slot in sequence {seq} of {} tokens",
+                table.num_tokens
+            )));
+        }
+        let block_size = self.block_size();
+        Ok(table.blocks[pos / block_size] * block_size as u32 + (pos % block_size) as u32)
+    }
+
+    /// Slot ids of positions `start..start + out.len()` of `seq`, into `out`.
+    pub fn write_slots(&self, seq: SeqId, start: usize, out: &mut [i32]) -> KvResult<()> {
+        let table = self.table(seq)?;
+        if start + out.len() > table.num_tokens {
+            return Err(KvError::InvalidArgument(format!(
+                "positions {start}..{} exceed the {} tokens of sequence {seq}",
+                start + out.len(),
+                table.num_tokens
+            )));
+        }
+        let block_size = self.block_size();
+        for (i, slot) in out.iter_mut().enumerate() {
+            let pos = start + i;
+            *slot = (table.blocks[pos / block_size] as usize * block_size + pos % block_size) as i32;
+        }
+        Ok(())
+    }
+
+    /// Register the full blocks among the first `tokens.len()` positions of
+    /// `seq` in the prefix tree. `tokens` are the sequence's token ids from
+    /// position 0; only positions that already have KV slots count. Returns
+    /// how many blocks were newly cached.
+    pub fn cache_blocks(&mut self, seq: SeqId, tokens: &[u32]) -> KvResult<usize> {
+        let table = self.table(seq)?;
+        if !table.caching || table.cache_epoch != self.cache_epoch {
+            return Ok(0);
+        }
+        let block_size = self.block_size();
+        let full = tokens.len().min(table.num_tokens) / block_size;
+        if full <= table.num_cached_blocks {
+            return Ok(0);
+        }
+        let mut table = self.take_table(seq)?;
+        let mut newly = 0;
+        for index in table.num_cached_blocks..full {
+            let chunk = &tokens[index * block_size..(index + 1) * block_size];
+            let block = table.blocks[index];
+            match self.cache.insert(table.path_tail, chunk, block) {
+                InsertOutcome::Inserted => {
+                    table.path_tail = block;
+                    newly += 1;
+                }
+                InsertOutcome::AlreadyCached(existing) => {
+                    if self.pool.refcount(existing)? == 0 {
+                        self.cache.unmark_evictable(existing);
+                    }
+                    self.pool.retain(existing)?;
+                    table.pins.push((index, existing));
+                    table.path_tail = existing;
+                }
+                InsertOutcome::HashCollision => {
+                    table.caching = false;
+                    break;
+                }
+            }
+            table.num_cached_blocks = index + 1;
+        }
+        self.put_table(seq, table);
+        Ok(newly)
+    }
+
+    /// A new sequence sharing every block of `seq` (refcount + 1 each).
+    pub fn fork(&mut self, seq: SeqId) -> KvResult<SeqId> {
+        let child = self.table(seq)?.clone();
+        for &block in &child.blocks {
+            self.pool.retain(block)?;
+        }
+        for &(_, block) in &child.pins {
+            self.pool.retain(block)?;
+        }
+        self.cache.retain_root(child.root);
+        Ok(self.insert_table(child))
+    }
+
+    /// Drop a sequence: every block loses one holder, deepest first; cached
+    /// blocks at refcount 0 become evictable, the others go back to the pool.
+    pub fn free_sequence(&mut self, seq: SeqId) -> KvResult<()> {
+        let table = self.take_table(seq)?;
+        let index = (seq & 0xffff_ffff) as u32;
+        let slot = &mut self.slots[index as usize];
+        slot.generation = slot.generation.wrapping_add(1);
+        self.free_slots.push(index);
+        self.num_live -= 1;
+        let mut pins = table.pins.iter().rev().peekable();
+        for (logical, &block) in table.blocks.iter().enumerate().rev() {
+            while let Some(&(_, pinned)) = pins.next_if(|(at, _)| *at >= logical) {
+                self.release_block(pinned)?;
+            }
+            self.release_block(block)?;
+        }
+        self.cache.release_root(table.root);
+        Ok(())
+    }
+
+    fn release_block(&mut self, block: BlockId) -> KvResult<()> {
+        if self.pool.release(block)? == 0 {
+            if self.cache.is_cached(block) {
+                self.cache.mark_evictable(block);
+            } else {
+                self.pool.push_free(block)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Forget the whole prefix cache (e.g. after new weights): evictable
+    /// blocks return to the pool; live sequences keep their blocks but stop
+    /// caching them.
+    pub fn reset_prefix_cache(&mut self) -> KvResult<()> {
+        let mut freed = Vec::new();
+        self.cache.clear(&mut freed);
+        for block in freed {
+            self.pool.push_free(block)?;
+        }
+        self.cache_epoch += 1;
+        Ok(())
+    }
+
+    /// Evict up to `count` cached-unreferenced blocks (LRU first); returns
+    /// how many were evicted.
+    pub fn evict(&mut self, count: usize) -> KvResult<usize> {
+        let mut evicted = 0;
+        while evicted < count {
+            let Some(block) = self.cache.evict_one() else { break };
+            self.pool.push_free(block)?;
+            evicted += 1;
+        }
+        Ok(evicted)
+    }
+
+    /// Full consistency check, O(num_blocks + total table length).
+    pub fn check_invariants(&self) -> KvResult<()> {
+        let fail = |msg: String| Err(KvError::InvariantViolated(msg));
+        self.pool.check_invariants()?;
+        let pool = &self.pool;
+        self.cache.check_invariants(|b| pool.refcount(b).unwrap_or(0))?;
+        let block_size = self.block_size();
+        let mut holders = vec![0u32; self.num_blocks()];
+        let mut live = 0;
+        for (index, slot) in self.slots.iter().enumerate() {
+            let Some(table) = &slot.table else { continue };
+            live += 1;
+            if table.blocks.len() != table.num_tokens.div_ceil(block_size) {
+                return fail(format!(
+                    "sequence slot {index}: {} blocks for {} tokens",
+                    table.blocks.len(),
+                    table.num_tokens
+                ));
+            }
+            for &block in table.blocks.iter().chain(table.pins.iter().map(|(_, b)| b)) {
+                holders[block as usize] += 1;
+            }
+            if table.num_tokens % block_size != 0 {
+                let last = *table.blocks.last().expect("partial block exists");
+                if pool.refcount(last)? > 1 && !self.last_block_shared_by_fork(last) {
+                    return fail(format!("partial block {last} is shared outside a fork"));
+                }
+            }
+        }
+        if live != self.num_live {
+            return fail(format!("{live} live tables but {} counted", self.num_live));
+        }
+        let mut referenced = 0;
+        for (b, &count) in holders.iter().enumerate() {
+            let refcount = pool.refcount(b as BlockId)?;
+            if refcount != count {
+                return fail(format!("block {b} has refcount {refcount} but {count} holders"));
+            }
+            if refcount > 0 {
+                referenced += 1;
+                if self.cache.is_cached(b as BlockId) {
+                    continue;
+                }
+            }
+        }
+        let unreferenced_cached = self.cache.num_evictable();
+        if pool.num_free() + referenced + unreferenced_cached != self.num_blocks() {
+            return fail(format!(
+                "free {} + referenced {referenced} + cached-unreferenced {unreferenced_cached} != {}",
+                pool.num_free(),
+                self.num_blocks()
+            ));
+        }
+        Ok(())
+    }
+
+    /// A shared partial last block is legal only between forks that have not
+    /// written into it yet: every holder then has it as its last block.
+    fn last_block_shared_by_fork(&self, block: BlockId) -> bool {
+        let block_size = self.block_size();
+        self.slots.iter().filter_map(|s| s.table.as_ref()).all(|t| {
+            match t.blocks.iter().position(|&b| b == block) {
+                None => true,
+                Some(i) => i + 1 == t.blocks.len() && t.num_tokens % block_size != 0,
+            }
+        })
+    }
+}

@@ -1,0 +1,349 @@
+//! Behaviour tests of `KvCacheManager`, plus a seeded randomized test that
+//! runs 100k random operations against a simulated device KV store and
+//! checks every invariant after each one.
+
+use crate::error::KvError;
+use crate::kv_cache::{BlockCopy, KvCacheManager, SeqId};
+use crate::test_rng::SplitMix64;
+
+fn append(kv: &mut KvCacheManager, seq: SeqId, n: usize) -> Vec<BlockCopy> {
+    let mut copies = Vec::new();
+    kv.allocate_slots(seq, n, &mut copies).unwrap();
+    copies
+}
+
+#[test]
+fn position_maps_to_block_and_offset() {
+    let mut kv = KvCacheManager::new(64, 16, false).unwrap();
+    let seq = kv.create_sequence(None);
+    append(&mut kv, seq, 40);
+    let table = kv.block_table(seq).unwrap().to_vec();
+    assert_eq!(table.len(), 3);
+    assert_eq!(kv.slot(seq, 37).unwrap(), table[2] * 16 + 5);
+    let mut slots = vec![0; 40];
+    kv.write_slots(seq, 0, &mut slots).unwrap();
+    assert_eq!(slots[37], (table[2] * 16 + 5) as i32);
+    assert!(kv.slot(seq, 40).is_err(), "positions past the table have no slot");
+}
+
+#[test]
+fn append_allocates_only_when_last_block_is_full() {
+    let mut kv = KvCacheManager::new(8, 4, false).unwrap();
+    let seq = kv.create_sequence(None);
+    append(&mut kv, seq, 3);
+    assert_eq!(kv.num_free_blocks(), 7);
+    append(&mut kv, seq, 1);
+    assert_eq!(kv.num_free_blocks(), 7, "the 4th token fills block 0");
+    append(&mut kv, seq, 1);
+    assert_eq!(kv.num_free_blocks(), 6);
+    kv.check_invariants().unwrap();
+}
+
+#[test]
+fn failed_allocation_changes_nothing() {
+    let mut kv = KvCacheManager::new(4, 4, false).unwrap();
+    let seq = kv.create_sequence(None);
+    append(&mut kv, seq, 6);
+    let mut copies = Vec::new();
+    let err = kv.allocate_slots(seq, 100, &mut copies).unwrap_err();
+    assert!(matches!(err, KvError::OutOfBlocks { requested: 25, available: 2 }));
+    assert_eq!(kv.num_tokens(seq).unwrap(), 6);
+    assert_eq!(kv.num_free_blocks(), 2);
+    kv.check_invariants().unwrap();
+}
+
+#[test]
+fn fork_shares_blocks_and_copies_partial_block_on_first_write() {
+    let mut kv = KvCacheManager::new(16, 4, false).unwrap();
+    let parent = kv.create_sequence(None);
+    append(&mut kv, parent, 6); // block 0 full, block 1 holds 2 of 4
+    let child = kv.fork(parent).unwrap();
+    assert_eq!(kv.num_free_blocks(), 14, "fork allocates nothing");
+    let shared = kv.block_table(parent).unwrap().to_vec();
+    assert_eq!(kv.block_table(child).unwrap(), &shared[..]);
+    assert_eq!(kv.refcount(shared[0]).unwrap(), 2);
+    kv.check_invariants().unwrap();
+
+    let copies = append(&mut kv, child, 1);
+    let new_last = kv.block_table(child).unwrap()[1];
+    assert_eq!(copies, vec![BlockCopy { src: shared[1], dst: new_last }]);
+    assert_eq!(kv.block_table(child).unwrap()[0], shared[0], "full blocks are never copied");
+    // The parent now owns its partial block alone: no copy on its write.
+    assert!(append(&mut kv, parent, 1).is_empty());
+    kv.check_invariants().unwrap();
+}
+
+#[test]
+fn blocks_return_to_pool_only_when_last_holder_frees() {
+    let mut kv = KvCacheManager::new(8, 4, false).unwrap();
+    let parent = kv.create_sequence(None);
+    append(&mut kv, parent, 8);
+    let child = kv.fork(parent).unwrap();
+    kv.free_sequence(parent).unwrap();
+    assert_eq!(kv.num_free_blocks(), 6);
+    kv.free_sequence(child).unwrap();
+    assert_eq!(kv.num_free_blocks(), 8);
+    assert!(matches!(kv.free_sequence(child), Err(KvError::UnknownSequence { .. })));
+    kv.check_invariants().unwrap();
+}
+
+#[test]
+fn seeds_example_sixteen_conversations_share_thirteen_blocks() {
+    // 16 conversations with a 200-token system prompt at block 16: forking
+    // one prefilled prompt shares ceil(200 / 16) = 13 blocks instead of 208.
+    let mut kv = KvCacheManager::new(256, 16, false).unwrap();
+    let prompt = kv.create_sequence(None);
+    append(&mut kv, prompt, 200);
+    let children: Vec<SeqId> = (0..15).map(|_| kv.fork(prompt).unwrap()).collect();
+    assert_eq!(kv.num_referenced_blocks(), 13);
+    assert_eq!(children.len() + 1, 16);
+    kv.check_invariants().unwrap();
+}
+
+#[test]
+fn prefix_cache_shares_full_blocks_between_requests() {
+    let mut kv = KvCacheManager::new(64, 16, true).unwrap();
+    let system: Vec<u32> = (0..200).collect();
+    let first = kv.create_sequence(None);
+    append(&mut kv, first, 200);
+    assert_eq!(kv.cache_blocks(first, &system).unwrap(), 12, "only full blocks are cached");
+    for _ in 0..15 {
+        let seq = kv.create_sequence(None);
+        assert_eq!(kv.match_prefix(seq, &system[..199]).unwrap(), 192);
+        append(&mut kv, seq, 8);
+    }
+    // 12 shared full blocks + 16 private partial blocks.
+    assert_eq!(kv.num_referenced_blocks(), 12 + 16);
+    kv.check_invariants().unwrap();
+}
+
+#[test]
+fn different_salts_never_share_blocks() {
+    let mut kv = KvCacheManager::new(32, 4, true).unwrap();
+    let tokens: Vec<u32> = (0..12).collect();
+    let a = kv.create_sequence(Some("tenant-a"));
+    append(&mut kv, a, 12);
+    kv.cache_blocks(a, &tokens).unwrap();
+    let b = kv.create_sequence(Some("tenant-b"));
+    assert_eq!(kv.match_prefix(b, &tokens).unwrap(), 0);
+    let a2 = kv.create_sequence(Some("tenant-a"));
+    assert_eq!(kv.match_prefix(a2, &tokens).unwrap(), 12);
+    kv.check_invariants().unwrap();
+}
+
+#[test]
+fn unreferenced_cached_blocks_are_reused_then_evicted_lru_first() {
+    let mut kv = KvCacheManager::new(6, 4, true).unwrap();
+    let old: Vec<u32> = (100..108).collect();
+    let recent: Vec<u32> = (200..208).collect();
+    for tokens in [&old, &recent] {
+        let seq = kv.create_sequence(None);
+        append(&mut kv, seq, 8);
+        kv.cache_blocks(seq, tokens).unwrap();
+        kv.free_sequence(seq).unwrap();
+    }
+    assert_eq!(kv.num_free_blocks(), 2);
+    assert_eq!(kv.num_available_blocks(), 6);
+    // Needing 3 blocks evicts one: the leaf of the least recently used prompt.
+    let seq = kv.create_sequence(None);
+    append(&mut kv, seq, 12);
+    assert_eq!(kv.prefix_cache_stats().evicted_blocks, 1);
+    let probe = kv.create_sequence(None);
+    assert_eq!(kv.match_prefix(probe, &recent).unwrap(), 8, "recent prompt survives");
+    let probe2 = kv.create_sequence(None);
+    assert_eq!(kv.match_prefix(probe2, &old).unwrap(), 4, "old prompt lost its leaf");
+    kv.check_invariants().unwrap();
+}
+
+#[test]
+fn duplicate_block_is_pinned_and_path_continues() {
+    let mut kv = KvCacheManager::new(16, 4, true).unwrap();
+    let tokens: Vec<u32> = (0..12).collect();
+    let a = kv.create_sequence(None);
+    let b = kv.create_sequence(None);
+    append(&mut kv, a, 4);
+    append(&mut kv, b, 4);
+    kv.cache_blocks(a, &tokens[..4]).unwrap();
+    assert_eq!(kv.cache_blocks(b, &tokens[..4]).unwrap(), 0, "b's block duplicates a's");
+    append(&mut kv, b, 8);
+    assert_eq!(kv.cache_blocks(b, &tokens).unwrap(), 2, "b's later blocks extend a's path");
+    kv.free_sequence(a).unwrap();
+    kv.check_invariants().unwrap();
+    let c = kv.create_sequence(None);
+    assert_eq!(kv.match_prefix(c, &tokens).unwrap(), 12);
+    kv.free_sequence(b).unwrap();
+    kv.free_sequence(c).unwrap();
+    kv.check_invariants().unwrap();
+    assert_eq!(kv.num_referenced_blocks(), 0);
+}
+
+#[test]
+fn reset_prefix_cache_frees_unreferenced_and_stops_caching_live() {
+    let mut kv = KvCacheManager::new(8, 4, true).unwrap();
+    let tokens: Vec<u32> = (0..8).collect();
+    let a = kv.create_sequence(None);
+    append(&mut kv, a, 8);
+    kv.cache_blocks(a, &tokens).unwrap();
+    let b = kv.create_sequence(None);
+    append(&mut kv, b, 4);
+    kv.cache_blocks(b, &[9, 9, 9, 9]).unwrap();
+    kv.free_sequence(b).unwrap();
+    kv.reset_prefix_cache().unwrap();
+    assert_eq!(kv.num_cached_blocks(), 0);
+    assert_eq!(kv.num_free_blocks(), 6);
+    kv.check_invariants().unwrap();
+    let c = kv.create_sequence(None);
+    assert_eq!(kv.match_prefix(c, &tokens).unwrap(), 0);
+    kv.free_sequence(a).unwrap();
+    assert_eq!(kv.num_free_blocks(), 8);
+    kv.check_invariants().unwrap();
+}
+
+/// One live sequence of the randomized test: its tokens and what the
+/// simulated device should read back at each position.
+struct SimSeq {
+    id: SeqId,
+    tokens: Vec<u32>,
+}
+
+const GARBAGE: u32 = u32::MAX;
+
+struct Sim {
+    kv: KvCacheManager,
+    device: Vec<u32>,
+    seqs: Vec<SimSeq>,
+    rng: SplitMix64,
+    block_size: usize,
+    copies: usize,
+    failed_allocations: usize,
+}
+
+impl Sim {
+    fn new(seed: u64, num_blocks: usize, block_size: usize) -> Self {
+        Self {
+            kv: KvCacheManager::new(num_blocks, block_size, true).unwrap(),
+            device: vec![GARBAGE; num_blocks * block_size],
+            seqs: Vec::new(),
+            rng: SplitMix64::new(seed),
+            block_size,
+            copies: 0,
+            failed_allocations: 0,
+        }
+    }
+
+    /// Tokens from a tiny alphabet, so prompts often share prefixes.
+    fn random_tokens(&mut self, n: usize) -> Vec<u32> {
+        let base = self.rng.below(3) as u32;
+        (0..n).map(|i| if self.rng.chance(9, 10) { base + (i as u32 % 5) } else { 7 }).collect()
+    }
+
+    /// Grow `seq` by `new` tokens as the runner would: run copies, write K/V.
+    fn grow(&mut self, index: usize, new: &[u32]) -> bool {
+        let id = self.seqs[index].id;
+        let start = self.kv.num_tokens(id).unwrap();
+        let mut copies = Vec::new();
+        if self.kv.allocate_slots(id, new.len(), &mut copies).is_err() {
+            self.failed_allocations += 1;
+            return false;
+        }
+        self.copies += copies.len();
+        let bs = self.block_size;
+        for copy in copies {
+            let (src, dst) = (copy.src as usize * bs, copy.dst as usize * bs);
+            self.device.copy_within(src..src + bs, dst);
+        }
+        for (i, &token) in new.iter().enumerate() {
+            let slot = self.kv.slot(id, start + i).unwrap() as usize;
+            self.device[slot] = token;
+        }
+        self.seqs[index].tokens.extend_from_slice(new);
+        let tokens = self.seqs[index].tokens.clone();
+        self.kv.cache_blocks(id, &tokens).unwrap();
+        true
+    }
+
+    fn step(&mut self) {
+        match self.rng.below(100) {
+            0..=19 => {
+                let salt = [None, Some("a"), Some("b")][self.rng.below(3)];
+                let id = self.kv.create_sequence(salt);
+                let len = 1 + self.rng.below(4 * self.block_size);
+                let prompt = self.random_tokens(len);
+                let matched = self.kv.match_prefix(id, &prompt[..len - 1]).unwrap();
+                assert_eq!(matched % self.block_size, 0);
+                self.seqs.push(SimSeq { id, tokens: prompt[..matched].to_vec() });
+                let last = self.seqs.len() - 1;
+                if !self.grow(last, &prompt[matched..]) {
+                    let seq = self.seqs.pop().unwrap();
+                    self.kv.free_sequence(seq.id).unwrap();
+                }
+            }
+            20..=59 if !self.seqs.is_empty() => {
+                let index = self.rng.below(self.seqs.len());
+                let n = 1 + self.rng.below(self.block_size + 2);
+                let new = self.random_tokens(n);
+                self.grow(index, &new);
+            }
+            60..=69 if !self.seqs.is_empty() => {
+                let index = self.rng.below(self.seqs.len());
+                let child = self.kv.fork(self.seqs[index].id).unwrap();
+                let tokens = self.seqs[index].tokens.clone();
+                self.seqs.push(SimSeq { id: child, tokens });
+            }
+            70..=94 if !self.seqs.is_empty() => {
+                let index = self.rng.below(self.seqs.len());
+                let seq = self.seqs.swap_remove(index);
+                self.kv.free_sequence(seq.id).unwrap();
+            }
+            95..=98 => {
+                let n = self.rng.below(4);
+                self.kv.evict(n).unwrap();
+            }
+            99 if self.rng.chance(1, 10) => self.kv.reset_prefix_cache().unwrap(),
+            _ => {}
+        }
+    }
+
+    fn verify(&self) {
+        self.kv.check_invariants().unwrap();
+        for seq in &self.seqs {
+            assert_eq!(self.kv.num_tokens(seq.id).unwrap(), seq.tokens.len());
+            for (pos, &token) in seq.tokens.iter().enumerate() {
+                let slot = self.kv.slot(seq.id, pos).unwrap() as usize;
+                assert_eq!(self.device[slot], token, "seq {} position {pos} reads wrong KV", seq.id);
+            }
+        }
+    }
+}
+
+#[test]
+fn randomized_operations_keep_every_invariant() {
+    let seed = std::env::var("KVPAGE_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x5eed);
+    for (round, num_blocks) in [(0u64, 24usize), (1, 64)] {
+        let seed = seed + round;
+        let mut sim = Sim::new(seed, num_blocks, 4);
+        for op in 0..60_000 {
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                sim.step();
+                sim.verify();
+            }));
+            if let Err(panic) = result {
+                eprintln!("randomized test failed at op {op}; replay with KVPAGE_SEED={seed}");
+                std::panic::resume_unwind(panic);
+            }
+        }
+        // The run must have exercised sharing, copies, pressure and eviction.
+        let stats = sim.kv.prefix_cache_stats().clone();
+        eprintln!(
+            "round {round}: hits {} blocks, evictions {}, copies {}, failed allocations {}",
+            stats.hit_blocks, stats.evicted_blocks, sim.copies, sim.failed_allocations
+        );
+        assert!(stats.hit_blocks > 1000 && stats.evicted_blocks > 1000);
+        assert!(sim.copies > 1000 && sim.failed_allocations > 100);
+        for seq in std::mem::take(&mut sim.seqs) {
+            sim.kv.free_sequence(seq.id).unwrap();
+        }
+        sim.kv.check_invariants().unwrap();
+        assert_eq!(sim.kv.num_referenced_blocks(), 0, "every block comes back");
+    }
+}

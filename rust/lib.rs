@@ -1,0 +1,27 @@
+//! kvpage core: the memory and scheduling half of the kvpage inference engine.
+//!
+//! - [`block_pool`]: fixed pool of physical KV blocks, free list, refcounts.
+//! - [`prefix_cache`]: radix tree over token blocks, LRU eviction, salts.
+//! - [`kv_cache`]: per-sequence page tables with copy-on-write over both.
+//!
+//! Everything here is plain Rust: `cargo test` and `cargo bench` need no
+//! Python. The PyO3 bindings (`kvpage._core`) live in [`python`] behind the
+//! `python` feature and stay a thin layer.
+
+pub mod block_pool;
+pub mod error;
+pub mod kv_cache;
+pub mod prefix_cache;
+
+#[cfg(feature = "python")]
+mod python;
+
+pub use block_pool::{BlockId, BlockPool};
+pub use error::{KvError, KvResult};
+pub use kv_cache::{BlockCopy, KvCacheManager, SeqId};
+pub use prefix_cache::{PrefixCache, PrefixCacheStats};
+
+#[cfg(test)]
+mod kv_cache_tests;
+#[cfg(any(test, feature = "bench-support"))]
+pub mod test_rng;

@@ -1,0 +1,496 @@
+//! Radix prefix cache: a tree over token ids at block granularity that maps
+//! prompt prefixes to the physical blocks holding their KV.
+//!
+//! ```text
+//!   root(salt=None) ── [t0..t15]=b7 ── [t16..t31]=b2 ── [t32..t47]=b9
+//!                                   └─ [u16..u31]=b4
+//!   root(salt="A")  ── [t0..t15]=b5            (another tenant: never shared)
+//! ```
+//!
+//! Every node but a root is one cached, *full* block, so nodes are addressed
+//! by their block id and all per-node state lives in arrays indexed by it (an
+//! arena with no pointers). Roots, one per `cache_salt`, get ids past
+//! `num_blocks`. Edges live in one hash map keyed by (parent, hash of the
+//! child's tokens); the child's tokens are stored and compared on every hit,
+//! so a hash collision can only cost a cache miss, never a wrong match.
+//!
+//! This module does not own refcounts (the `BlockPool` does). It keeps the
+//! eviction order: an intrusive doubly linked LRU list of the cached blocks
+//! whose refcount is 0. Holders release a sequence's blocks deepest first,
+//! and every holder of a node also holds all its ancestors, so a node always
+//! enters the list after its unreferenced descendants: the list's front is
+//! always the least recently used unreferenced *leaf*. Eviction pops it in
+//! O(1).
+//!
+//! Invariants (see `check_invariants`):
+//! - a node's parent is a root or a cached node; `num_children` counts the
+//!   edges out of each node; the edge map holds exactly the cached nodes;
+//! - the LRU list holds exactly the cached nodes with refcount 0, and every
+//!   node in it comes after all its children (so the front is a leaf);
+//! - a root is kept while it has children or live sequences using it.
+
+use rustc_hash::FxHashMap;
+
+use crate::block_pool::BlockId;
+use crate::error::{KvError, KvResult};
+
+/// A tree node: a cached block id (< num_blocks) or a root id (>= num_blocks).
+pub type NodeId = u32;
+
+const NIL: u32 = u32::MAX;
+
+/// What inserting a full block found at its place in the tree.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InsertOutcome {
+    /// The block is now a node under the given parent.
+    Inserted,
+    /// Equal tokens are already cached under this parent as another block.
+    AlreadyCached(BlockId),
+    /// Different tokens with the same hash are cached there: not cacheable.
+    HashCollision,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PrefixCacheStats {
+    pub queries: u64,
+    pub query_tokens: u64,
+    pub hit_tokens: u64,
+    pub hit_blocks: u64,
+    pub inserted_blocks: u64,
+    pub evicted_blocks: u64,
+}
+
+#[derive(Debug, Clone)]
+pub struct PrefixCache {
+    block_size: usize,
+    num_blocks: usize,
+    cached: Vec<bool>,
+    parent: Vec<NodeId>,
+    key_hash: Vec<u64>,
+    tokens: Vec<u32>,
+    /// Indexed by node id; roots are appended past `num_blocks`.
+    num_children: Vec<u32>,
+    edges: FxHashMap<(NodeId, u64), BlockId>,
+    lru_prev: Vec<u32>,
+    lru_next: Vec<u32>,
+    in_lru: Vec<bool>,
+    lru_head: u32,
+    lru_tail: u32,
+    lru_len: usize,
+    num_cached: usize,
+    /// Salt -> root id. The unsalted root is `num_blocks` and always exists.
+    salted_roots: FxHashMap<String, NodeId>,
+    root_users: Vec<u32>,
+    free_root_ids: Vec<NodeId>,
+    pub stats: PrefixCacheStats,
+}
+
+/// Hash of one block's tokens (multiply-xorshift mixing; collisions are checked).
+#[inline]
+pub fn hash_block_tokens(tokens: &[u32]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &t in tokens {
+        h = (h ^ t as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        h ^= h >> 32;
+    }
+    h
+}
+
+impl PrefixCache {
+    pub fn new(num_blocks: usize, block_size: usize) -> Self {
+        Self {
+            block_size,
+            num_blocks,
+            cached: vec![false; num_blocks],
+            parent: vec![NIL; num_blocks],
+            key_hash: vec![0; num_blocks],
+            tokens: vec![0; num_blocks * block_size],
+            num_children: vec![0; num_blocks + 1],
+            edges: FxHashMap::with_capacity_and_hasher(num_blocks, Default::default()),
+            lru_prev: vec![NIL; num_blocks],
+            lru_next: vec![NIL; num_blocks],
+            in_lru: vec![false; num_blocks],
+            lru_head: NIL,
+            lru_tail: NIL,
+            lru_len: 0,
+            num_cached: 0,
+            salted_roots: FxHashMap::default(),
+            root_users: vec![0],
+            free_root_ids: Vec::new(),
+            stats: PrefixCacheStats::default(),
+        }
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Number of cached blocks (referenced or not).
+    pub fn num_cached(&self) -> usize {
+        self.num_cached
+    }
+
+    /// Number of cached blocks with refcount 0, i.e. evictable right now.
+    pub fn num_evictable(&self) -> usize {
+        self.lru_len
+    }
+
+    #[inline]
+    pub fn is_cached(&self, block: BlockId) -> bool {
+        self.cached.get(block as usize).copied().unwrap_or(false)
+    }
+
+    pub fn is_root(&self, node: NodeId) -> bool {
+        node as usize >= self.num_blocks
+    }
+
+    pub fn unsalted_root(&self) -> NodeId {
+        self.num_blocks as NodeId
+    }
+
+    /// The root for a salt, created on first use; the caller becomes one of
+    /// its users and must `release_root` it.
+    pub fn acquire_root(&mut self, salt: Option<&str>) -> NodeId {
+        let root = match salt {
+            None => self.unsalted_root(),
+            Some(salt) => match self.salted_roots.get(salt) {
+                Some(&root) => root,
+                None => {
+                    let root = match self.free_root_ids.pop() {
+                        Some(id) => id,
+                        None => {
+                            self.num_children.push(0);
+                            self.root_users.push(0);
+                            (self.num_children.len() - 1) as NodeId
+                        }
+                    };
+                    self.salted_roots.insert(salt.to_owned(), root);
+                    root
+                }
+            },
+        };
+        self.root_users[root as usize - self.num_blocks] += 1;
+        root
+    }
+
+    pub fn retain_root(&mut self, root: NodeId) {
+        self.root_users[root as usize - self.num_blocks] += 1;
+    }
+
+    pub fn release_root(&mut self, root: NodeId) {
+        let users = &mut self.root_users[root as usize - self.num_blocks];
+        debug_assert!(*users > 0, "root {root} released more often than acquired");
+        *users -= 1;
+        self.maybe_drop_root(root);
+    }
+
+    fn maybe_drop_root(&mut self, root: NodeId) {
+        let idx = root as usize - self.num_blocks;
+        if root == self.unsalted_root() || self.root_users[idx] > 0 || self.num_children[root as usize] > 0 {
+            return;
+        }
+        self.salted_roots.retain(|_, r| *r != root);
+        self.free_root_ids.push(root);
+    }
+
+    /// The cached child of `parent` holding exactly `chunk`, if any.
+    #[inline]
+    fn child(&self, parent: NodeId, chunk: &[u32]) -> Option<BlockId> {
+        let child = *self.edges.get(&(parent, hash_block_tokens(chunk)))?;
+        (self.block_tokens(child) == chunk).then_some(child)
+    }
+
+    #[inline]
+    fn block_tokens(&self, block: BlockId) -> &[u32] {
+        let start = block as usize * self.block_size;
+        &self.tokens[start..start + self.block_size]
+    }
+
+    /// Longest cached prefix of `tokens` (whole blocks only) under `root`:
+    /// pushes the blocks to `out`, returns how many. Never changes the tree;
+    /// the caller pins the blocks (see `KvCacheManager::match_prefix`).
+    pub fn longest_prefix(&mut self, root: NodeId, tokens: &[u32], out: &mut Vec<BlockId>) -> usize {
+        let mut parent = root;
+        let mut found = 0;
+        for chunk in tokens.chunks_exact(self.block_size) {
+            match self.child(parent, chunk) {
+                Some(block) => {
+                    out.push(block);
+                    parent = block;
+                    found += 1;
+                }
+                None => break,
+            }
+        }
+        self.stats.queries += 1;
+        self.stats.query_tokens += tokens.len() as u64;
+        self.stats.hit_blocks += found as u64;
+        self.stats.hit_tokens += (found * self.block_size) as u64;
+        found
+    }
+
+    /// Cache a full, held block (refcount > 0) as the child of `parent`.
+    pub fn insert(&mut self, parent: NodeId, chunk: &[u32], block: BlockId) -> InsertOutcome {
+        debug_assert_eq!(chunk.len(), self.block_size);
+        debug_assert!(!self.cached[block as usize], "block {block} inserted twice");
+        let hash = hash_block_tokens(chunk);
+        if let Some(&existing) = self.edges.get(&(parent, hash)) {
+            return if self.block_tokens(existing) == chunk {
+                InsertOutcome::AlreadyCached(existing)
+            } else {
+                InsertOutcome::HashCollision
+            };
+        }
+        let b = block as usize;
+        self.edges.insert((parent, hash), block);
+        self.cached[b] = true;
+        self.parent[b] = parent;
+        self.key_hash[b] = hash;
+        self.tokens[b * self.block_size..(b + 1) * self.block_size].copy_from_slice(chunk);
+        self.num_children[parent as usize] += 1;
+        self.num_cached += 1;
+        self.stats.inserted_blocks += 1;
+        InsertOutcome::Inserted
+    }
+
+    /// A cached block's refcount just reached 0: it becomes evictable, as the
+    /// most recently used.
+    pub fn mark_evictable(&mut self, block: BlockId) {
+        let b = block as usize;
+        debug_assert!(self.cached[b] && !self.in_lru[b]);
+        self.in_lru[b] = true;
+        self.lru_prev[b] = self.lru_tail;
+        self.lru_next[b] = NIL;
+        if self.lru_tail != NIL {
+            self.lru_next[self.lru_tail as usize] = block;
+        } else {
+            self.lru_head = block;
+        }
+        self.lru_tail = block;
+        self.lru_len += 1;
+    }
+
+    /// A cached block with refcount 0 is referenced again: not evictable.
+    pub fn unmark_evictable(&mut self, block: BlockId) {
+        let b = block as usize;
+        if !self.in_lru[b] {
+            return;
+        }
+        let (prev, next) = (self.lru_prev[b], self.lru_next[b]);
+        if prev != NIL {
+            self.lru_next[prev as usize] = next;
+        } else {
+            self.lru_head = next;
+        }
+        if next != NIL {
+            self.lru_prev[next as usize] = prev;
+        } else {
+            self.lru_tail = prev;
+        }
+        self.in_lru[b] = false;
+        self.lru_prev[b] = NIL;
+        self.lru_next[b] = NIL;
+        self.lru_len -= 1;
+    }
+
+    /// Remove the least recently used unreferenced leaf from the tree and
+    /// return its block (now refcount 0 and uncached: the caller frees it).
+    pub fn evict_one(&mut self) -> Option<BlockId> {
+        let block = self.lru_head;
+        if block == NIL {
+            return None;
+        }
+        debug_assert_eq!(self.num_children[block as usize], 0, "LRU front {block} is not a leaf");
+        self.unmark_evictable(block);
+        self.remove_node(block);
+        self.stats.evicted_blocks += 1;
+        Some(block)
+    }
+
+    fn remove_node(&mut self, block: BlockId) {
+        let b = block as usize;
+        let parent = self.parent[b];
+        self.edges.remove(&(parent, self.key_hash[b]));
+        self.num_children[parent as usize] -= 1;
+        self.cached[b] = false;
+        self.parent[b] = NIL;
+        self.num_cached -= 1;
+        if self.is_root(parent) {
+            self.maybe_drop_root(parent);
+        }
+    }
+
+    /// Forget every cached block. Evictable ones are pushed to `freed` (the
+    /// caller returns them to the pool); referenced ones stay with their
+    /// holders as plain, uncached blocks.
+    pub fn clear(&mut self, freed: &mut Vec<BlockId>) {
+        while let Some(block) = self.lru_head_block() {
+            self.unmark_evictable(block);
+            freed.push(block);
+        }
+        for b in 0..self.num_blocks {
+            if self.cached[b] {
+                self.cached[b] = false;
+                self.parent[b] = NIL;
+            }
+        }
+        self.edges.clear();
+        self.num_children.iter_mut().for_each(|c| *c = 0);
+        self.num_cached = 0;
+        let roots: Vec<NodeId> = self.salted_roots.values().copied().collect();
+        for root in roots {
+            self.maybe_drop_root(root);
+        }
+    }
+
+    fn lru_head_block(&self) -> Option<BlockId> {
+        (self.lru_head != NIL).then_some(self.lru_head)
+    }
+
+    /// Blocks in LRU order, front (next to evict) first. For tests and checks.
+    pub fn lru_order(&self) -> Vec<BlockId> {
+        let mut order = Vec::with_capacity(self.lru_len);
+        let mut cur = self.lru_head;
+        while cur != NIL {
+            order.push(cur);
+            cur = self.lru_next[cur as usize];
+        }
+        order
+    }
+
+    /// Check the tree and LRU invariants against the pool's refcounts.
+    pub fn check_invariants(&self, refcount: impl Fn(BlockId) -> u32) -> KvResult<()> {
+        let fail = |msg: String| Err(KvError::InvariantViolated(msg));
+        let mut children = vec![0u32; self.num_children.len()];
+        let mut cached = 0;
+        for b in 0..self.num_blocks {
+            if !self.cached[b] {
+                if self.in_lru[b] {
+                    return fail(format!("uncached block {b} is on the LRU list"));
+                }
+                continue;
+            }
+            cached += 1;
+            let parent = self.parent[b];
+            if !(self.is_root(parent) || self.cached[parent as usize]) {
+                return fail(format!("cached block {b} has uncached parent {parent}"));
+            }
+            children[parent as usize] += 1;
+            if self.edges.get(&(parent, self.key_hash[b])) != Some(&(b as BlockId)) {
+                return fail(format!("cached block {b} is missing from the edge map"));
+            }
+            let unreferenced = refcount(b as BlockId) == 0;
+            if unreferenced != self.in_lru[b] {
+                return fail(format!(
+                    "cached block {b}: refcount {} but on LRU list: {}",
+                    refcount(b as BlockId),
+                    self.in_lru[b]
+                ));
+            }
+        }
+        if cached != self.num_cached || self.edges.len() != cached {
+            return fail(format!(
+                "cached count {} / edges {} disagree with {cached} cached blocks",
+                self.num_cached,
+                self.edges.len()
+            ));
+        }
+        if children != self.num_children {
+            return fail("child counts disagree with the tree".to_owned());
+        }
+        let order = self.lru_order();
+        if order.len() != self.lru_len {
+            return fail(format!("LRU length {} but {} linked", self.lru_len, order.len()));
+        }
+        let mut position = vec![usize::MAX; self.num_blocks];
+        for (i, &block) in order.iter().enumerate() {
+            position[block as usize] = i;
+        }
+        for b in (0..self.num_blocks).filter(|&b| self.cached[b]) {
+            let parent = self.parent[b];
+            if self.is_root(parent) || !self.in_lru[parent as usize] {
+                continue;
+            }
+            if !self.in_lru[b] {
+                return fail(format!("block {b} is referenced but its parent {parent} is not"));
+            }
+            if position[parent as usize] < position[b] {
+                return fail(format!("LRU lists parent {parent} before its child {b}"));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunk(start: u32, bs: usize) -> Vec<u32> {
+        (start..start + bs as u32).collect()
+    }
+
+    #[test]
+    fn longest_prefix_stops_at_first_mismatch() {
+        let mut cache = PrefixCache::new(8, 4);
+        let root = cache.acquire_root(None);
+        assert_eq!(cache.insert(root, &chunk(0, 4), 3), InsertOutcome::Inserted);
+        assert_eq!(cache.insert(3, &chunk(4, 4), 5), InsertOutcome::Inserted);
+        let mut out = Vec::new();
+        let tokens: Vec<u32> = (0..8).chain([99, 98, 97, 96]).collect();
+        assert_eq!(cache.longest_prefix(root, &tokens, &mut out), 2);
+        assert_eq!(out, vec![3, 5]);
+        out.clear();
+        assert_eq!(cache.longest_prefix(root, &[0, 1, 2], &mut out), 0, "partial blocks never match");
+    }
+
+    #[test]
+    fn salts_do_not_share() {
+        let mut cache = PrefixCache::new(8, 4);
+        let a = cache.acquire_root(Some("tenant-a"));
+        let b = cache.acquire_root(Some("tenant-b"));
+        assert_ne!(a, b);
+        cache.insert(a, &chunk(0, 4), 1);
+        let mut out = Vec::new();
+        assert_eq!(cache.longest_prefix(b, &chunk(0, 4), &mut out), 0);
+        assert_eq!(cache.longest_prefix(a, &chunk(0, 4), &mut out), 1);
+        assert_eq!(cache.acquire_root(Some("tenant-a")), a, "equal salts share a root");
+    }
+
+    #[test]
+    fn duplicate_insert_reports_the_cached_block() {
+        let mut cache = PrefixCache::new(8, 4);
+        let root = cache.acquire_root(None);
+        cache.insert(root, &chunk(0, 4), 1);
+        assert_eq!(cache.insert(root, &chunk(0, 4), 2), InsertOutcome::AlreadyCached(1));
+    }
+
+    #[test]
+    fn eviction_takes_lru_leaf_and_then_its_parent() {
+        let mut cache = PrefixCache::new(8, 4);
+        let root = cache.acquire_root(None);
+        cache.insert(root, &chunk(0, 4), 1);
+        cache.insert(1, &chunk(4, 4), 2);
+        cache.insert(root, &chunk(100, 4), 3);
+        // Released deepest first: 2, 1, then an unrelated 3.
+        cache.mark_evictable(2);
+        cache.mark_evictable(1);
+        cache.mark_evictable(3);
+        cache.check_invariants(|_| 0).unwrap();
+        assert_eq!(cache.evict_one(), Some(2));
+        assert_eq!(cache.evict_one(), Some(1));
+        assert_eq!(cache.evict_one(), Some(3));
+        assert_eq!(cache.evict_one(), None);
+        assert_eq!(cache.num_cached(), 0);
+    }
+
+    #[test]
+    fn unused_salted_root_is_recycled() {
+        let mut cache = PrefixCache::new(4, 2);
+        let a = cache.acquire_root(Some("a"));
+        cache.release_root(a);
+        let b = cache.acquire_root(Some("b"));
+        assert_eq!(a, b, "root id of an unused salt is reused");
+        assert_ne!(cache.acquire_root(Some("a")), b, "but never shared by two live salts");
+    }
+}
