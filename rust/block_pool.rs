@@ -84,11 +84,16 @@ impl BlockPool {
     /// leave the pool and `out` untouched and report how many were available.
     pub fn allocate(&mut self, count: usize, out: &mut Vec<BlockId>) -> KvResult<()> {
         if count > self.free.len() {
-            return Err(KvError::OutOfBlocks { requested: count, available: self.free.len() });
+            return Err(KvError::OutOfBlocks {
+                requested: count,
+                available: self.free.len(),
+            });
         }
         out.reserve(count);
         for _ in 0..count {
-            let block = self.allocate_one().expect("count checked against the free list");
+            let block = self
+                .allocate_one()
+                .expect("count checked against the free list");
             out.push(block);
         }
         Ok(())
@@ -143,7 +148,10 @@ impl BlockPool {
         if (block as usize) < self.refcount.len() {
             Ok(())
         } else {
-            Err(KvError::BlockOutOfRange { block, num_blocks: self.refcount.len() as u32 })
+            Err(KvError::BlockOutOfRange {
+                block,
+                num_blocks: self.refcount.len() as u32,
+            })
         }
     }
 
@@ -153,10 +161,14 @@ impl BlockPool {
         for &block in &self.free {
             let b = block as usize;
             if b >= seen.len() {
-                return Err(KvError::InvariantViolated(format!("free list holds out-of-range block {block}")));
+                return Err(KvError::InvariantViolated(format!(
+                    "free list holds out-of-range block {block}"
+                )));
             }
             if seen[b] {
-                return Err(KvError::InvariantViolated(format!("block {block} is twice on the free list")));
+                return Err(KvError::InvariantViolated(format!(
+                    "block {block} is twice on the free list"
+                )));
             }
             seen[b] = true;
             if self.refcount[b] != 0 {
@@ -188,8 +200,18 @@ mod tests {
         pool.allocate(3, &mut out).unwrap();
         assert_eq!(out.len(), 3);
         let err = pool.allocate(2, &mut out).unwrap_err();
-        assert_eq!(err, KvError::OutOfBlocks { requested: 2, available: 1 });
-        assert_eq!(out.len(), 3, "a failed allocation must not touch the output");
+        assert_eq!(
+            err,
+            KvError::OutOfBlocks {
+                requested: 2,
+                available: 1
+            }
+        );
+        assert_eq!(
+            out.len(),
+            3,
+            "a failed allocation must not touch the output"
+        );
         assert_eq!(pool.num_free(), 1);
         pool.check_invariants().unwrap();
     }
@@ -212,7 +234,13 @@ mod tests {
         let b = pool.allocate_one().unwrap();
         pool.free(b).unwrap();
         assert_eq!(pool.free(b), Err(KvError::DoubleFree { block: b }));
-        assert_eq!(pool.free(7), Err(KvError::BlockOutOfRange { block: 7, num_blocks: 2 }));
+        assert_eq!(
+            pool.free(7),
+            Err(KvError::BlockOutOfRange {
+                block: 7,
+                num_blocks: 2
+            })
+        );
         assert_eq!(pool.retain(b), Err(KvError::IncrefFreeBlock { block: b }));
         pool.check_invariants().unwrap();
     }

@@ -17,8 +17,14 @@ pub enum KvError {
     UnknownSequence { seq: u64 },
     #[error("sequence {seq} must be empty for this operation (it holds {num_tokens} tokens)")]
     SequenceNotEmpty { seq: u64, num_tokens: usize },
-    #[error("sequence {seq} has {num_tokens} tokens with KV slots, but {given} token ids were given")]
-    TokenCountMismatch { seq: u64, num_tokens: usize, given: usize },
+    #[error(
+        "sequence {seq} has {num_tokens} tokens with KV slots, but {given} token ids were given"
+    )]
+    TokenCountMismatch {
+        seq: u64,
+        num_tokens: usize,
+        given: usize,
+    },
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
     #[error("invariant violated: {0}")]

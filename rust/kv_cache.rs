@@ -86,7 +86,11 @@ pub struct KvCacheManager {
 }
 
 impl KvCacheManager {
-    pub fn new(num_blocks: usize, block_size: usize, enable_prefix_caching: bool) -> KvResult<Self> {
+    pub fn new(
+        num_blocks: usize,
+        block_size: usize,
+        enable_prefix_caching: bool,
+    ) -> KvResult<Self> {
         let pool = BlockPool::new(num_blocks, block_size)?;
         Ok(Self {
             cache: PrefixCache::new(num_blocks, block_size),
@@ -209,7 +213,10 @@ impl KvCacheManager {
     pub fn match_prefix(&mut self, seq: SeqId, tokens: &[u32]) -> KvResult<usize> {
         let table = self.table(seq)?;
         if table.num_tokens != 0 {
-            return Err(KvError::SequenceNotEmpty { seq, num_tokens: table.num_tokens });
+            return Err(KvError::SequenceNotEmpty {
+                seq,
+                num_tokens: table.num_tokens,
+            });
         }
         if !table.caching || table.cache_epoch != self.cache_epoch {
             return Ok(0);
@@ -295,7 +302,10 @@ impl KvCacheManager {
     fn ensure_free(&mut self, count: usize) -> KvResult<()> {
         let available = self.num_available_blocks();
         if count > available {
-            return Err(KvError::OutOfBlocks { requested: count, available });
+            return Err(KvError::OutOfBlocks {
+                requested: count,
+                available,
+            });
         }
         while self.pool.num_free() < count {
             let block = self.cache.evict_one().expect("counted as evictable");
@@ -306,7 +316,10 @@ impl KvCacheManager {
 
     fn take_table(&mut self, seq: SeqId) -> KvResult<PageTable> {
         self.table(seq)?;
-        Ok(self.slots[(seq & 0xffff_ffff) as usize].table.take().expect("checked"))
+        Ok(self.slots[(seq & 0xffff_ffff) as usize]
+            .table
+            .take()
+            .expect("checked"))
     }
 
     fn put_table(&mut self, seq: SeqId, table: PageTable) {
@@ -339,7 +352,8 @@ impl KvCacheManager {
         let block_size = self.block_size();
         for (i, slot) in out.iter_mut().enumerate() {
             let pos = start + i;
-            *slot = (table.blocks[pos / block_size] as usize * block_size + pos % block_size) as i32;
+            *slot =
+                (table.blocks[pos / block_size] as usize * block_size + pos % block_size) as i32;
         }
         Ok(())
     }
@@ -449,7 +463,9 @@ impl KvCacheManager {
     pub fn evict(&mut self, count: usize) -> KvResult<usize> {
         let mut evicted = 0;
         while evicted < count {
-            let Some(block) = self.cache.evict_one() else { break };
+            let Some(block) = self.cache.evict_one() else {
+                break;
+            };
             self.pool.push_free(block)?;
             evicted += 1;
         }
@@ -461,7 +477,8 @@ impl KvCacheManager {
         let fail = |msg: String| Err(KvError::InvariantViolated(msg));
         self.pool.check_invariants()?;
         let pool = &self.pool;
-        self.cache.check_invariants(|b| pool.refcount(b).unwrap_or(0))?;
+        self.cache
+            .check_invariants(|b| pool.refcount(b).unwrap_or(0))?;
         let block_size = self.block_size();
         let mut holders = vec![0u32; self.num_blocks()];
         let mut live = 0;
@@ -492,7 +509,9 @@ impl KvCacheManager {
         for (b, &count) in holders.iter().enumerate() {
             let refcount = pool.refcount(b as BlockId)?;
             if refcount != count {
-                return fail(format!("block {b} has refcount {refcount} but {count} holders"));
+                return fail(format!(
+                    "block {b} has refcount {refcount} but {count} holders"
+                ));
             }
             if refcount > 0 {
                 referenced += 1;

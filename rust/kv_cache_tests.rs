@@ -23,7 +23,10 @@ fn position_maps_to_block_and_offset() {
     let mut slots = vec![0; 40];
     kv.write_slots(seq, 0, &mut slots).unwrap();
     assert_eq!(slots[37], (table[2] * 16 + 5) as i32);
-    assert!(kv.slot(seq, 40).is_err(), "positions past the table have no slot");
+    assert!(
+        kv.slot(seq, 40).is_err(),
+        "positions past the table have no slot"
+    );
 }
 
 #[test]
@@ -46,7 +49,13 @@ fn failed_allocation_changes_nothing() {
     append(&mut kv, seq, 6);
     let mut copies = Vec::new();
     let err = kv.allocate_slots(seq, 100, &mut copies).unwrap_err();
-    assert!(matches!(err, KvError::OutOfBlocks { requested: 25, available: 2 }));
+    assert!(matches!(
+        err,
+        KvError::OutOfBlocks {
+            requested: 25,
+            available: 2
+        }
+    ));
     assert_eq!(kv.num_tokens(seq).unwrap(), 6);
     assert_eq!(kv.num_free_blocks(), 2);
     kv.check_invariants().unwrap();
@@ -66,8 +75,18 @@ fn fork_shares_blocks_and_copies_partial_block_on_first_write() {
 
     let copies = append(&mut kv, child, 1);
     let new_last = kv.block_table(child).unwrap()[1];
-    assert_eq!(copies, vec![BlockCopy { src: shared[1], dst: new_last }]);
-    assert_eq!(kv.block_table(child).unwrap()[0], shared[0], "full blocks are never copied");
+    assert_eq!(
+        copies,
+        vec![BlockCopy {
+            src: shared[1],
+            dst: new_last
+        }]
+    );
+    assert_eq!(
+        kv.block_table(child).unwrap()[0],
+        shared[0],
+        "full blocks are never copied"
+    );
     // The parent now owns its partial block alone: no copy on its write.
     assert!(append(&mut kv, parent, 1).is_empty());
     kv.check_invariants().unwrap();
@@ -83,7 +102,10 @@ fn blocks_return_to_pool_only_when_last_holder_frees() {
     assert_eq!(kv.num_free_blocks(), 6);
     kv.free_sequence(child).unwrap();
     assert_eq!(kv.num_free_blocks(), 8);
-    assert!(matches!(kv.free_sequence(child), Err(KvError::UnknownSequence { .. })));
+    assert!(matches!(
+        kv.free_sequence(child),
+        Err(KvError::UnknownSequence { .. })
+    ));
     kv.check_invariants().unwrap();
 }
 
@@ -106,7 +128,11 @@ fn prefix_cache_shares_full_blocks_between_requests() {
     let system: Vec<u32> = (0..200).collect();
     let first = kv.create_sequence(None);
     append(&mut kv, first, 200);
-    assert_eq!(kv.cache_blocks(first, &system).unwrap(), 12, "only full blocks are cached");
+    assert_eq!(
+        kv.cache_blocks(first, &system).unwrap(),
+        12,
+        "only full blocks are cached"
+    );
     for _ in 0..15 {
         let seq = kv.create_sequence(None);
         assert_eq!(kv.match_prefix(seq, &system[..199]).unwrap(), 192);
@@ -149,9 +175,17 @@ fn unreferenced_cached_blocks_are_reused_then_evicted_lru_first() {
     append(&mut kv, seq, 12);
     assert_eq!(kv.prefix_cache_stats().evicted_blocks, 1);
     let probe = kv.create_sequence(None);
-    assert_eq!(kv.match_prefix(probe, &recent).unwrap(), 8, "recent prompt survives");
+    assert_eq!(
+        kv.match_prefix(probe, &recent).unwrap(),
+        8,
+        "recent prompt survives"
+    );
     let probe2 = kv.create_sequence(None);
-    assert_eq!(kv.match_prefix(probe2, &old).unwrap(), 4, "old prompt lost its leaf");
+    assert_eq!(
+        kv.match_prefix(probe2, &old).unwrap(),
+        4,
+        "old prompt lost its leaf"
+    );
     kv.check_invariants().unwrap();
 }
 
@@ -164,9 +198,17 @@ fn duplicate_block_is_pinned_and_path_continues() {
     append(&mut kv, a, 4);
     append(&mut kv, b, 4);
     kv.cache_blocks(a, &tokens[..4]).unwrap();
-    assert_eq!(kv.cache_blocks(b, &tokens[..4]).unwrap(), 0, "b's block duplicates a's");
+    assert_eq!(
+        kv.cache_blocks(b, &tokens[..4]).unwrap(),
+        0,
+        "b's block duplicates a's"
+    );
     append(&mut kv, b, 8);
-    assert_eq!(kv.cache_blocks(b, &tokens).unwrap(), 2, "b's later blocks extend a's path");
+    assert_eq!(
+        kv.cache_blocks(b, &tokens).unwrap(),
+        2,
+        "b's later blocks extend a's path"
+    );
     kv.free_sequence(a).unwrap();
     kv.check_invariants().unwrap();
     let c = kv.create_sequence(None);
@@ -234,7 +276,15 @@ impl Sim {
     /// Tokens from a tiny alphabet, so prompts often share prefixes.
     fn random_tokens(&mut self, n: usize) -> Vec<u32> {
         let base = self.rng.below(3) as u32;
-        (0..n).map(|i| if self.rng.chance(9, 10) { base + (i as u32 % 5) } else { 7 }).collect()
+        (0..n)
+            .map(|i| {
+                if self.rng.chance(9, 10) {
+                    base + (i as u32 % 5)
+                } else {
+                    7
+                }
+            })
+            .collect()
     }
 
     /// Grow `seq` by `new` tokens as the runner would: run copies, write K/V.
@@ -271,7 +321,10 @@ impl Sim {
                 let prompt = self.random_tokens(len);
                 let matched = self.kv.match_prefix(id, &prompt[..len - 1]).unwrap();
                 assert_eq!(matched % self.block_size, 0);
-                self.seqs.push(SimSeq { id, tokens: prompt[..matched].to_vec() });
+                self.seqs.push(SimSeq {
+                    id,
+                    tokens: prompt[..matched].to_vec(),
+                });
                 let last = self.seqs.len() - 1;
                 if !self.grow(last, &prompt[matched..]) {
                     let seq = self.seqs.pop().unwrap();
@@ -310,7 +363,11 @@ impl Sim {
             assert_eq!(self.kv.num_tokens(seq.id).unwrap(), seq.tokens.len());
             for (pos, &token) in seq.tokens.iter().enumerate() {
                 let slot = self.kv.slot(seq.id, pos).unwrap() as usize;
-                assert_eq!(self.device[slot], token, "seq {} position {pos} reads wrong KV", seq.id);
+                assert_eq!(
+                    self.device[slot], token,
+                    "seq {} position {pos} reads wrong KV",
+                    seq.id
+                );
             }
         }
     }
@@ -318,7 +375,10 @@ impl Sim {
 
 #[test]
 fn randomized_operations_keep_every_invariant() {
-    let seed = std::env::var("KVPAGE_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x5eed);
+    let seed = std::env::var("KVPAGE_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0x5eed);
     for (round, num_blocks) in [(0u64, 24usize), (1, 64)] {
         let seed = seed + round;
         let mut sim = Sim::new(seed, num_blocks, 4);

@@ -23,5 +23,10 @@ pub use prefix_cache::{PrefixCache, PrefixCacheStats};
 
 #[cfg(test)]
 mod kv_cache_tests;
+pub mod request;
+pub mod scheduler;
+#[cfg(test)]
+mod scheduler_tests;
+pub mod step_plan;
 #[cfg(any(test, feature = "bench-support"))]
 pub mod test_rng;

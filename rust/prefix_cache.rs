@@ -186,7 +186,10 @@ impl PrefixCache {
 
     fn maybe_drop_root(&mut self, root: NodeId) {
         let idx = root as usize - self.num_blocks;
-        if root == self.unsalted_root() || self.root_users[idx] > 0 || self.num_children[root as usize] > 0 {
+        if root == self.unsalted_root()
+            || self.root_users[idx] > 0
+            || self.num_children[root as usize] > 0
+        {
             return;
         }
         self.salted_roots.retain(|_, r| *r != root);
@@ -209,7 +212,12 @@ impl PrefixCache {
     /// Longest cached prefix of `tokens` (whole blocks only) under `root`:
     /// pushes the blocks to `out`, returns how many. Never changes the tree;
     /// the caller pins the blocks (see `KvCacheManager::match_prefix`).
-    pub fn longest_prefix(&mut self, root: NodeId, tokens: &[u32], out: &mut Vec<BlockId>) -> usize {
+    pub fn longest_prefix(
+        &mut self,
+        root: NodeId,
+        tokens: &[u32],
+        out: &mut Vec<BlockId>,
+    ) -> usize {
         let mut parent = root;
         let mut found = 0;
         for chunk in tokens.chunks_exact(self.block_size) {
@@ -300,7 +308,10 @@ impl PrefixCache {
         if block == NIL {
             return None;
         }
-        debug_assert_eq!(self.num_children[block as usize], 0, "LRU front {block} is not a leaf");
+        debug_assert_eq!(
+            self.num_children[block as usize], 0,
+            "LRU front {block} is not a leaf"
+        );
         self.unmark_evictable(block);
         self.remove_node(block);
         self.stats.evicted_blocks += 1;
@@ -400,7 +411,11 @@ impl PrefixCache {
         }
         let order = self.lru_order();
         if order.len() != self.lru_len {
-            return fail(format!("LRU length {} but {} linked", self.lru_len, order.len()));
+            return fail(format!(
+                "LRU length {} but {} linked",
+                self.lru_len,
+                order.len()
+            ));
         }
         let mut position = vec![usize::MAX; self.num_blocks];
         for (i, &block) in order.iter().enumerate() {
@@ -412,7 +427,9 @@ impl PrefixCache {
                 continue;
             }
             if !self.in_lru[b] {
-                return fail(format!("block {b} is referenced but its parent {parent} is not"));
+                return fail(format!(
+                    "block {b} is referenced but its parent {parent} is not"
+                ));
             }
             if position[parent as usize] < position[b] {
                 return fail(format!("LRU lists parent {parent} before its child {b}"));
@@ -441,7 +458,11 @@ mod tests {
         assert_eq!(cache.longest_prefix(root, &tokens, &mut out), 2);
         assert_eq!(out, vec![3, 5]);
         out.clear();
-        assert_eq!(cache.longest_prefix(root, &[0, 1, 2], &mut out), 0, "partial blocks never match");
+        assert_eq!(
+            cache.longest_prefix(root, &[0, 1, 2], &mut out),
+            0,
+            "partial blocks never match"
+        );
     }
 
     #[test]
@@ -454,7 +475,11 @@ mod tests {
         let mut out = Vec::new();
         assert_eq!(cache.longest_prefix(b, &chunk(0, 4), &mut out), 0);
         assert_eq!(cache.longest_prefix(a, &chunk(0, 4), &mut out), 1);
-        assert_eq!(cache.acquire_root(Some("tenant-a")), a, "equal salts share a root");
+        assert_eq!(
+            cache.acquire_root(Some("tenant-a")),
+            a,
+            "equal salts share a root"
+        );
     }
 
     #[test]
@@ -462,7 +487,10 @@ mod tests {
         let mut cache = PrefixCache::new(8, 4);
         let root = cache.acquire_root(None);
         cache.insert(root, &chunk(0, 4), 1);
-        assert_eq!(cache.insert(root, &chunk(0, 4), 2), InsertOutcome::AlreadyCached(1));
+        assert_eq!(
+            cache.insert(root, &chunk(0, 4), 2),
+            InsertOutcome::AlreadyCached(1)
+        );
     }
 
     #[test]
@@ -491,6 +519,10 @@ mod tests {
         cache.release_root(a);
         let b = cache.acquire_root(Some("b"));
         assert_eq!(a, b, "root id of an unused salt is reused");
-        assert_ne!(cache.acquire_root(Some("a")), b, "but never shared by two live salts");
+        assert_ne!(
+            cache.acquire_root(Some("a")),
+            b,
+            "but never shared by two live salts"
+        );
     }
 }

@@ -10,8 +10,16 @@ use pyo3::types::PyDict;
 use crate::block_pool::{BlockId, BlockPool as CoreBlockPool};
 use crate::error::KvError;
 use crate::kv_cache::{BlockCopy, KvCacheManager as CoreKvCacheManager, SeqId};
+use crate::request::{FinishReason, RequestParams};
+use crate::scheduler::{Policy, Scheduler as CoreScheduler, SchedulerConfig, TokenEvent};
+use crate::step_plan::StepPlan as CoreStepPlan;
 
-create_exception!(_core, KVPageError, PyException, "An error raised by the kvpage Rust core.");
+create_exception!(
+    _core,
+    KVPageError,
+    PyException,
+    "An error raised by the kvpage Rust core."
+);
 
 impl From<KvError> for PyErr {
     fn from(err: KvError) -> PyErr {
@@ -51,13 +59,17 @@ pub(crate) fn extract_tokens(tokens: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
 }
 
 fn block_arg(block: i64) -> PyResult<BlockId> {
-    BlockId::try_from(block).map_err(|_| PyValueError::new_err(format!("block id {block} is out of range")))
+    BlockId::try_from(block)
+        .map_err(|_| PyValueError::new_err(format!("block id {block} is out of range")))
 }
 
 fn copies_array<'py>(py: Python<'py>, copies: &[BlockCopy]) -> PyResult<Bound<'py, PyArray2<i32>>> {
-    let rows: Vec<Vec<i32>> = copies.iter().map(|c| vec![c.src as i32, c.dst as i32]).collect();
+    let rows: Vec<Vec<i32>> = copies
+        .iter()
+        .map(|c| vec![c.src as i32, c.dst as i32])
+        .collect();
     if rows.is_empty() {
-        return Ok(PyArray1::<i32>::from_vec(py, Vec::new()).reshape([0, 2])?);
+        return PyArray1::<i32>::from_vec(py, Vec::new()).reshape([0, 2]);
     }
     Ok(PyArray2::from_vec2(py, &rows)?)
 }
@@ -72,15 +84,24 @@ pub struct BlockPool {
 impl BlockPool {
     #[new]
     fn new(num_blocks: usize, block_size: usize) -> PyResult<Self> {
-        Ok(Self { inner: CoreBlockPool::new(num_blocks, block_size)? })
+        Ok(Self {
+            inner: CoreBlockPool::new(num_blocks, block_size)?,
+        })
     }
 
     /// Allocate `count` blocks (refcount 1 each) as an int32 array, or return
     /// None when fewer are free; a failed call allocates nothing.
-    fn allocate<'py>(&mut self, py: Python<'py>, count: usize) -> Option<Bound<'py, PyArray1<i32>>> {
+    fn allocate<'py>(
+        &mut self,
+        py: Python<'py>,
+        count: usize,
+    ) -> Option<Bound<'py, PyArray1<i32>>> {
         let mut out = Vec::with_capacity(count);
         self.inner.allocate(count, &mut out).ok()?;
-        Some(PyArray1::from_vec(py, out.into_iter().map(|b| b as i32).collect()))
+        Some(PyArray1::from_vec(
+            py,
+            out.into_iter().map(|b| b as i32).collect(),
+        ))
     }
 
     /// Drop one reference; the block returns to the free list at zero.
@@ -164,7 +185,10 @@ impl KVCacheManager {
         num_new_tokens: usize,
     ) -> PyResult<Option<Bound<'py, PyArray2<i32>>>> {
         self.copies.clear();
-        match self.inner.allocate_slots(seq, num_new_tokens, &mut self.copies) {
+        match self
+            .inner
+            .allocate_slots(seq, num_new_tokens, &mut self.copies)
+        {
             Ok(()) => Ok(Some(copies_array(py, &self.copies)?)),
             Err(KvError::OutOfBlocks { .. }) => Ok(None),
             Err(err) => Err(err.into()),
@@ -186,7 +210,10 @@ impl KVCacheManager {
 
     fn block_table<'py>(&self, py: Python<'py>, seq: SeqId) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let table = self.inner.block_table(seq)?;
-        Ok(PyArray1::from_vec(py, table.iter().map(|&b| b as i32).collect()))
+        Ok(PyArray1::from_vec(
+            py,
+            table.iter().map(|&b| b as i32).collect(),
+        ))
     }
 
     fn num_tokens(&self, seq: SeqId) -> PyResult<usize> {
@@ -281,10 +308,354 @@ impl KVCacheManager {
     }
 }
 
+/// One step's plan as numpy arrays (format: `rust/step_plan.rs`).
+#[pyclass(module = "kvpage._core", get_all, frozen)]
+pub struct StepPlan {
+    token_ids: Py<PyArray1<i32>>,
+    positions: Py<PyArray1<i32>>,
+    slot_mapping: Py<PyArray1<i32>>,
+    cu_q_lens: Py<PyArray1<i32>>,
+    kv_lens: Py<PyArray1<i32>>,
+    block_tables: Py<PyArray2<i32>>,
+    logits_indices: Py<PyArray1<i32>>,
+    copy_src: Py<PyArray1<i32>>,
+    copy_dst: Py<PyArray1<i32>>,
+    sample_request: Py<PyArray1<u64>>,
+    sample_index: Py<PyArray1<i32>>,
+    sample_temperature: Py<PyArray1<f32>>,
+    sample_top_p: Py<PyArray1<f32>>,
+    sample_top_k: Py<PyArray1<i32>>,
+    sample_min_p: Py<PyArray1<f32>>,
+    sample_seed: Py<PyArray1<i64>>,
+    sample_output_len: Py<PyArray1<i32>>,
+    sample_presence_penalty: Py<PyArray1<f32>>,
+    sample_frequency_penalty: Py<PyArray1<f32>>,
+    sample_repetition_penalty: Py<PyArray1<f32>>,
+    sample_suppress_stop: Py<PyArray1<bool>>,
+    preempted: Py<PyArray1<u64>>,
+    num_tokens: usize,
+    num_seqs: usize,
+    num_prefill_tokens: usize,
+    num_decode_tokens: usize,
+    num_sampled: usize,
+}
+
+fn arr<T: numpy::Element + Copy>(py: Python<'_>, v: &[T]) -> Py<PyArray1<T>> {
+    PyArray1::from_slice(py, v).unbind()
+}
+
+impl StepPlan {
+    fn from_core(py: Python<'_>, p: &CoreStepPlan) -> PyResult<Self> {
+        let rows = p.num_seqs();
+        let tables =
+            PyArray1::from_slice(py, &p.block_tables).reshape([rows, p.block_table_width])?;
+        Ok(Self {
+            token_ids: arr(py, &p.token_ids),
+            positions: arr(py, &p.positions),
+            slot_mapping: arr(py, &p.slot_mapping),
+            cu_q_lens: arr(py, &p.cu_q_lens),
+            kv_lens: arr(py, &p.kv_lens),
+            block_tables: tables.unbind(),
+            logits_indices: arr(py, &p.logits_indices),
+            copy_src: arr(py, &p.copy_src),
+            copy_dst: arr(py, &p.copy_dst),
+            sample_request: arr(py, &p.sample_request),
+            sample_index: arr(py, &p.sample_index),
+            sample_temperature: arr(py, &p.sample_temperature),
+            sample_top_p: arr(py, &p.sample_top_p),
+            sample_top_k: arr(py, &p.sample_top_k),
+            sample_min_p: arr(py, &p.sample_min_p),
+            sample_seed: arr(py, &p.sample_seed),
+            sample_output_len: arr(py, &p.sample_output_len),
+            sample_presence_penalty: arr(py, &p.sample_presence_penalty),
+            sample_frequency_penalty: arr(py, &p.sample_frequency_penalty),
+            sample_repetition_penalty: arr(py, &p.sample_repetition_penalty),
+            sample_suppress_stop: arr(py, &p.sample_suppress_stop),
+            preempted: arr(py, &p.preempted),
+            num_tokens: p.num_tokens(),
+            num_seqs: rows,
+            num_prefill_tokens: p.num_prefill_tokens,
+            num_decode_tokens: p.num_decode_tokens,
+            num_sampled: p.num_sampled(),
+        })
+    }
+}
+
+#[pymethods]
+impl StepPlan {
+    fn __len__(&self) -> usize {
+        self.num_tokens
+    }
+}
+
+fn finish_reason_arg(reason: &str) -> PyResult<FinishReason> {
+    FinishReason::parse(reason).ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "finish reason must be one of 'stop', 'length', 'abort', 'error'; got {reason:?}"
+        ))
+    })
+}
+
+/// The continuous-batching scheduler (see `rust/scheduler.rs`).
+#[pyclass(module = "kvpage._core")]
+pub struct Scheduler {
+    inner: CoreScheduler,
+    events: Vec<TokenEvent>,
+}
+
+#[pymethods]
+impl Scheduler {
+    #[new]
+    #[pyo3(signature = (
+        num_blocks, block_size = 16, max_num_seqs = 256, max_num_batched_tokens = 2048,
+        max_model_len = 2048, enable_chunked_prefill = true, long_prefill_token_threshold = 0,
+        enable_prefix_caching = true, scheduling_policy = "fcfs", eos_token_ids = None,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        num_blocks: usize,
+        block_size: usize,
+        max_num_seqs: usize,
+        max_num_batched_tokens: usize,
+        max_model_len: usize,
+        enable_chunked_prefill: bool,
+        long_prefill_token_threshold: usize,
+        enable_prefix_caching: bool,
+        scheduling_policy: &str,
+        eos_token_ids: Option<Vec<u32>>,
+    ) -> PyResult<Self> {
+        let config = SchedulerConfig {
+            num_blocks,
+            block_size,
+            max_num_seqs,
+            max_num_batched_tokens,
+            max_model_len,
+            enable_chunked_prefill,
+            long_prefill_token_threshold,
+            enable_prefix_caching,
+            policy: Policy::parse(scheduling_policy)?,
+            eos_token_ids: eos_token_ids.unwrap_or_default(),
+        };
+        Ok(Self {
+            inner: CoreScheduler::new(config)?,
+            events: Vec::new(),
+        })
+    }
+
+    /// Queue a request; returns its integer handle. Raises ValueError naming
+    /// the problem for an empty or too long prompt or invalid limits.
+    #[pyo3(signature = (
+        prompt_token_ids, *, n = 1, max_tokens = 16, min_tokens = 0, ignore_eos = false,
+        stop_token_ids = None, temperature = 1.0, top_p = 1.0, top_k = 0, min_p = 0.0, seed = None,
+        presence_penalty = 0.0, frequency_penalty = 0.0, repetition_penalty = 1.0, priority = 0,
+        cache_salt = None,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn add_request(
+        &mut self,
+        prompt_token_ids: &Bound<'_, PyAny>,
+        n: u32,
+        max_tokens: u32,
+        min_tokens: u32,
+        ignore_eos: bool,
+        stop_token_ids: Option<Vec<u32>>,
+        temperature: f32,
+        top_p: f32,
+        top_k: i32,
+        min_p: f32,
+        seed: Option<i64>,
+        presence_penalty: f32,
+        frequency_penalty: f32,
+        repetition_penalty: f32,
+        priority: i64,
+        cache_salt: Option<&str>,
+    ) -> PyResult<u64> {
+        let prompt = extract_tokens(prompt_token_ids)?;
+        let params = RequestParams {
+            n,
+            max_tokens,
+            min_tokens,
+            ignore_eos,
+            stop_token_ids: stop_token_ids.unwrap_or_default(),
+            temperature,
+            top_p,
+            top_k,
+            min_p,
+            seed: seed.unwrap_or(-1),
+            presence_penalty,
+            frequency_penalty,
+            repetition_penalty,
+        };
+        Ok(self
+            .inner
+            .add_request(&prompt, params, priority, cache_salt)?)
+    }
+
+    /// Plan the next step (an empty plan when there is nothing to run).
+    fn schedule(&mut self, py: Python<'_>) -> PyResult<StepPlan> {
+        let plan = self.inner.schedule()?;
+        StepPlan::from_core(py, plan)
+    }
+
+    /// Apply one sampled token per sampled row of the last plan. Returns
+    /// (request handles u64, sample indices i32, tokens i32, finish codes u8)
+    /// where the code is 0 while running, else 1 stop, 2 length, 3 abort.
+    #[allow(clippy::type_complexity)]
+    fn update<'py>(
+        &mut self,
+        py: Python<'py>,
+        sampled: &Bound<'py, PyAny>,
+    ) -> PyResult<(
+        Bound<'py, PyArray1<u64>>,
+        Bound<'py, PyArray1<i32>>,
+        Bound<'py, PyArray1<i32>>,
+        Bound<'py, PyArray1<u8>>,
+    )> {
+        let sampled: Vec<i64> = if let Ok(a) = sampled.extract::<PyReadonlyArray1<'_, i32>>() {
+            a.as_array().iter().map(|&v| v as i64).collect()
+        } else if let Ok(a) = sampled.extract::<PyReadonlyArray1<'_, i64>>() {
+            a.as_array().to_vec()
+        } else {
+            sampled.extract().map_err(|_| {
+                PyValueError::new_err(
+                    "sampled tokens must be a 1-D integer numpy array or a sequence of ints",
+                )
+            })?
+        };
+        self.events.clear();
+        self.inner.update(&sampled, &mut self.events)?;
+        let e = &self.events;
+        Ok((
+            PyArray1::from_vec(py, e.iter().map(|e| e.request).collect()),
+            PyArray1::from_vec(py, e.iter().map(|e| e.sample_index as i32).collect()),
+            PyArray1::from_vec(py, e.iter().map(|e| e.token as i32).collect()),
+            PyArray1::from_vec(
+                py,
+                e.iter().map(|e| e.finish.map_or(0, |r| r as u8)).collect(),
+            ),
+        ))
+    }
+
+    /// Abort a request in any state; False if the handle is not live.
+    fn abort_request(&mut self, handle: u64) -> PyResult<bool> {
+        Ok(self.inner.abort_request(handle)?)
+    }
+
+    /// Finish every sample of a request with a reason ("stop", "error", ...).
+    fn finish_request(&mut self, handle: u64, reason: &str) -> PyResult<bool> {
+        Ok(self
+            .inner
+            .finish_request(handle, finish_reason_arg(reason)?)?)
+    }
+
+    /// Finish one sample of a request (e.g. it produced a stop string).
+    fn finish_sample(&mut self, handle: u64, sample_index: u32, reason: &str) -> PyResult<bool> {
+        Ok(self
+            .inner
+            .finish_sample(handle, sample_index, finish_reason_arg(reason)?)?)
+    }
+
+    /// Prompt plus output tokens of one live sample, or None.
+    fn sample_tokens<'py>(
+        &self,
+        py: Python<'py>,
+        handle: u64,
+        sample_index: u32,
+    ) -> Option<Bound<'py, PyArray1<u32>>> {
+        self.inner
+            .sample_tokens(handle, sample_index)
+            .map(|t| PyArray1::from_slice(py, t))
+    }
+
+    /// Prompt tokens served from the prefix cache at admission, or None.
+    fn num_cached_tokens(&self, handle: u64) -> Option<usize> {
+        self.inner.num_cached_tokens(handle)
+    }
+
+    fn reset_prefix_cache(&mut self) -> PyResult<()> {
+        Ok(self.inner.reset_prefix_cache()?)
+    }
+
+    fn has_unfinished_requests(&self) -> bool {
+        self.inner.has_unfinished_requests()
+    }
+
+    #[getter]
+    fn num_requests_running(&self) -> usize {
+        self.inner.num_running()
+    }
+
+    #[getter]
+    fn num_requests_waiting(&self) -> usize {
+        self.inner.num_waiting()
+    }
+
+    /// Fraction of KV blocks held by live sequences.
+    #[getter]
+    fn kv_cache_usage_perc(&self) -> f64 {
+        self.inner.kv().usage()
+    }
+
+    #[getter]
+    fn num_free_blocks(&self) -> usize {
+        self.inner.kv().num_free_blocks()
+    }
+
+    #[getter]
+    fn num_blocks(&self) -> usize {
+        self.inner.kv().num_blocks()
+    }
+
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.inner.kv().block_size()
+    }
+
+    /// Counters: running, waiting, KV usage, prefix cache, preemptions, tokens per step.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = &self.inner.stats;
+        let kv = self.inner.kv();
+        let cache = kv.prefix_cache_stats();
+        let (reserved, used) = self.inner.kv_slot_usage();
+        let d = PyDict::new(py);
+        d.set_item("num_requests_running", self.inner.num_running())?;
+        d.set_item("num_requests_waiting", self.inner.num_waiting())?;
+        d.set_item("kv_cache_usage_perc", kv.usage())?;
+        d.set_item("num_referenced_blocks", kv.num_referenced_blocks())?;
+        d.set_item("num_cached_blocks", kv.num_cached_blocks())?;
+        d.set_item("num_free_blocks", kv.num_free_blocks())?;
+        d.set_item("kv_slots_reserved", reserved)?;
+        d.set_item("kv_slots_used", used)?;
+        d.set_item("prefix_cache_queries", cache.queries)?;
+        d.set_item("prefix_cache_query_tokens", cache.query_tokens)?;
+        d.set_item("prefix_cache_hit_tokens", cache.hit_tokens)?;
+        d.set_item("prefix_cache_hit_blocks", cache.hit_blocks)?;
+        d.set_item("prefix_cache_evicted_blocks", cache.evicted_blocks)?;
+        d.set_item("num_preemptions", s.num_preemptions)?;
+        d.set_item("num_steps", s.num_steps)?;
+        d.set_item("prompt_tokens_scheduled", s.prompt_tokens_scheduled)?;
+        d.set_item("decode_tokens_scheduled", s.decode_tokens_scheduled)?;
+        d.set_item("last_step_tokens", s.last_step_tokens)?;
+        d.set_item("last_step_seqs", s.last_step_seqs)?;
+        d.set_item("seq_rows", s.seq_rows)?;
+        d.set_item("ghost_rows", s.ghost_rows)?;
+        d.set_item("idle_seats_while_waiting", s.idle_seats_while_waiting)?;
+        d.set_item("num_finished_requests", s.num_finished_requests)?;
+        d.set_item("num_aborted_requests", s.num_aborted_requests)?;
+        Ok(d)
+    }
+
+    fn check_invariants(&self) -> PyResult<()> {
+        Ok(self.inner.check_invariants()?)
+    }
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("KVPageError", m.py().get_type::<KVPageError>())?;
     m.add_class::<BlockPool>()?;
     m.add_class::<KVCacheManager>()?;
+    m.add_class::<Scheduler>()?;
+    m.add_class::<StepPlan>()?;
     Ok(())
 }

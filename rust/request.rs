@@ -1,0 +1,128 @@
+//! Requests and their sequences, as the scheduler sees them.
+//!
+//! A request owns `n` sequences (parallel samples). It enters with one
+//! sequence; when that sequence's prompt is fully computed the scheduler forks
+//! it into `n` copy-on-write children, so the prompt is prefilled once.
+//! Preempted sequences return to the waiting queue and recompute their
+//! prompt plus generated tokens (mostly from the prefix cache).
+
+use crate::kv_cache::SeqId;
+
+/// Why a sequence stopped. Codes cross the FFI boundary as `u8`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum FinishReason {
+    /// EOS or a stop token (or a stop string, reported by the engine).
+    Stop = 1,
+    /// `max_tokens` or `max_model_len` reached.
+    Length = 2,
+    /// Aborted by the caller.
+    Abort = 3,
+    /// Failed inside a step (reported by the engine).
+    Error = 4,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+            FinishReason::Error => "error",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<Self> {
+        match name {
+            "stop" => Some(Self::Stop),
+            "length" => Some(Self::Length),
+            "abort" => Some(Self::Abort),
+            "error" => Some(Self::Error),
+            _ => None,
+        }
+    }
+}
+
+/// What the scheduler needs to know of a request's sampling parameters: stop
+/// conditions, plus the numeric sampling knobs it forwards per sampled row.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RequestParams {
+    pub n: u32,
+    pub max_tokens: u32,
+    pub min_tokens: u32,
+    pub ignore_eos: bool,
+    pub stop_token_ids: Vec<u32>,
+    pub temperature: f32,
+    pub top_p: f32,
+    pub top_k: i32,
+    pub min_p: f32,
+    /// -1 when the request has no seed.
+    pub seed: i64,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    pub repetition_penalty: f32,
+}
+
+impl Default for RequestParams {
+    fn default() -> Self {
+        Self {
+            n: 1,
+            max_tokens: 16,
+            min_tokens: 0,
+            ignore_eos: false,
+            stop_token_ids: Vec::new(),
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            seed: -1,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SeqState {
+    Waiting,
+    Running,
+    Finished(FinishReason),
+}
+
+#[derive(Debug, Clone)]
+pub struct Sequence {
+    pub request: u32,
+    pub sample_index: u32,
+    /// Prompt followed by generated tokens.
+    pub tokens: Vec<u32>,
+    /// Leading tokens whose KV is computed or scheduled in an issued step.
+    pub num_computed: usize,
+    /// The page table, while the sequence holds KV.
+    pub kv: Option<SeqId>,
+    pub state: SeqState,
+    /// Children still to fork when the prompt completes (n - 1, once).
+    pub forks_pending: u32,
+    /// Prompt tokens found in the prefix cache at first admission.
+    pub num_cached_tokens: usize,
+    /// Static policy: the batch this sequence belongs to.
+    pub batch: u64,
+}
+
+impl Sequence {
+    pub fn num_output_tokens(&self, prompt_len: usize) -> usize {
+        self.tokens.len() - prompt_len
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub handle: u64,
+    pub priority: i64,
+    pub arrival: u64,
+    pub params: RequestParams,
+    pub salt: Option<String>,
+    pub prompt_len: usize,
+    pub seqs: Vec<u32>,
+    pub num_unfinished: u32,
+}
