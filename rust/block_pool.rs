@@ -19,6 +19,15 @@ use crate::error::{KvError, KvResult};
 
 pub type BlockId = u32;
 
+/// Block ids as the int32 the device arrays use. Lossless: a pool never
+/// has more than `i32::MAX` blocks, so every id fits.
+#[inline]
+pub fn block_ids_as_i32(blocks: &[BlockId]) -> &[i32] {
+    // SAFETY: u32 and i32 have the same size and alignment, and every id is
+    // below i32::MAX (checked in `BlockPool::new`).
+    unsafe { std::slice::from_raw_parts(blocks.as_ptr().cast::<i32>(), blocks.len()) }
+}
+
 #[derive(Debug, Clone)]
 pub struct BlockPool {
     block_size: usize,
@@ -30,10 +39,10 @@ pub struct BlockPool {
 impl BlockPool {
     /// A pool whose blocks are all free. Blocks are handed out lowest id first.
     pub fn new(num_blocks: usize, block_size: usize) -> KvResult<Self> {
-        if num_blocks == 0 || num_blocks > u32::MAX as usize - 1 {
+        if num_blocks == 0 || num_blocks >= i32::MAX as usize {
             return Err(KvError::InvalidArgument(format!(
                 "num_blocks must be in 1..{}, got {num_blocks}",
-                u32::MAX - 1
+                i32::MAX
             )));
         }
         if block_size == 0 || block_size > 1 << 16 {

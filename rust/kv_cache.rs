@@ -275,26 +275,32 @@ impl KvCacheManager {
         let needed = self.blocks_needed_for(self.table(seq)?, num_new_tokens);
         self.ensure_free(needed)?;
         let block_size = self.block_size();
-        let mut table = self.take_table(seq)?;
+        // Split borrows: the table lives in `slots`, blocks come from `pool`.
+        let pool = &mut self.pool;
+        let table = self.slots[(seq & 0xffff_ffff) as usize]
+            .table
+            .as_mut()
+            .expect("checked above");
         if num_new_tokens > 0 && table.num_tokens % block_size != 0 {
-            let last = *table.blocks.last().expect("a partial block exists");
-            if self.pool.refcount(last)? > 1 {
-                let dst = self.pool.allocate_one().expect("ensured free blocks");
-                self.pool.release(last)?;
-                *table.blocks.last_mut().expect("checked above") = dst;
-                copies.push(BlockCopy { src: last, dst });
+            let last = table.blocks.last_mut().expect("a partial block exists");
+            if pool.refcount(*last)? > 1 {
+                let dst = pool.allocate_one().expect("ensured free blocks");
+                pool.release(*last)?;
+                copies.push(BlockCopy { src: *last, dst });
+                *last = dst;
             }
         }
         let total_blocks = (table.num_tokens + num_new_tokens).div_ceil(block_size);
         let extra = total_blocks - table.blocks.len();
-        self.pool.allocate(extra, &mut table.blocks)?;
+        if extra > 0 {
+            pool.allocate(extra, &mut table.blocks)?;
+        }
         table.num_tokens += num_new_tokens;
         debug_assert!(
             table.num_tokens % block_size == 0
-                || self.pool.refcount(*table.blocks.last().unwrap()).unwrap() == 1,
+                || pool.refcount(*table.blocks.last().unwrap()).unwrap() == 1,
             "the block being written must be owned by the writer alone"
         );
-        self.put_table(seq, table);
         Ok(())
     }
 

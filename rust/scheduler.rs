@@ -33,6 +33,7 @@ use std::collections::BTreeSet;
 
 use rustc_hash::FxHashMap;
 
+use crate::block_pool::block_ids_as_i32;
 use crate::error::{KvError, KvResult};
 use crate::kv_cache::{BlockCopy, KvCacheManager};
 use crate::request::{FinishReason, Request, RequestParams, SeqState, Sequence};
@@ -819,7 +820,7 @@ impl Scheduler {
                 end as i32
             });
             let table = self.kv.block_table(kv)?;
-            plan.block_tables.extend(table.iter().map(|&b| b as i32));
+            plan.block_tables.extend_from_slice(block_ids_as_i32(table));
             plan.block_tables
                 .extend(std::iter::repeat_n(scratch_block, width - table.len()));
             if row.ghost {
@@ -837,6 +838,7 @@ impl Scheduler {
             }
         }
         // Advance, cache full blocks, fork completed n > 1 prompts, add rows.
+        let bs = self.config.block_size;
         for (i, row) in scheduled.iter().enumerate() {
             if row.ghost {
                 continue;
@@ -845,7 +847,8 @@ impl Scheduler {
             seq.num_computed = row.start + row.len;
             let done = seq.num_computed == seq.tokens.len();
             let kv = seq.kv.expect("scheduled");
-            if self.config.enable_prefix_caching {
+            let filled_a_block = row.start / bs != seq.num_computed / bs;
+            if self.config.enable_prefix_caching && filled_a_block {
                 let seq = self.seqs[row.seq as usize].as_ref().expect("live");
                 self.kv.cache_blocks(kv, &seq.tokens[..seq.num_computed])?;
             }
