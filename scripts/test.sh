@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The whole test suite: Rust core (no Python needed) then Python tests.
+# Run from a checkout after the README's two setup commands.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+echo "== cargo test (Rust core)"
+cargo test --quiet
+echo "== pytest (bindings, scheduler, kernels, model)"
+# 8 simulated CPU devices for the sharding tests; kernels run in interpret mode.
+export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=8"
+export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
+python -m pytest -q -p no:cacheprovider "$@"
