@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
 use kvpage_core::request::RequestParams;
 use kvpage_core::scheduler::{Scheduler, SchedulerConfig};
-use kvpage_core::{BlockPool, KvCacheManager};
+use kvpage_core::{BlockPool, KvCacheManager, PrefixCache};
 
 fn block_pool(c: &mut Criterion) {
     let mut pool = BlockPool::new(4096, 16).unwrap();
@@ -55,6 +55,23 @@ fn prefix_cache(c: &mut Criterion) {
             let seq = kv.create_sequence(None);
             assert_eq!(kv.match_prefix(seq, black_box(&tokens)).unwrap(), 4096);
             kv.free_sequence(seq).unwrap();
+        })
+    });
+    let mut radix = PrefixCache::new(512, 16);
+    let root = radix.acquire_root(None);
+    let mut parent = root;
+    for (block, chunk) in tokens.chunks_exact(16).enumerate() {
+        radix.insert(parent, chunk, block as u32);
+        parent = block as u32;
+    }
+    let mut found = Vec::with_capacity(256);
+    c.bench_function("radix_lookup/4096_tokens", |b| {
+        b.iter(|| {
+            found.clear();
+            assert_eq!(
+                radix.longest_prefix(root, black_box(&tokens), &mut found),
+                256
+            );
         })
     });
     let fresh: Vec<u32> = (0..4096u32).map(|i| i * 13 % 32000 + 1).collect();

@@ -29,6 +29,9 @@
 //!   node in it comes after all its children (so the front is a leaf);
 //! - a root is kept while it has children or live sequences using it.
 
+use std::collections::HashMap;
+use std::hash::BuildHasherDefault;
+
 use rustc_hash::FxHashMap;
 
 use crate::block_pool::BlockId;
@@ -66,11 +69,12 @@ pub struct PrefixCache {
     num_blocks: usize,
     cached: Vec<bool>,
     parent: Vec<NodeId>,
-    key_hash: Vec<u64>,
+    edge_key: Vec<u64>,
     tokens: Vec<u32>,
     /// Indexed by node id; roots are appended past `num_blocks`.
     num_children: Vec<u32>,
-    edges: FxHashMap<(NodeId, u64), BlockId>,
+    /// Edge key (parent and child-token hash mixed) -> child block.
+    edges: EdgeMap,
     lru_prev: Vec<u32>,
     lru_next: Vec<u32>,
     in_lru: Vec<bool>,
@@ -85,16 +89,60 @@ pub struct PrefixCache {
     pub stats: PrefixCacheStats,
 }
 
-/// Hash of one block's tokens (multiply-xorshift mixing; collisions are checked).
+/// Hash of one block's tokens. Two independent multiply-rotate lanes over
+/// 64-bit words keep the dependency chain short (this runs once per block on
+/// every prefix lookup); collisions are caught by comparing tokens.
 #[inline]
 pub fn hash_block_tokens(tokens: &[u32]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &t in tokens {
-        h = (h ^ t as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        h ^= h >> 32;
+    const K1: u64 = 0x9e37_79b9_7f4a_7c15;
+    const K2: u64 = 0xc2b2_ae3d_27d4_eb4f;
+    let (mut a, mut b) = (0x243f_6a88_85a3_08d3u64, 0x1319_8a2e_0370_7344u64);
+    let mut pairs = tokens.chunks_exact(4);
+    for quad in &mut pairs {
+        let w0 = quad[0] as u64 | (quad[1] as u64) << 32;
+        let w1 = quad[2] as u64 | (quad[3] as u64) << 32;
+        a = (a ^ w0).wrapping_mul(K1).rotate_left(29);
+        b = (b ^ w1).wrapping_mul(K2).rotate_left(31);
     }
-    h
+    for &t in pairs.remainder() {
+        a = (a ^ t as u64).wrapping_mul(K1).rotate_left(29);
+    }
+    mix64(a ^ b.rotate_left(17) ^ tokens.len() as u64)
 }
+
+/// SplitMix64's finalizer: every output bit depends on every input bit.
+#[inline]
+fn mix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// The edge-map key of a child of `parent` whose tokens hash to `hash`.
+#[inline]
+fn edge_key(parent: NodeId, hash: u64) -> u64 {
+    mix64(hash ^ (parent as u64).wrapping_mul(0xd6e8_feb8_6659_fd93))
+}
+
+/// The edge keys are already well mixed: hash them as they are.
+#[derive(Default, Clone, Copy)]
+struct PassThroughHasher(u64);
+
+impl std::hash::Hasher for PassThroughHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &byte in bytes {
+            self.0 = (self.0 << 8) | byte as u64;
+        }
+    }
+    fn write_u64(&mut self, value: u64) {
+        self.0 = value;
+    }
+}
+
+type EdgeMap = HashMap<u64, BlockId, BuildHasherDefault<PassThroughHasher>>;
 
 impl PrefixCache {
     pub fn new(num_blocks: usize, block_size: usize) -> Self {
@@ -103,10 +151,10 @@ impl PrefixCache {
             num_blocks,
             cached: vec![false; num_blocks],
             parent: vec![NIL; num_blocks],
-            key_hash: vec![0; num_blocks],
+            edge_key: vec![0; num_blocks],
             tokens: vec![0; num_blocks * block_size],
             num_children: vec![0; num_blocks + 1],
-            edges: FxHashMap::with_capacity_and_hasher(num_blocks, Default::default()),
+            edges: EdgeMap::with_capacity_and_hasher(num_blocks, Default::default()),
             lru_prev: vec![NIL; num_blocks],
             lru_next: vec![NIL; num_blocks],
             in_lru: vec![false; num_blocks],
@@ -199,8 +247,11 @@ impl PrefixCache {
     /// The cached child of `parent` holding exactly `chunk`, if any.
     #[inline]
     fn child(&self, parent: NodeId, chunk: &[u32]) -> Option<BlockId> {
-        let child = *self.edges.get(&(parent, hash_block_tokens(chunk)))?;
-        (self.block_tokens(child) == chunk).then_some(child)
+        let child = *self
+            .edges
+            .get(&edge_key(parent, hash_block_tokens(chunk)))?;
+        (self.parent[child as usize] == parent && self.block_tokens(child) == chunk)
+            .then_some(child)
     }
 
     #[inline]
@@ -241,19 +292,21 @@ impl PrefixCache {
     pub fn insert(&mut self, parent: NodeId, chunk: &[u32], block: BlockId) -> InsertOutcome {
         debug_assert_eq!(chunk.len(), self.block_size);
         debug_assert!(!self.cached[block as usize], "block {block} inserted twice");
-        let hash = hash_block_tokens(chunk);
-        if let Some(&existing) = self.edges.get(&(parent, hash)) {
-            return if self.block_tokens(existing) == chunk {
+        let key = edge_key(parent, hash_block_tokens(chunk));
+        if let Some(&existing) = self.edges.get(&key) {
+            return if self.parent[existing as usize] == parent
+                && self.block_tokens(existing) == chunk
+            {
                 InsertOutcome::AlreadyCached(existing)
             } else {
                 InsertOutcome::HashCollision
             };
         }
         let b = block as usize;
-        self.edges.insert((parent, hash), block);
+        self.edges.insert(key, block);
         self.cached[b] = true;
         self.parent[b] = parent;
-        self.key_hash[b] = hash;
+        self.edge_key[b] = key;
         self.tokens[b * self.block_size..(b + 1) * self.block_size].copy_from_slice(chunk);
         self.num_children[parent as usize] += 1;
         self.num_cached += 1;
@@ -321,7 +374,7 @@ impl PrefixCache {
     fn remove_node(&mut self, block: BlockId) {
         let b = block as usize;
         let parent = self.parent[b];
-        self.edges.remove(&(parent, self.key_hash[b]));
+        self.edges.remove(&self.edge_key[b]);
         self.num_children[parent as usize] -= 1;
         self.cached[b] = false;
         self.parent[b] = NIL;
@@ -387,7 +440,7 @@ impl PrefixCache {
                 return fail(format!("cached block {b} has uncached parent {parent}"));
             }
             children[parent as usize] += 1;
-            if self.edges.get(&(parent, self.key_hash[b])) != Some(&(b as BlockId)) {
+            if self.edges.get(&self.edge_key[b]) != Some(&(b as BlockId)) {
                 return fail(format!("cached block {b} is missing from the edge map"));
             }
             let unreferenced = refcount(b as BlockId) == 0;
