@@ -333,6 +333,7 @@ pub struct StepPlan {
     sample_repetition_penalty: Py<PyArray1<f32>>,
     sample_suppress_stop: Py<PyArray1<bool>>,
     preempted: Py<PyArray1<u64>>,
+    preempted_index: Py<PyArray1<i32>>,
     num_tokens: usize,
     num_seqs: usize,
     num_prefill_tokens: usize,
@@ -372,6 +373,7 @@ impl StepPlan {
             sample_repetition_penalty: arr(py, &p.sample_repetition_penalty),
             sample_suppress_stop: arr(py, &p.sample_suppress_stop),
             preempted: arr(py, &p.preempted),
+            preempted_index: arr(py, &p.preempted_index),
             num_tokens: p.num_tokens(),
             num_seqs: rows,
             num_prefill_tokens: p.num_prefill_tokens,
@@ -498,8 +500,9 @@ impl Scheduler {
     }
 
     /// Apply one sampled token per sampled row of the last plan. Returns
-    /// (request handles u64, sample indices i32, tokens i32, finish codes u8)
-    /// where the code is 0 while running, else 1 stop, 2 length, 3 abort.
+    /// (request handles u64, sample indices i32, tokens i32, finish codes u8,
+    /// plan rows i32) where the code is 0 while running, else 1 stop,
+    /// 2 length, 3 abort; rows of requests aborted meanwhile are left out.
     #[allow(clippy::type_complexity)]
     fn update<'py>(
         &mut self,
@@ -510,6 +513,7 @@ impl Scheduler {
         Bound<'py, PyArray1<i32>>,
         Bound<'py, PyArray1<i32>>,
         Bound<'py, PyArray1<u8>>,
+        Bound<'py, PyArray1<i32>>,
     )> {
         let sampled: Vec<i64> = if let Ok(a) = sampled.extract::<PyReadonlyArray1<'_, i32>>() {
             a.as_array().iter().map(|&v| v as i64).collect()
@@ -533,6 +537,7 @@ impl Scheduler {
                 py,
                 e.iter().map(|e| e.finish.map_or(0, |r| r as u8)).collect(),
             ),
+            PyArray1::from_vec(py, e.iter().map(|e| e.row as i32).collect()),
         ))
     }
 

@@ -112,6 +112,8 @@ pub struct SchedulerStats {
 /// One sampled token's outcome, as `update` reports it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TokenEvent {
+    /// The sampled row of the plan this token came from.
+    pub row: u32,
     pub request: u64,
     pub sample_index: u32,
     pub token: u32,
@@ -719,6 +721,9 @@ impl Scheduler {
         self.stats.num_preemptions += 1;
         let handle = self.request_of(seq).handle;
         self.plan.preempted.push(handle);
+        self.plan
+            .preempted_index
+            .push(self.seq(seq).sample_index as i32);
         Ok(())
     }
 
@@ -961,7 +966,7 @@ impl Scheduler {
         }
         self.awaiting_update = false;
         let rows = std::mem::take(&mut self.sample_rows);
-        for (&(handle, sample_index), &token) in rows.iter().zip(sampled) {
+        for (row, (&(handle, sample_index), &token)) in rows.iter().zip(sampled).enumerate() {
             let Some(&index) = self.by_handle.get(&handle) else {
                 continue;
             };
@@ -977,6 +982,7 @@ impl Scheduler {
                 self.finish_seq(seq, reason)?;
             }
             events.push(TokenEvent {
+                row: row as u32,
                 request: handle,
                 sample_index,
                 token,

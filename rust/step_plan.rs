@@ -50,8 +50,10 @@ pub struct StepPlan {
     pub sample_frequency_penalty: Vec<f32>,
     pub sample_repetition_penalty: Vec<f32>,
     pub sample_suppress_stop: Vec<bool>,
-    /// Requests preempted (back to waiting) while building this step.
+    /// (request handle, sample index) of sequences preempted (back to
+    /// waiting) while building this step.
     pub preempted: Vec<u64>,
+    pub preempted_index: Vec<i32>,
     pub num_prefill_tokens: usize,
     pub num_decode_tokens: usize,
 }
@@ -81,6 +83,7 @@ impl StepPlan {
         self.sample_repetition_penalty.clear();
         self.sample_suppress_stop.clear();
         self.preempted.clear();
+        self.preempted_index.clear();
         self.num_prefill_tokens = 0;
         self.num_decode_tokens = 0;
     }
