@@ -819,6 +819,12 @@ impl Scheduler {
                     .write_slots(kv, row.start, &mut plan.slot_mapping[slots_from..])?;
             }
             plan.cu_q_lens.push(plan.token_ids.len() as i32);
+            plan.row_request.push(
+                self.requests[seq.request as usize]
+                    .as_ref()
+                    .expect("live")
+                    .handle,
+            );
             plan.kv_lens.push(if row.ghost {
                 row.start as i32 + 1
             } else {

@@ -16,6 +16,7 @@
 //! | `slot_mapping` | [T] | where token i's K/V goes: `block * block_size + offset`; the scratch slot `num_blocks * block_size` for rows whose writes are discarded |
 //! | `cu_q_lens` | [S+1] | start of each row's tokens in the flat arrays |
 //! | `kv_lens` | [S] | each row's KV length after this step (what attention reads) |
+//! | `row_request` | [S] | request handle of each row |
 //! | `block_tables` | [S, W] | physical block of each logical block; padded with the scratch block id `num_blocks`; W = the widest row of this step |
 //! | `logits_indices` | [R] | flat token index whose logits feed sampled row r |
 //! | `copy_src`, `copy_dst` | [C] | copy-on-write block copies to run before the step |
@@ -33,6 +34,8 @@ pub struct StepPlan {
     pub slot_mapping: Vec<i32>,
     pub cu_q_lens: Vec<i32>,
     pub kv_lens: Vec<i32>,
+    /// Request handle of each row (static ghosts included).
+    pub row_request: Vec<u64>,
     pub block_tables: Vec<i32>,
     pub block_table_width: usize,
     pub logits_indices: Vec<i32>,
@@ -65,6 +68,7 @@ impl StepPlan {
         self.slot_mapping.clear();
         self.cu_q_lens.clear();
         self.kv_lens.clear();
+        self.row_request.clear();
         self.block_tables.clear();
         self.block_table_width = 0;
         self.logits_indices.clear();
