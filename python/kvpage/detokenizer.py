@@ -1,0 +1,102 @@
+"""Incremental detokenization with stop strings.
+
+Decoding one token at a time is wrong for byte-level BPE and SentencePiece:
+a character may span tokens, and a token's leading space depends on what
+precedes it. So each sequence decodes a sliding window: the text of
+``ids[prefix:read]`` is already emitted, the text of ``ids[prefix:]`` minus
+it is new, and new text ending in U+FFFD (an incomplete UTF-8 sequence) is
+held back until the next token completes it. The output never contains a
+cut-off multi-byte character.
+
+Stop strings are searched in the text as it grows; on a match the text is
+cut before the stop string (or after it, with ``include_stop_str_in_output``).
+While streaming, the last ``len(longest stop) - 1`` characters are held back,
+so a client never receives text that a later stop match removes.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+_PROMPT_CONTEXT_TOKENS = 6
+"""Prompt tokens decoded with the output so leading spaces come out right."""
+
+
+class Decoder(Protocol):
+    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """The growing text of one sample, with stop-string detection."""
+
+    __slots__ = (
+        "_tokenizer", "_ids", "_prefix", "_read", "_skip_special", "_stops", "_include_stop",
+        "_holdback", "text", "emitted", "stop_reason",
+    )
+
+    def __init__(
+        self,
+        tokenizer: Decoder,
+        prompt_token_ids: list[int],
+        *,
+        stop: tuple[str, ...] = (),
+        include_stop_str_in_output: bool = False,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        self._ids = context
+        self._prefix = 0
+        self._read = len(context)
+        self._skip_special = skip_special_tokens
+        self._stops = stop
+        self._include_stop = include_stop_str_in_output
+        self._holdback = max((len(s) for s in stop), default=1) - 1
+        self.text = ""
+        """Output text so far (cut at a stop string once one matched)."""
+        self.emitted = 0
+        """Characters of ``text`` already handed out by ``take_delta``."""
+        self.stop_reason: str | None = None
+        """The stop string that matched, if any."""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+
+    def add_token(self, token_id: int) -> bool:
+        """Append one generated token; returns True when a stop string matched."""
+        if self.stop_reason is not None:
+            return True
+        self._ids.append(token_id)
+        prefix_text = self._decode(self._ids[self._prefix:self._read])
+        full_text = self._decode(self._ids[self._prefix:])
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return False  # nothing complete yet
+        old_len = len(self.text)
+        self.text += full_text[len(prefix_text):]
+        self._prefix, self._read = self._read, len(self._ids)
+        return self._check_stop(old_len)
+
+    def _check_stop(self, old_len: int) -> bool:
+        if not self._stops:
+            return False
+        start = max(0, old_len - self._holdback)
+        best: tuple[int, str] | None = None
+        for stop in self._stops:
+            at = self.text.find(stop, start)
+            if at >= 0 and (best is None or at < best[0]):
+                best = (at, stop)
+        if best is None:
+            return False
+        at, stop = best
+        self.text = self.text[: at + len(stop)] if self._include_stop else self.text[:at]
+        self.stop_reason = stop
+        return True
+
+    def take_delta(self, finished: bool) -> str:
+        """Text not yet handed out. Until ``finished``, the tail that could
+        still be the start of a stop string is held back."""
+        end = len(self.text) if finished or not self._stops else len(self.text) - self._holdback
+        end = max(end, self.emitted)
+        delta = self.text[self.emitted:end]
+        self.emitted = end
+        return delta

@@ -1,0 +1,446 @@
+"""The engine loop: the Rust scheduler plans a step, the JAX runner runs it,
+the scheduler applies the sampled tokens, and the engine turns tokens into
+text, stop strings and ``RequestOutput``s.
+
+    engine = LLMEngine.from_config(EngineConfig(model=path))
+    engine.add_request("r1", "Hello", SamplingParams(max_tokens=8))
+    while engine.has_unfinished_requests():
+        for out in engine.step(): ...
+
+Each sequence that samples owns a *slot* of the runner's device sampling
+table (its parameters, seed state and penalty history) from its first
+sampled row until it finishes or is preempted.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from kvpage._core import Scheduler
+from kvpage.detokenizer import IncrementalDetokenizer
+from kvpage.engine_config import EngineConfig
+from kvpage.model.config import ModelConfig
+from kvpage.model.loader import load_model
+from kvpage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvpage.runner.model_runner import ModelRunner
+from kvpage.runner.step_plan import StepPlan as RunnerPlan
+from kvpage.sampling_params import SamplingParams
+
+FINISH_REASONS = {1: "stop", 2: "length", 3: "abort", 4: "error"}
+_CPU_MAX_DEFAULT_BLOCKS = 16384
+
+PromptType = str | dict[str, Any] | Sequence[int]
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at ``max_num_waiting``: shed load (HTTP 503)."""
+
+
+@dataclass(slots=True)
+class _Sample:
+    index: int
+    detok: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    slot: int | None = None
+    sent_tokens: int = 0
+    versions: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: str
+    handle: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    delta: bool
+    samples: dict[int, _Sample] = field(default_factory=dict)
+    finished: bool = False
+    error: str | None = None
+
+
+def _merge_eos_ids(config: ModelConfig, model_dir: Path | None, tokenizer: Any) -> list[int]:
+    ids = set(config.eos_token_ids)
+    if model_dir is not None and (model_dir / "generation_config.json").is_file():
+        import json
+
+        eos = json.loads((model_dir / "generation_config.json").read_text()).get("eos_token_id")
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return sorted(ids)
+
+
+def load_tokenizer(model_dir: str | Path) -> Any:
+    """The model's Hugging Face tokenizer, from local files only."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+
+
+class LLMEngine:
+    """Continuous batching over one model: add requests, call ``step``."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        params: Any,
+        tokenizer: Any = None,
+        model_dir: Path | None = None,
+    ) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        max_model_len = config.max_model_len or model_config.max_position_embeddings
+        if max_model_len > model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                f"{model_config.max_position_embeddings}"
+            )
+        self.max_model_len = max_model_len
+        blocks_per_seq = math.ceil(max_model_len / config.block_size)
+        num_blocks = config.num_gpu_blocks
+        if num_blocks is None and jax.default_backend() == "cpu":
+            num_blocks = max(blocks_per_seq, min(config.max_num_seqs * blocks_per_seq,
+                                                 _CPU_MAX_DEFAULT_BLOCKS))
+        batched = max(config.max_num_batched_tokens, config.max_num_seqs)
+        if not config.enable_chunked_prefill:
+            batched = max(batched, max_model_len)
+        self.runner = ModelRunner(
+            model_config,
+            params,
+            num_blocks,
+            config.block_size,
+            max_model_len,
+            config.attention_backend,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=batched,
+            max_logprobs=config.max_logprobs,
+            seed=config.seed,
+        )
+        self.eos_token_ids = _merge_eos_ids(model_config, model_dir, tokenizer)
+        self.scheduler = Scheduler(
+            self.runner.num_blocks,
+            config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=batched,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            enable_prefix_caching=config.enable_prefix_caching,
+            scheduling_policy=config.scheduling_policy,
+            eos_token_ids=self.eos_token_ids,
+        )
+        self._requests: dict[str, _Request] = {}
+        self._by_handle: dict[int, _Request] = {}
+        self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
+        self._slot_owner: dict[tuple[int, int], int] = {}
+        self.params_version = 0
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        self.finished_counts: dict[str, int] = {}
+
+    # ---- construction ---------------------------------------------------
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        if config.model is None:
+            raise ValueError("EngineConfig.model must name an HF model directory")
+        model_dir = Path(config.model)
+        model_config, params = load_model(model_dir, dtype=config.dtype)
+        tokenizer = load_tokenizer(model_dir) if (model_dir / "tokenizer_config.json").is_file() \
+            or (model_dir / "tokenizer.json").is_file() else None
+        return cls(config, model_config, params, tokenizer, model_dir)
+
+    # ---- requests -------------------------------------------------------
+
+    def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass prompt_token_ids instead")
+            return prompt, list(self.tokenizer(prompt)["input_ids"])
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self._prompt_ids(prompt["prompt"])
+            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        return None, list(prompt)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        *,
+        delta: bool = False,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. Raises ValueError naming what is wrong with it,
+        or QueueFullError when the waiting queue is at its bound."""
+        params = params or SamplingParams()
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        bound = self.config.max_num_waiting
+        if bound is not None and self.scheduler.num_requests_waiting >= bound:
+            raise QueueFullError(f"the waiting queue is full ({bound} requests); retry later")
+        text, ids = self._prompt_ids(prompt)
+        vocab = self.model_config.vocab_size
+        if any((not isinstance(t, int | np.integer)) or t < 0 or t >= vocab for t in ids):
+            bad = next(t for t in ids if not isinstance(t, int | np.integer) or not 0 <= t < vocab)
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(
+                f"logprobs must be <= {self.config.max_logprobs} (max_logprobs), got {params.logprobs}"
+            )
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
+                "which leaves no room to generate"
+            )
+        max_tokens = params.max_tokens or self.max_model_len - len(ids)
+        max_tokens = min(max_tokens, self.max_model_len - len(ids))
+        if params.min_tokens > max_tokens:
+            raise ValueError(
+                f"min_tokens={params.min_tokens} cannot be reached: only {max_tokens} tokens fit "
+                f"after the {len(ids)}-token prompt within max_model_len={self.max_model_len}"
+            )
+        handle = self.scheduler.add_request(
+            np.asarray(ids, np.int64),
+            n=params.n,
+            max_tokens=max_tokens,
+            min_tokens=params.min_tokens,
+            ignore_eos=params.ignore_eos,
+            stop_token_ids=params.stop_token_ids,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            min_p=params.min_p,
+            seed=params.seed,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            repetition_penalty=params.repetition_penalty,
+            priority=priority,
+            cache_salt=cache_salt,
+        )
+        metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic())
+        request = _Request(request_id, handle, text, ids, params, metrics, delta)
+        self._requests[request_id] = request
+        self._by_handle[handle] = request
+        self.counters["prompt_tokens"] += len(ids)
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
+        """Abort requests in any state; their blocks return at once."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        outputs = []
+        for request_id in ids:
+            request = self._requests.get(request_id)
+            if request is None:
+                continue
+            self.scheduler.abort_request(request.handle)
+            for sample in request.samples.values():
+                if sample.finish_reason is None:
+                    sample.finish_reason = "abort"
+            outputs.append(self._finish(request, "abort"))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    # ---- one step -------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; returns the requests that progressed."""
+        plan = self.scheduler.schedule()
+        now = time.monotonic()
+        for handle, index in zip(plan.preempted.tolist(), plan.preempted_index.tolist(), strict=True):
+            self._release_slot(handle, index)
+        if plan.num_tokens == 0:
+            self.scheduler.update(np.zeros(0, np.int32))
+            return []
+        for handle in set(plan.row_request.tolist()):
+            request = self._by_handle.get(handle)
+            if request is not None and request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+        rows = self._sample_slots(plan)
+        runner_plan = RunnerPlan(
+            token_ids=plan.token_ids, positions=plan.positions, slot_mapping=plan.slot_mapping,
+            cu_q_lens=plan.cu_q_lens, kv_lens=plan.kv_lens, block_tables=plan.block_tables,
+            logits_indices=plan.logits_indices, sample_rows=rows, copy_src=plan.copy_src,
+            copy_dst=plan.copy_dst, num_seqs=plan.num_seqs, num_tokens=plan.num_tokens,
+        )
+        out = self.runner.execute(runner_plan)
+        handles, samples, tokens, codes, event_rows = self.scheduler.update(out.sampled_token_ids)
+        self.counters["steps"] += 1
+        done = time.monotonic()
+        touched: dict[int, _Request] = {}
+        for h, i, tok, code, row in zip(handles.tolist(), samples.tolist(), tokens.tolist(),
+                                        codes.tolist(), event_rows.tolist(), strict=True):
+            request = self._by_handle.get(h)
+            if request is None:
+                continue
+            self._apply_token(request, i, tok, code, row, out, done)
+            touched[h] = request
+        outputs = []
+        for request in touched.values():
+            if all(s.finish_reason is not None for s in request.samples.values()) \
+                    and len(request.samples) == request.params.n:
+                outputs.append(self._finish(request, None))
+            else:
+                outputs.append(self._make_output(request))
+        return outputs
+
+    def _sample_slots(self, plan: Any) -> np.ndarray:
+        rows = np.empty(plan.num_sampled, np.int32)
+        for r, (h, i) in enumerate(zip(plan.sample_request.tolist(), plan.sample_index.tolist(),
+                                       strict=True)):
+            slot = self._slot_owner.get((h, i))
+            if slot is None:
+                slot = self._bind_slot(h, i)
+            rows[r] = slot
+        return rows
+
+    def _bind_slot(self, handle: int, index: int) -> int:
+        request = self._by_handle[handle]
+        sample = request.samples.get(index)
+        if sample is None:
+            sample = self._new_sample(request, index)
+        slot = self._free_slots.pop()
+        self._slot_owner[(handle, index)] = slot
+        sample.slot = slot
+        self.runner.set_request(slot, request.params.device_params(), request.prompt_token_ids,
+                                sample.token_ids)
+        return slot
+
+    def _release_slot(self, handle: int, index: int) -> None:
+        slot = self._slot_owner.pop((handle, index), None)
+        if slot is not None:
+            self.runner.free_request(slot)
+            self._free_slots.append(slot)
+            request = self._by_handle.get(handle)
+            if request is not None and index in request.samples:
+                request.samples[index].slot = None
+
+    def _new_sample(self, request: _Request, index: int) -> _Sample:
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, stop=request.params.stop_strings,
+                include_stop_str_in_output=request.params.include_stop_str_in_output,
+                skip_special_tokens=request.params.skip_special_tokens,
+            )
+        sample = _Sample(index, detok, logprobs=[] if request.params.logprobs is not None else None)
+        request.samples[index] = sample
+        return sample
+
+    def _apply_token(self, request: _Request, index: int, token: int, code: int, row: int,
+                     out: Any, now: float) -> None:
+        sample = request.samples.get(index) or self._new_sample(request, index)
+        if not sample.versions or sample.versions[-1][1] != self.params_version:
+            sample.versions.append((len(sample.token_ids), self.params_version))
+        sample.token_ids.append(token)
+        self.counters["generation_tokens"] += 1
+        logprob = float(out.logprobs[row])
+        sample.cumulative_logprob += logprob
+        if sample.logprobs is not None:
+            entry = {token: Logprob(logprob, int(out.ranks[row]))}
+            k = request.params.logprobs or 0
+            if k and out.top_token_ids is not None:
+                for rank, (tid, lp) in enumerate(zip(out.top_token_ids[row][:k].tolist(),
+                                                     out.top_logprobs[row][:k].tolist(),
+                                                     strict=True), start=1):
+                    entry.setdefault(int(tid), Logprob(float(lp), rank))
+            sample.logprobs.append(entry)
+        metrics = request.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
+        stopped_by_string = sample.detok is not None and sample.detok.add_token(token)
+        if code:
+            sample.finish_reason = FINISH_REASONS[code]
+            if code == 1 and token in request.params.stop_token_ids:
+                sample.stop_reason = token
+        elif stopped_by_string:
+            self.scheduler.finish_sample(request.handle, index, "stop")
+            sample.finish_reason = "stop"
+            sample.stop_reason = sample.detok.stop_reason if sample.detok else None
+        if stopped_by_string and sample.detok is not None:
+            sample.finish_reason = "stop"
+            sample.stop_reason = sample.detok.stop_reason
+        if sample.finish_reason is not None:
+            self._release_slot(request.handle, index)
+
+    def _finish(self, request: _Request, reason: str | None) -> RequestOutput:
+        request.finished = True
+        request.metrics.finished_time = time.monotonic()
+        for sample in request.samples.values():
+            self._release_slot(request.handle, sample.index)
+        self._requests.pop(request.request_id, None)
+        self._by_handle.pop(request.handle, None)
+        for sample in request.samples.values():
+            key = sample.finish_reason or reason or "abort"
+            self.finished_counts[key] = self.finished_counts.get(key, 0) + 1
+        return self._make_output(request)
+
+    def _make_output(self, request: _Request) -> RequestOutput:
+        completions = []
+        for index in sorted(request.samples):
+            s = request.samples[index]
+            finished = s.finish_reason is not None
+            if request.delta:
+                text = s.detok.take_delta(finished) if s.detok else ""
+                ids = s.token_ids[s.sent_tokens:]
+                logprobs = s.logprobs[s.sent_tokens:] if s.logprobs is not None else None
+                s.sent_tokens = len(s.token_ids)
+            else:
+                text = s.detok.text if s.detok else ""
+                ids, logprobs = list(s.token_ids), s.logprobs
+            completions.append(CompletionOutput(
+                index=index, text=text, token_ids=ids,
+                cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
+                logprobs=logprobs, finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+                params_versions=list(s.versions),
+            ))
+        cached = self.scheduler.num_cached_tokens(request.handle)
+        return RequestOutput(
+            request_id=request.request_id, prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids, outputs=completions,
+            finished=request.finished, metrics=request.metrics,
+            num_cached_tokens=cached if cached is not None else 0, error=request.error,
+        )
+
+    # ---- introspection --------------------------------------------------
+
+    def get_stats(self) -> dict[str, Any]:
+        """Scheduler counters plus engine token totals (cheap: every step)."""
+        stats = dict(self.scheduler.stats())
+        stats["prompt_tokens_total"] = self.counters["prompt_tokens"]
+        stats["generation_tokens_total"] = self.counters["generation_tokens"]
+        stats["request_success_total"] = dict(self.finished_counts)
+        stats["num_unfinished_requests"] = len(self._requests)
+        return stats
+
+    def check_invariants(self) -> None:
+        """Raise if the KV pool or scheduler state is inconsistent."""
+        self.scheduler.check_invariants()
+        live_slots = len(self._slot_owner)
+        if live_slots + len(self._free_slots) != self.config.max_num_seqs:
+            raise AssertionError("sampling slots leaked")
