@@ -15,8 +15,13 @@ from kvpage._core import Scheduler
 
 
 def decoding_scheduler(running: int) -> Scheduler:
-    sched = Scheduler(running * 80, 16, max_num_seqs=running,
-                      max_num_batched_tokens=running * 1024, max_model_len=4096)
+    sched = Scheduler(
+        running * 80,
+        16,
+        max_num_seqs=running,
+        max_num_batched_tokens=running * 1024,
+        max_model_len=4096,
+    )
     for r in range(running):
         prompt = (np.arange(1000, dtype=np.int64) + r * 1000) % 100_000
         sched.add_request(prompt, max_tokens=3000, ignore_eos=True)

@@ -17,8 +17,12 @@ EOS = 2
 
 def make(**overrides: object) -> Scheduler:
     kwargs: dict = dict(
-        num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
-        max_model_len=128, eos_token_ids=[EOS],
+        num_blocks=64,
+        block_size=4,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_model_len=128,
+        eos_token_ids=[EOS],
     )
     kwargs.update(overrides)
     return Scheduler(**kwargs)
@@ -199,20 +203,30 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @initialize(policy=st.sampled_from(["fcfs", "priority", "static"]))
     def setup(self, policy: str) -> None:
-        self.sched = make(num_blocks=24, max_num_seqs=4, max_num_batched_tokens=16,
-                          max_model_len=40, scheduling_policy=policy)
+        self.sched = make(
+            num_blocks=24,
+            max_num_seqs=4,
+            max_num_batched_tokens=16,
+            max_model_len=40,
+            scheduling_policy=policy,
+        )
         self.handles: list[int] = []
         self.awaiting: int | None = None
 
-    @rule(prompt=st.lists(st.integers(0, 20), min_size=0, max_size=45),
-          n=st.integers(0, 3), max_tokens=st.integers(0, 20), priority=st.integers(-3, 3),
-          salt=st.sampled_from([None, "a", "b"]))
+    @rule(
+        prompt=st.lists(st.integers(0, 20), min_size=0, max_size=45),
+        n=st.integers(0, 3),
+        max_tokens=st.integers(0, 20),
+        priority=st.integers(-3, 3),
+        salt=st.sampled_from([None, "a", "b"]),
+    )
     def add(
         self, prompt: list[int], n: int, max_tokens: int, priority: int, salt: str | None
     ) -> None:
         try:
-            h = self.sched.add_request(prompt, n=n, max_tokens=max_tokens, priority=priority,
-                                       cache_salt=salt)
+            h = self.sched.add_request(
+                prompt, n=n, max_tokens=max_tokens, priority=priority, cache_salt=salt
+            )
         except ValueError:
             return
         self.handles.append(h)
@@ -266,6 +280,10 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(
-    max_examples=60, stateful_step_count=40, deadline=None, derandomize=True, database=None,
+    max_examples=60,
+    stateful_step_count=40,
+    deadline=None,
+    derandomize=True,
+    database=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

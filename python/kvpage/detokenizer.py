@@ -30,8 +30,17 @@ class IncrementalDetokenizer:
     """The growing text of one sample, with stop-string detection."""
 
     __slots__ = (
-        "_tokenizer", "_ids", "_prefix", "_read", "_skip_special", "_stops", "_include_stop",
-        "_holdback", "text", "emitted", "stop_reason",
+        "_tokenizer",
+        "_ids",
+        "_prefix",
+        "_read",
+        "_skip_special",
+        "_stops",
+        "_include_stop",
+        "_holdback",
+        "text",
+        "emitted",
+        "stop_reason",
     )
 
     def __init__(
@@ -67,12 +76,12 @@ class IncrementalDetokenizer:
         if self.stop_reason is not None:
             return True
         self._ids.append(token_id)
-        prefix_text = self._decode(self._ids[self._prefix:self._read])
-        full_text = self._decode(self._ids[self._prefix:])
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        full_text = self._decode(self._ids[self._prefix :])
         if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
             return False  # nothing complete yet
         old_len = len(self.text)
-        self.text += full_text[len(prefix_text):]
+        self.text += full_text[len(prefix_text) :]
         self._prefix, self._read = self._read, len(self._ids)
         return self._check_stop(old_len)
 
@@ -97,6 +106,6 @@ class IncrementalDetokenizer:
         still be the start of a stop string is held back."""
         end = len(self.text) if finished or not self._stops else len(self.text) - self._holdback
         end = max(end, self.emitted)
-        delta = self.text[self.emitted:end]
+        delta = self.text[self.emitted : end]
         self.emitted = end
         return delta

@@ -70,6 +70,7 @@ class _Request:
     samples: dict[int, _Sample] = field(default_factory=dict)
     finished: bool = False
     error: str | None = None
+    num_cached_tokens: int = 0
 
 
 def _merge_eos_ids(config: ModelConfig, model_dir: Path | None, tokenizer: Any) -> list[int]:
@@ -115,8 +116,9 @@ class LLMEngine:
         blocks_per_seq = math.ceil(max_model_len / config.block_size)
         num_blocks = config.num_gpu_blocks
         if num_blocks is None and jax.default_backend() == "cpu":
-            num_blocks = max(blocks_per_seq, min(config.max_num_seqs * blocks_per_seq,
-                                                 _CPU_MAX_DEFAULT_BLOCKS))
+            num_blocks = max(
+                blocks_per_seq, min(config.max_num_seqs * blocks_per_seq, _CPU_MAX_DEFAULT_BLOCKS)
+            )
         batched = max(config.max_num_batched_tokens, config.max_num_seqs)
         if not config.enable_chunked_prefill:
             batched = max(batched, max_model_len)
@@ -161,8 +163,12 @@ class LLMEngine:
             raise ValueError("EngineConfig.model must name an HF model directory")
         model_dir = Path(config.model)
         model_config, params = load_model(model_dir, dtype=config.dtype)
-        tokenizer = load_tokenizer(model_dir) if (model_dir / "tokenizer_config.json").is_file() \
-            or (model_dir / "tokenizer.json").is_file() else None
+        tokenizer = (
+            load_tokenizer(model_dir)
+            if (model_dir / "tokenizer_config.json").is_file()
+            or (model_dir / "tokenizer.json").is_file()
+            else None
+        )
         return cls(config, model_config, params, tokenizer, model_dir)
 
     # ---- requests -------------------------------------------------------
@@ -206,7 +212,8 @@ class LLMEngine:
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise ValueError(
-                f"logprobs must be <= {self.config.max_logprobs} (max_logprobs), got {params.logprobs}"
+                f"logprobs must be <= {self.config.max_logprobs} (max_logprobs), "
+                f"got {params.logprobs}"
             )
         if len(ids) >= self.max_model_len:
             raise ValueError(
@@ -271,7 +278,9 @@ class LLMEngine:
         """Run one scheduler step; returns the requests that progressed."""
         plan = self.scheduler.schedule()
         now = time.monotonic()
-        for handle, index in zip(plan.preempted.tolist(), plan.preempted_index.tolist(), strict=True):
+        for handle, index in zip(
+            plan.preempted.tolist(), plan.preempted_index.tolist(), strict=True
+        ):
             self._release_slot(handle, index)
         if plan.num_tokens == 0:
             self.scheduler.update(np.zeros(0, np.int32))
@@ -280,20 +289,35 @@ class LLMEngine:
             request = self._by_handle.get(handle)
             if request is not None and request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
+                request.num_cached_tokens = self.scheduler.num_cached_tokens(handle) or 0
         rows = self._sample_slots(plan)
         runner_plan = RunnerPlan(
-            token_ids=plan.token_ids, positions=plan.positions, slot_mapping=plan.slot_mapping,
-            cu_q_lens=plan.cu_q_lens, kv_lens=plan.kv_lens, block_tables=plan.block_tables,
-            logits_indices=plan.logits_indices, sample_rows=rows, copy_src=plan.copy_src,
-            copy_dst=plan.copy_dst, num_seqs=plan.num_seqs, num_tokens=plan.num_tokens,
+            token_ids=plan.token_ids,
+            positions=plan.positions,
+            slot_mapping=plan.slot_mapping,
+            cu_q_lens=plan.cu_q_lens,
+            kv_lens=plan.kv_lens,
+            block_tables=plan.block_tables,
+            logits_indices=plan.logits_indices,
+            sample_rows=rows,
+            copy_src=plan.copy_src,
+            copy_dst=plan.copy_dst,
+            num_seqs=plan.num_seqs,
+            num_tokens=plan.num_tokens,
         )
         out = self.runner.execute(runner_plan)
         handles, samples, tokens, codes, event_rows = self.scheduler.update(out.sampled_token_ids)
         self.counters["steps"] += 1
         done = time.monotonic()
         touched: dict[int, _Request] = {}
-        for h, i, tok, code, row in zip(handles.tolist(), samples.tolist(), tokens.tolist(),
-                                        codes.tolist(), event_rows.tolist(), strict=True):
+        for h, i, tok, code, row in zip(
+            handles.tolist(),
+            samples.tolist(),
+            tokens.tolist(),
+            codes.tolist(),
+            event_rows.tolist(),
+            strict=True,
+        ):
             request = self._by_handle.get(h)
             if request is None:
                 continue
@@ -301,8 +325,10 @@ class LLMEngine:
             touched[h] = request
         outputs = []
         for request in touched.values():
-            if all(s.finish_reason is not None for s in request.samples.values()) \
-                    and len(request.samples) == request.params.n:
+            if (
+                all(s.finish_reason is not None for s in request.samples.values())
+                and len(request.samples) == request.params.n
+            ):
                 outputs.append(self._finish(request, None))
             else:
                 outputs.append(self._make_output(request))
@@ -310,8 +336,9 @@ class LLMEngine:
 
     def _sample_slots(self, plan: Any) -> np.ndarray:
         rows = np.empty(plan.num_sampled, np.int32)
-        for r, (h, i) in enumerate(zip(plan.sample_request.tolist(), plan.sample_index.tolist(),
-                                       strict=True)):
+        for r, (h, i) in enumerate(
+            zip(plan.sample_request.tolist(), plan.sample_index.tolist(), strict=True)
+        ):
             slot = self._slot_owner.get((h, i))
             if slot is None:
                 slot = self._bind_slot(h, i)
@@ -326,8 +353,11 @@ class LLMEngine:
         slot = self._free_slots.pop()
         self._slot_owner[(handle, index)] = slot
         sample.slot = slot
-        self.runner.set_request(slot, request.params.device_params(), request.prompt_token_ids,
-                                sample.token_ids)
+        device_params = request.params.device_params()
+        if device_params.seed is not None and index > 0:
+            # Seeded samples of one request differ from each other but replay exactly.
+            device_params.seed = (device_params.seed * 0x9E3779B97F4A7C15 + index) % (1 << 63)
+        self.runner.set_request(slot, device_params, request.prompt_token_ids, sample.token_ids)
         return slot
 
     def _release_slot(self, handle: int, index: int) -> None:
@@ -343,7 +373,9 @@ class LLMEngine:
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, stop=request.params.stop_strings,
+                self.tokenizer,
+                request.prompt_token_ids,
+                stop=request.params.stop_strings,
                 include_stop_str_in_output=request.params.include_stop_str_in_output,
                 skip_special_tokens=request.params.skip_special_tokens,
             )
@@ -351,8 +383,9 @@ class LLMEngine:
         request.samples[index] = sample
         return sample
 
-    def _apply_token(self, request: _Request, index: int, token: int, code: int, row: int,
-                     out: Any, now: float) -> None:
+    def _apply_token(
+        self, request: _Request, index: int, token: int, code: int, row: int, out: Any, now: float
+    ) -> None:
         sample = request.samples.get(index) or self._new_sample(request, index)
         if not sample.versions or sample.versions[-1][1] != self.params_version:
             sample.versions.append((len(sample.token_ids), self.params_version))
@@ -364,9 +397,14 @@ class LLMEngine:
             entry = {token: Logprob(logprob, int(out.ranks[row]))}
             k = request.params.logprobs or 0
             if k and out.top_token_ids is not None:
-                for rank, (tid, lp) in enumerate(zip(out.top_token_ids[row][:k].tolist(),
-                                                     out.top_logprobs[row][:k].tolist(),
-                                                     strict=True), start=1):
+                for rank, (tid, lp) in enumerate(
+                    zip(
+                        out.top_token_ids[row][:k].tolist(),
+                        out.top_logprobs[row][:k].tolist(),
+                        strict=True,
+                    ),
+                    start=1,
+                ):
                     entry.setdefault(int(tid), Logprob(float(lp), rank))
             sample.logprobs.append(entry)
         metrics = request.metrics
@@ -407,24 +445,33 @@ class LLMEngine:
             finished = s.finish_reason is not None
             if request.delta:
                 text = s.detok.take_delta(finished) if s.detok else ""
-                ids = s.token_ids[s.sent_tokens:]
-                logprobs = s.logprobs[s.sent_tokens:] if s.logprobs is not None else None
+                ids = s.token_ids[s.sent_tokens :]
+                logprobs = s.logprobs[s.sent_tokens :] if s.logprobs is not None else None
                 s.sent_tokens = len(s.token_ids)
             else:
                 text = s.detok.text if s.detok else ""
                 ids, logprobs = list(s.token_ids), s.logprobs
-            completions.append(CompletionOutput(
-                index=index, text=text, token_ids=ids,
-                cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
-                logprobs=logprobs, finish_reason=s.finish_reason, stop_reason=s.stop_reason,
-                params_versions=list(s.versions),
-            ))
-        cached = self.scheduler.num_cached_tokens(request.handle)
+            completions.append(
+                CompletionOutput(
+                    index=index,
+                    text=text,
+                    token_ids=ids,
+                    cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
+                    logprobs=logprobs,
+                    finish_reason=s.finish_reason,
+                    stop_reason=s.stop_reason,
+                    params_versions=list(s.versions),
+                )
+            )
         return RequestOutput(
-            request_id=request.request_id, prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids, outputs=completions,
-            finished=request.finished, metrics=request.metrics,
-            num_cached_tokens=cached if cached is not None else 0, error=request.error,
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=completions,
+            finished=request.finished,
+            metrics=request.metrics,
+            num_cached_tokens=request.num_cached_tokens,
+            error=request.error,
         )
 
     # ---- introspection --------------------------------------------------

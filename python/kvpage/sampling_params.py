@@ -60,45 +60,80 @@ class SamplingParams:
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
 
         def finite(value: object) -> bool:
-            return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+            return (
+                isinstance(value, int | float)
+                and not isinstance(value, bool)
+                and math.isfinite(value)
+            )
 
         def integer(value: object) -> bool:
             return isinstance(value, int) and not isinstance(value, bool)
 
         check("n", integer(self.n) and 1 <= self.n <= MAX_N, f"an integer in [1, {MAX_N}]")
-        check("temperature", finite(self.temperature) and 0 <= self.temperature <= 100,
-              "a finite number in [0, 100]")
+        check(
+            "temperature",
+            finite(self.temperature) and 0 <= self.temperature <= 100,
+            "a finite number in [0, 100]",
+        )
         check("top_p", finite(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]")
-        check("top_k", integer(self.top_k) and self.top_k >= -1, "-1, 0 (off) or a positive integer")
+        check(
+            "top_k", integer(self.top_k) and self.top_k >= -1, "-1, 0 (off) or a positive integer"
+        )
         check("min_p", finite(self.min_p) and 0 <= self.min_p <= 1, "in [0, 1]")
-        check("seed", self.seed is None or (integer(self.seed) and 0 <= self.seed < 2**63),
-              "None or an integer in [0, 2**63)")
-        check("max_tokens", self.max_tokens is None or (integer(self.max_tokens) and self.max_tokens >= 1),
-              "None or an integer >= 1")
+        check(
+            "seed",
+            self.seed is None or (integer(self.seed) and 0 <= self.seed < 2**63),
+            "None or an integer in [0, 2**63)",
+        )
+        check(
+            "max_tokens",
+            self.max_tokens is None or (integer(self.max_tokens) and self.max_tokens >= 1),
+            "None or an integer >= 1",
+        )
         check("min_tokens", integer(self.min_tokens) and self.min_tokens >= 0, "an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        check("logprobs", self.logprobs is None or (integer(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-              f"None or an integer in [0, {MAX_LOGPROBS}]")
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        check(
+            "logprobs",
+            self.logprobs is None
+            or (integer(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            f"None or an integer in [0, {MAX_LOGPROBS}]",
+        )
         for name in ("presence_penalty", "frequency_penalty"):
-            check(name, finite(getattr(self, name)) and -2 <= getattr(self, name) <= 2, "in [-2, 2]")
-        check("repetition_penalty", finite(self.repetition_penalty) and 0 < self.repetition_penalty <= 2,
-              "in (0, 2]")
+            check(
+                name, finite(getattr(self, name)) and -2 <= getattr(self, name) <= 2, "in [-2, 2]"
+            )
+        check(
+            "repetition_penalty",
+            finite(self.repetition_penalty) and 0 < self.repetition_penalty <= 2,
+            "in (0, 2]",
+        )
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        check("stop", all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in stop)
-              and len(stop) <= MAX_STOP_STRINGS,
-              f"a string or a list of at most {MAX_STOP_STRINGS} non-empty strings of at most "
-              f"{MAX_STOP_STRING_CHARS} characters")
+        check(
+            "stop",
+            all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in stop)
+            and len(stop) <= MAX_STOP_STRINGS,
+            f"a string or a list of at most {MAX_STOP_STRINGS} non-empty strings of at most "
+            f"{MAX_STOP_STRING_CHARS} characters",
+        )
         self.stop_strings = tuple(stop)
         ids = list(self.stop_token_ids or [])
-        check("stop_token_ids", all(integer(t) and 0 <= t < 2**31 for t in ids),
-              "a list of non-negative token ids")
+        check(
+            "stop_token_ids",
+            all(integer(t) and 0 <= t < 2**31 for t in ids),
+            "a list of non-negative token ids",
+        )
         self.stop_token_ids = ids
 
     @property
     def uses_penalties(self) -> bool:
-        return (self.presence_penalty != 0 or self.frequency_penalty != 0
-                or self.repetition_penalty != 1)
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )
 
     def device_params(self) -> DeviceSamplingParams:
         """The knobs the device sampler needs for this request."""

@@ -161,32 +161,59 @@ def simulate(
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m kvpage.sim", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--policy", default="fcfs", choices=["fcfs", "priority", "static"],
-                   help="scheduling policy (static = fixed batches, max-length KV reservation)")
+    p = argparse.ArgumentParser(
+        prog="python -m kvpage.sim",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--policy",
+        default="fcfs",
+        choices=["fcfs", "priority", "static"],
+        help="scheduling policy (static = fixed batches, max-length KV reservation)",
+    )
     p.add_argument("--num-requests", type=int, default=200, help="requests in the workload")
     p.add_argument("--input-len", type=int, default=230, help="mean prompt length (tokens)")
     p.add_argument("--output-len", type=int, default=200, help="mean output length (tokens)")
-    p.add_argument("--dist", default="sharegpt", choices=DISTRIBUTIONS,
-                   help="length distribution of prompts and outputs")
-    p.add_argument("--range-ratio", type=float, default=0.0,
-                   help="uniform lengths within mean*(1 +/- ratio)")
-    p.add_argument("--output-lens", default=None,
-                   help="comma-separated output lengths, one per request (overrides --output-len)")
-    p.add_argument("--shared-prefix-len", type=int, default=0,
-                   help="tokens of a system prompt shared by every request")
-    p.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="Poisson arrivals per step (inf = all at once)")
+    p.add_argument(
+        "--dist",
+        default="sharegpt",
+        choices=DISTRIBUTIONS,
+        help="length distribution of prompts and outputs",
+    )
+    p.add_argument(
+        "--range-ratio", type=float, default=0.0, help="uniform lengths within mean*(1 +/- ratio)"
+    )
+    p.add_argument(
+        "--output-lens",
+        default=None,
+        help="comma-separated output lengths, one per request (overrides --output-len)",
+    )
+    p.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=0,
+        help="tokens of a system prompt shared by every request",
+    )
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="Poisson arrivals per step (inf = all at once)",
+    )
     p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks in the pool")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-num-seqs", type=int, default=64, help="seats in the running batch")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     p.add_argument("--max-model-len", type=int, default=4096, help="longest sequence allowed")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
-    p.add_argument("--max-tokens", type=int, default=None,
-                   help="cap each request asks for; the fake model then stops at the drawn length "
-                        "with EOS (default: ask for exactly the drawn length)")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="cap each request asks for; the fake model then stops at the drawn length "
+        "with EOS (default: ask for exactly the drawn length)",
+    )
     p.add_argument("--seed", type=int, default=0, help="workload and token seed")
     p.add_argument("--json", action="store_true", help="print the full result as JSON")
     return p.parse_args(argv)

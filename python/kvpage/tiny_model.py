@@ -131,8 +131,9 @@ def build_tiny_model(path: str | Path, seed: int = 0, **config_overrides: object
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("path", help="directory to write the model to")
     parser.add_argument("--seed", type=int, default=0, help="weight seed")
     args = parser.parse_args()

@@ -1,0 +1,63 @@
+"""Backend selection for paged attention.
+
+Owns :func:`paged_attention`, the one entry point model code calls. It picks
+between the pure-jnp reference (``reference.py``) and the Pallas kernels
+(``ragged_paged_attention.py``, ``paged_decode_attention.py``):
+
+* ``backend="reference"``: the jnp reference, on any platform.
+* ``backend="pallas"``: the Pallas kernels; compiled through Triton on GPU,
+  run by the Pallas interpreter (``interpret=True``) anywhere else, which is
+  exact but slow - meant for tests.
+* ``backend=None``: the Pallas kernels on GPU, the reference elsewhere.
+
+``decode_only=True`` is the caller's promise that every live row has
+``q_len == 1``; with the Pallas backend it routes to the split-K decode
+kernel. Tuning knobs are not exposed here on purpose: the kernels' defaults
+are what model code gets.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels._compat import on_gpu
+from pallas_kernels.paged_decode_attention import paged_decode_attention
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from pallas_kernels.reference import ragged_paged_attention_reference
+
+BACKENDS = ("reference", "pallas")
+
+
+def resolve_backend(backend: str | None) -> str:
+    """Concrete backend name for ``backend`` on this platform."""
+    if backend is None:
+        return "pallas" if on_gpu() else "reference"
+    if backend not in BACKENDS:
+        raise ValueError(
+            f"unknown paged-attention backend {backend!r}; "
+            f"expected one of {', '.join(repr(b) for b in BACKENDS)} or None"
+        )
+    return backend
+
+
+def paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    backend: str | None = None,
+    decode_only: bool = False,
+) -> jax.Array:
+    """Ragged paged attention (contract: ``reference.py``) on the chosen backend."""
+    args = (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
+    if resolve_backend(backend) == "reference":
+        return ragged_paged_attention_reference(*args, sm_scale=sm_scale)
+    interpret = not on_gpu()
+    if decode_only:
+        return paged_decode_attention(*args, sm_scale=sm_scale, interpret=interpret)
+    return ragged_paged_attention(*args, sm_scale=sm_scale, interpret=interpret)

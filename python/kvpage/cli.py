@@ -1,0 +1,219 @@
+"""The ``kvpage`` command: generate, serve, bench, make-tiny-model.
+
+    kvpage generate [MODEL_DIR] --prompt "Hello" [--max-tokens 32]
+    kvpage serve MODEL_DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+    kvpage make-tiny-model PATH
+
+Engine flags are spelled as vLLM spells them. Without MODEL_DIR, ``generate``
+uses a tiny random Llama it builds once under ~/.cache/kvpage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+from kvpage.engine_config import DTYPES, POLICIES, EngineConfig
+
+DEFAULT_TINY_MODEL = Path.home() / ".cache" / "kvpage" / "tiny-llama"
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine flags, with vLLM's spellings."""
+    g = parser.add_argument_group("engine")
+    d = EngineConfig()
+    g.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=d.max_num_seqs,
+        help="most sequences running at once (the continuous batch width)",
+    )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=d.max_num_batched_tokens,
+        help="token budget of one step (prefill chunks + decodes)",
+    )
+    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    g.add_argument(
+        "--num-gpu-blocks",
+        type=int,
+        default=None,
+        help="KV blocks in the pool (default: from --gpu-memory-utilization)",
+    )
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=d.gpu_memory_utilization,
+        help="fraction of accelerator memory for the KV cache",
+    )
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=d.enable_prefix_caching,
+        help="reuse KV of shared prompt prefixes",
+    )
+    g.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=d.enable_chunked_prefill,
+        help="split long prompts across steps so decodes keep flowing",
+    )
+    g.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=0,
+        help="most tokens one prompt may take in a step (0 = no cap)",
+    )
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest sequence, prompt + output (default: the model's)",
+    )
+    g.add_argument("--dtype", default="auto", choices=DTYPES, help="weight dtype")
+    g.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=POLICIES,
+        help="fcfs, priority (lower value first), or static (baseline)",
+    )
+    g.add_argument(
+        "--attention-backend",
+        default=None,
+        help="reference or pallas (default: pallas on GPU, reference on CPU)",
+    )
+    g.add_argument("--tensor-parallel-size", type=int, default=1, help="devices to shard over")
+    g.add_argument(
+        "--max-num-waiting",
+        type=int,
+        default=None,
+        help="bound of the waiting queue (serve answers 503 past it)",
+    )
+    g.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=d.max_logprobs,
+        help="largest logprobs a request may ask for",
+    )
+    g.add_argument("--seed", type=int, default=0, help="engine seed")
+
+
+def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfig:
+    names = {f.name for f in fields(EngineConfig)} - {"model"}
+    return EngineConfig(model=model, **{n: getattr(args, n) for n in names if hasattr(args, n)})
+
+
+def _resolve_model(model: str | None) -> str:
+    if model:
+        return model
+    if not (DEFAULT_TINY_MODEL / "config.json").is_file():
+        from kvpage.tiny_model import build_tiny_model
+
+        print(f"building a tiny random Llama at {DEFAULT_TINY_MODEL} ...", file=sys.stderr)
+        build_tiny_model(DEFAULT_TINY_MODEL)
+    return str(DEFAULT_TINY_MODEL)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from kvpage.llm import LLM
+    from kvpage.sampling_params import SamplingParams
+
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        prompts += [
+            line.rstrip("\n")
+            for line in Path(args.prompts_file).read_text().splitlines()
+            if line.strip()
+        ]
+    if not prompts:
+        print("error: give --prompt and/or --prompts-file", file=sys.stderr)
+        return 2
+    config = engine_config_from_args(args, _resolve_model(args.model))
+    llm = LLM(**{f.name: getattr(config, f.name) for f in fields(EngineConfig)})
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        n=args.n,
+        seed=args.sample_seed,
+    )
+    outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
+    for out in outputs:
+        for completion in out.outputs:
+            print(
+                f"--- prompt: {out.prompt!r}  sample {completion.index} "
+                f"({len(completion.token_ids)} tokens, {completion.finish_reason})"
+            )
+            print(out.prompt + completion.text)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvpage.server import run_server
+
+    config = engine_config_from_args(args, args.model)
+    run_server(args.model, args.host, args.port, args.api_key, config)
+    return 0
+
+
+def cmd_make_tiny_model(args: argparse.Namespace) -> int:
+    from kvpage.tiny_model import build_tiny_model
+
+    print(build_tiny_model(args.path, seed=args.seed))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvpage", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for prompts (offline)")
+    gen.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="HF model directory (default: a tiny random Llama built on first use)",
+    )
+    gen.add_argument("--prompt", action="append", help="a prompt; repeat for several")
+    gen.add_argument("--prompts-file", help="a file with one prompt per line")
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per sample")
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    gen.add_argument("--n", type=int, default=1, help="samples per prompt")
+    gen.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate, max_model_len=None)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("model", help="HF model directory")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000, help="port")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    tiny = sub.add_parser("make-tiny-model", help="write a tiny random Llama HF directory")
+    tiny.add_argument("path", help="output directory")
+    tiny.add_argument("--seed", type=int, default=0, help="weight seed")
+    tiny.set_defaults(func=cmd_make_tiny_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

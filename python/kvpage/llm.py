@@ -1,0 +1,130 @@
+"""The offline API: ``LLM(model=...).generate(prompts, sampling_params)``.
+
+from kvpage import LLM, SamplingParams
+llm = LLM(model="path/to/hf-dir", max_num_seqs=64)
+outputs = llm.generate(["Hello", "The sky is"], SamplingParams(temperature=0))
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from kvpage.engine import LLMEngine, PromptType
+from kvpage.engine_config import EngineConfig
+from kvpage.model.config import ModelConfig
+from kvpage.outputs import RequestOutput
+from kvpage.sampling_params import SamplingParams
+
+Message = dict[str, str]
+
+
+class LLM:
+    """Generate for many prompts at once with continuous batching."""
+
+    def __init__(self, model: str | None = None, *, tokenizer: Any = None, **engine_args: Any):
+        config = EngineConfig(model=model, **engine_args)
+        self.engine = LLMEngine.from_config(config)
+        if tokenizer is not None:
+            self.engine.tokenizer = tokenizer
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        llm._ids = itertools.count()
+        return llm
+
+    @classmethod
+    def from_params(
+        cls, config: ModelConfig, params: Any, tokenizer: Any = None, **engine_args: Any
+    ) -> LLM:
+        """Generate straight from a parameter pytree already in memory."""
+        engine = LLMEngine(EngineConfig(**engine_args), config, params, tokenizer)
+        return cls.from_engine(engine)
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order.
+
+        A prompt is a string or ``{"prompt_token_ids": [...]}``;
+        ``sampling_params`` is one for all prompts or one per prompt.
+        """
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} sampling_params for {len(prompts)} prompts"
+                )
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        ids = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+                request_id = f"generate-{next(self._ids)}"
+                self.engine.add_request(
+                    request_id, prompt, params, priority=priority[i] if priority else 0
+                )
+                ids.append(request_id)
+            return self._run(ids, use_tqdm)
+        except BaseException:
+            self.engine.abort_request(ids)
+            raise
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them through the
+        model's chat template."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("chat needs a tokenizer with a chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            tokenizer.apply_chat_template(
+                list(conv),
+                tokenize=False,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+            )
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", unit="req", dynamic_ncols=True)
+        wanted = set(ids)
+        while wanted - finished.keys():
+            for output in self.engine.step():
+                if output.finished and output.request_id in wanted:
+                    finished[output.request_id] = output
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [finished[i] for i in ids]

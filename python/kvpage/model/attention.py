@@ -1,0 +1,69 @@
+"""Choice of the paged-attention implementation (one string, one place).
+
+This file owns the indirection between the decoder and ``pallas_kernels``. Every backend
+follows the contract of ``pallas_kernels/reference.py``: ``attend(q, k_pages, v_pages,
+kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale, decode_only)`` and
+``write_kv(k_pages, v_pages, k, v, slot_mapping)``.
+
+``attention_backend`` is passed to ``pallas_kernels.paged_attention``'s dispatcher:
+``"reference"`` (pure jnp, any platform), ``"pallas"`` (the Pallas kernels), or ``None``
+(the dispatcher's default: Pallas on GPU, the reference elsewhere). ``decode_only=True``
+is the caller's promise that every live row has exactly one query token; backends with a
+decode-specialised kernel use it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+
+AttendFn = Callable[..., jax.Array]
+WriteKVFn = Callable[
+    [jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]
+]
+
+
+class AttentionBackend(NamedTuple):
+    """The two kernels the decoder calls per layer, and the resolved backend name.
+
+    ``decode_specialized``: whether ``attend(..., decode_only=True)`` runs a different
+    kernel (so a runner should compile pure-decode steps separately).
+    """
+
+    name: str
+    attend: AttendFn
+    write_kv: WriteKVFn
+    decode_specialized: bool
+
+
+def _reference_attend(*args: Any, sm_scale: float, decode_only: bool = False) -> jax.Array:
+    import pallas_kernels
+
+    return pallas_kernels.ragged_paged_attention_reference(*args, sm_scale=sm_scale)
+
+
+def get_attention_backend(name: str | None = None) -> AttentionBackend:
+    """Resolve ``attention_backend`` to callables; ValueError for an unknown name."""
+    import pallas_kernels
+
+    dispatcher = getattr(pallas_kernels, "paged_attention", None)
+    resolve = getattr(pallas_kernels, "resolve_backend", None)
+    resolved = resolve(name) if resolve is not None else (name or "reference")
+    if resolved == "reference":
+        return AttentionBackend(
+            "reference", _reference_attend, pallas_kernels.write_kv_pages, False
+        )
+    if dispatcher is None:
+        raise ValueError(
+            f"attention_backend {name!r} needs pallas_kernels.paged_attention, which this "
+            "build of pallas_kernels does not provide; use attention_backend='reference'"
+        )
+    return AttentionBackend(
+        resolved,
+        functools.partial(dispatcher, backend=resolved),
+        pallas_kernels.write_kv_pages,
+        True,
+    )

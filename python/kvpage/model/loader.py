@@ -1,0 +1,200 @@
+"""Getting a parameter pytree: from an HF directory, from random numbers, or from memory.
+
+This file owns the three ways to obtain params for :mod:`kvpage.model.llama`:
+
+* :func:`load_model` / :func:`load_params` read an HF-format directory (``config.json``
+  plus one ``*.safetensors`` file or a sharded set with ``model.safetensors.index.json``).
+  Only safetensors are read, never pickled ``.bin`` files.
+* :func:`random_params` builds weights at a config's real shapes for benchmarking.
+* :func:`params_from_pytree` / :func:`params_from_hf_tensors` adopt weights that are
+  already in memory (a JAX training run's pytree, or an HF-style flat state dict).
+
+``dtype`` everywhere is ``"auto"`` (the checkpoint config's dtype), ``"float32"``,
+``"bfloat16"`` or ``"float16"``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvpage.model.config import ModelConfig
+from kvpage.model.errors import CheckpointError
+from kvpage.model.params import (
+    Params,
+    cast_params,
+    jnp_dtype,
+    param_spec,
+    tree_from_flat,
+    validate_params,
+)
+from kvpage.model.safetensors_file import SafetensorsFile
+
+_INDEX_FILE = "model.safetensors.index.json"
+_SINGLE_FILE = "model.safetensors"
+
+
+def resolve_dtype(config: ModelConfig, dtype: str) -> str:
+    """``"auto"`` -> the config's dtype; otherwise validate and return ``dtype``."""
+    if dtype == "auto":
+        return config.dtype
+    jnp_dtype(dtype)
+    return dtype
+
+
+def load_model(
+    model_dir: str | Path, dtype: str = "auto", device: jax.Device | None = None
+) -> tuple[ModelConfig, Params]:
+    """Read ``config.json`` and the safetensors weights of an HF model directory."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"model directory not found: {model_dir}")
+    config = ModelConfig.from_pretrained(model_dir)
+    return config, load_params(model_dir, config, dtype=dtype, device=device)
+
+
+def _weight_files(model_dir: Path) -> dict[str, Path]:
+    """Map each tensor name to the safetensors file that holds it (not yet opened)."""
+    index_path = model_dir / _INDEX_FILE
+    if index_path.is_file():
+        try:
+            index = json.loads(index_path.read_text(encoding="utf-8"))
+            weight_map = index["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"malformed weight index {index_path}: {exc}") from exc
+        return {str(name): model_dir / str(file) for name, file in weight_map.items()}
+    files = [model_dir / _SINGLE_FILE] if (model_dir / _SINGLE_FILE).is_file() else sorted(
+        model_dir.glob("*.safetensors")
+    )
+    if not files:
+        bins = sorted(p.name for p in model_dir.glob("*.bin"))
+        hint = f" (found {', '.join(bins)}; pickle checkpoints are not loaded)" if bins else ""
+        raise CheckpointError(f"no *.safetensors weight files in {model_dir}{hint}")
+    mapping: dict[str, Path] = {}
+    for path in files:
+        for name in SafetensorsFile(path).keys():
+            mapping[name] = path
+    return mapping
+
+
+def load_params(
+    model_dir: str | Path,
+    config: ModelConfig,
+    dtype: str = "auto",
+    device: jax.Device | None = None,
+) -> Params:
+    """Load every tensor of :func:`param_spec` from ``model_dir`` as ``dtype`` jax arrays.
+
+    Tensors the model does not use (``lm_head.weight`` of a tied model, rotary buffers)
+    are ignored; missing tensors and shape mismatches raise :class:`CheckpointError`.
+    """
+    model_dir = Path(model_dir)
+    target = jnp_dtype(resolve_dtype(config, dtype))
+    where = _weight_files(model_dir)
+    spec = param_spec(config)
+    missing = [name for name in spec if name not in where]
+    if missing:
+        more = f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""
+        raise CheckpointError(
+            f"checkpoint {model_dir} lacks tensors: {', '.join(missing[:8])}{more}"
+        )
+    files: dict[Path, SafetensorsFile] = {}
+    flat: dict[str, jax.Array] = {}
+    for name, shape in spec.items():
+        path = where[name]
+        if path not in files:
+            files[path] = SafetensorsFile(path)
+        shard = files[path]
+        if name not in shard:
+            raise CheckpointError(f"tensor {name!r} is listed for {path} but absent from it")
+        if shard.shape(name) != shape:
+            raise CheckpointError(
+                f"tensor {name!r} in {path} has shape {shard.shape(name)}, expected {shape}"
+            )
+        # Convert on the device: the host only streams the file's bytes.
+        value = jax.device_put(np.asarray(shard.get(name)), device)
+        flat[name] = value if value.dtype == target else value.astype(target)
+    return tree_from_flat(config, flat)
+
+
+def params_from_hf_tensors(
+    config: ModelConfig,
+    tensors: Mapping[str, Any],
+    dtype: str = "auto",
+    device: jax.Device | None = None,
+) -> Params:
+    """Adopt an in-memory HF-named flat mapping (e.g. a converted ``state_dict``)."""
+    spec = param_spec(config)
+    missing = [name for name in spec if name not in tensors]
+    if missing:
+        raise CheckpointError(f"tensors missing from mapping: {', '.join(missing[:8])}")
+    flat = {}
+    for name, shape in spec.items():
+        if tuple(np.shape(tensors[name])) != shape:
+            raise CheckpointError(
+                f"tensor {name!r} has shape {tuple(np.shape(tensors[name]))}, expected {shape}"
+            )
+        flat[name] = tensors[name]
+    return cast_params(tree_from_flat(config, flat), resolve_dtype(config, dtype), device)
+
+
+def params_from_pytree(
+    config: ModelConfig,
+    params: Params,
+    dtype: str | None = None,
+    device: jax.Device | None = None,
+) -> Params:
+    """Validate a pytree in the :mod:`kvpage.model.params` layout and move it to ``device``.
+
+    ``dtype=None`` keeps each leaf's dtype; ``"auto"`` uses the config's.
+    """
+    validate_params(config, params)
+    target = None if dtype is None else resolve_dtype(config, dtype)
+    return cast_params(params, target, device)
+
+
+def random_params(
+    config: ModelConfig,
+    seed: int = 0,
+    dtype: str = "auto",
+    device: jax.Device | None = None,
+    scale: float = 0.02,
+) -> Params:
+    """Normal(0, ``scale``) weights (norm weights 1, biases 0) at the config's real shapes.
+
+    Generated on the device tensor by tensor, so an 8B model needs no host memory.
+    """
+    target = jnp_dtype(resolve_dtype(config, dtype))
+    base = jax.random.key(seed)
+    flat: dict[str, jax.Array] = {}
+    for index, (name, shape) in enumerate(param_spec(config).items()):
+        if name.endswith("norm.weight"):
+            value = jnp.ones(shape, target, device=device)
+        elif name.endswith(".bias"):
+            value = jnp.zeros(shape, target, device=device)
+        else:
+            value = _normal(jax.random.fold_in(base, index), shape, target, scale, device)
+        flat[name] = value
+    return tree_from_flat(config, flat)
+
+
+def _normal(
+    key: jax.Array, shape: tuple[int, ...], dtype: Any, scale: float, device: jax.Device | None
+) -> jax.Array:
+    if device is not None:
+        key = jax.device_put(key, device)
+    return _normal_jit(key, shape, dtype, scale)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _normal_jit(key: jax.Array, shape: tuple[int, ...], dtype: Any, scale: float) -> jax.Array:
+    return (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype)

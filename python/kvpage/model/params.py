@@ -1,0 +1,221 @@
+"""The parameter pytree: its documented layout, HF-name mapping, validation and casting.
+
+Layout (nested plain dicts of arrays; names are the HF tensor names with the
+``model.`` prefix dropped and every ``.`` turned into one nesting level)::
+
+    params = {
+        "embed_tokens": {"weight": [vocab, hidden]},
+        "layers": [                                    # one dict per layer, or see below
+            {
+                "input_layernorm": {"weight": [hidden]},
+                "self_attn": {
+                    "q_proj": {"weight": [heads * head_dim, hidden], "bias": [heads * head_dim]},
+                    "k_proj": {"weight": [kv_heads * head_dim, hidden], "bias": [...]},
+                    "v_proj": {"weight": [kv_heads * head_dim, hidden], "bias": [...]},
+                    "o_proj": {"weight": [hidden, heads * head_dim]},   # "bias" if o_proj_bias
+                    "q_norm": {"weight": [head_dim]},                 # Qwen3 only
+                    "k_norm": {"weight": [head_dim]},                 # Qwen3 only
+                },
+                "post_attention_layernorm": {"weight": [hidden]},
+                "mlp": {
+                    "gate_proj": {"weight": [intermediate, hidden]},
+                    "up_proj": {"weight": [intermediate, hidden]},
+                    "down_proj": {"weight": [hidden, intermediate]},
+                },
+            },
+            ...
+        ],
+        "norm": {"weight": [hidden]},
+        "lm_head": {"weight": [vocab, hidden]},        # absent when embeddings are tied
+    }
+
+Linear weights keep the HF/PyTorch ``[out_features, in_features]`` orientation
+(``y = x @ W.T + b``), so an HF checkpoint loads by renaming only. Biases exist only
+where the config asks for them (``qkv_bias``, ``o_proj_bias``, ``mlp_bias``).
+
+``layers`` may instead be a single dict of the same per-layer structure whose leaves
+carry a leading ``num_layers`` axis (the "stacked" layout that scan-based JAX training
+code produces); the decoder accepts both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvpage.model.config import ModelConfig
+from kvpage.model.errors import CheckpointError
+
+Params = dict[str, Any]
+Path_ = tuple[str | int, ...]
+
+_DTYPES: dict[str, Any] = {
+    "float32": jnp.float32,
+    "bfloat16": jnp.bfloat16,
+    "float16": jnp.float16,
+}
+
+
+def jnp_dtype(name: str) -> Any:
+    """The jax dtype for a config dtype name (float32 / bfloat16 / float16)."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(
+            f"unsupported dtype {name!r}; supported: {', '.join(_DTYPES)}"
+        ) from None
+
+
+def layer_spec(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shapes of one decoder layer's tensors, keyed by the name inside the layer."""
+    h, d = config.hidden_size, config.head_dim
+    q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
+    spec: dict[str, tuple[int, ...]] = {"input_layernorm.weight": (h,)}
+    for name, out in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+        spec[f"self_attn.{name}.weight"] = (out, h)
+        if config.qkv_bias:
+            spec[f"self_attn.{name}.bias"] = (out,)
+    spec["self_attn.o_proj.weight"] = (h, q)
+    if config.o_proj_bias:
+        spec["self_attn.o_proj.bias"] = (h,)
+    if config.qk_norm:
+        spec["self_attn.q_norm.weight"] = (d,)
+        spec["self_attn.k_norm.weight"] = (d,)
+    spec["post_attention_layernorm.weight"] = (h,)
+    for name, out, inp in (
+        ("gate_proj", inter, h), ("up_proj", inter, h), ("down_proj", h, inter)
+    ):
+        spec[f"mlp.{name}.weight"] = (out, inp)
+        if config.mlp_bias:
+            spec[f"mlp.{name}.bias"] = (out,)
+    return spec
+
+
+def param_spec(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the model needs: HF checkpoint name -> shape, in a stable order."""
+    spec: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, config.hidden_size)
+    }
+    per_layer = layer_spec(config)
+    for i in range(config.num_layers):
+        for name, shape in per_layer.items():
+            spec[f"model.layers.{i}.{name}"] = shape
+    spec["model.norm.weight"] = (config.hidden_size,)
+    if not config.tie_word_embeddings:
+        spec["lm_head.weight"] = (config.vocab_size, config.hidden_size)
+    return spec
+
+
+def hf_name_to_path(name: str) -> Path_:
+    """``model.layers.3.mlp.up_proj.weight`` -> ``("layers", 3, "mlp", "up_proj", "weight")``."""
+    parts = name.removeprefix("model.").split(".")
+    return tuple(int(p) if p.isdigit() else p for p in parts)
+
+
+def tree_from_flat(config: ModelConfig, tensors: Mapping[str, Any]) -> Params:
+    """Nest a flat ``{hf_name: array}`` mapping (exactly :func:`param_spec`'s names)."""
+    params: Params = {"layers": [{} for _ in range(config.num_layers)]}
+    for name, value in tensors.items():
+        path = hf_name_to_path(name)
+        node: Any = params
+        for key in path[:-1]:
+            if isinstance(key, int):
+                node = node[key]
+            else:
+                node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return params
+
+
+def iter_leaves(config: ModelConfig, params: Params) -> Iterator[tuple[str, Any, tuple[int, ...]]]:
+    """Yield ``(hf_name, array_or_None, expected_shape)`` for every tensor of the model.
+
+    Works for both the list-of-layers and the stacked-layers layout (for the stacked one
+    the expected shape includes the leading ``num_layers`` axis and the name uses
+    ``layers.*``).
+    """
+    top = {k: v for k, v in param_spec(config).items() if not k.startswith("model.layers.")}
+    for name, shape in top.items():
+        yield name, _lookup(params, hf_name_to_path(name)), shape
+    layers = params.get("layers") if isinstance(params, Mapping) else None
+    per_layer = layer_spec(config)
+    if isinstance(layers, Mapping):
+        for name, shape in per_layer.items():
+            value = _lookup(layers, hf_name_to_path(name))
+            yield f"model.layers.*.{name}", value, (config.num_layers, *shape)
+        return
+    for i in range(config.num_layers):
+        layer = layers[i] if isinstance(layers, list | tuple) and i < len(layers) else None
+        for name, shape in per_layer.items():
+            value = None if layer is None else _lookup(layer, hf_name_to_path(name))
+            yield f"model.layers.{i}.{name}", value, shape
+
+
+def _lookup(tree: Any, path: Path_) -> Any:
+    node = tree
+    for key in path:
+        if isinstance(key, int):
+            if not isinstance(node, list | tuple) or key >= len(node):
+                return None
+            node = node[key]
+        else:
+            if not isinstance(node, Mapping) or key not in node:
+                return None
+            node = node[key]
+    return node
+
+
+def _count_leaves(params: Params) -> int:
+    return len(jax.tree_util.tree_leaves(params))
+
+
+def validate_params(config: ModelConfig, params: Params) -> None:
+    """Raise :class:`CheckpointError` naming every missing, misshapen or unexpected tensor."""
+    if not isinstance(params, Mapping):
+        raise CheckpointError(f"params must be a dict, got {type(params).__name__}")
+    layers = params.get("layers")
+    if isinstance(layers, list | tuple) and len(layers) != config.num_layers:
+        raise CheckpointError(
+            f"params have {len(layers)} layers, config expects {config.num_layers}"
+        )
+    missing, wrong = [], []
+    expected = 0
+    for name, value, shape in iter_leaves(config, params):
+        expected += 1
+        if value is None:
+            missing.append(name)
+        elif tuple(np.shape(value)) != shape:
+            wrong.append(f"{name}: got {tuple(np.shape(value))}, expected {shape}")
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {', '.join(missing[:8])}" + (
+            f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
+    if wrong:
+        problems.append(f"wrong shapes: {'; '.join(wrong[:8])}")
+    if not problems and _count_leaves(params) != expected:
+        known = {id(v) for _, v, _ in iter_leaves(config, params)}
+        extra = [
+            jax.tree_util.keystr(path)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+            if id(leaf) not in known
+        ]
+        problems.append(f"unexpected tensors: {', '.join(extra[:8]) or '(repeated leaves)'}")
+    if problems:
+        raise CheckpointError("invalid parameter tree: " + " | ".join(problems))
+
+
+def cast_params(params: Params, dtype: str | None, device: jax.Device | None = None) -> Params:
+    """Put every leaf on ``device`` as a jax array of ``dtype`` (None keeps each leaf's dtype)."""
+    target = None if dtype is None else jnp_dtype(dtype)
+
+    def convert(x: Any) -> jax.Array:
+        arr = jnp.asarray(x) if not isinstance(x, jax.Array) else x
+        if target is not None and arr.dtype != target:
+            arr = arr.astype(target)
+        return jax.device_put(arr, device) if device is not None else arr
+
+    return jax.tree_util.tree_map(convert, params)

@@ -1,0 +1,28 @@
+"""kvpage.runner: executes scheduler step plans on the device.
+
+* :mod:`~kvpage.runner.step_plan`      -- the plan contract (+ a Python :class:`StepPlan`).
+* :mod:`~kvpage.runner.model_runner`   -- :class:`ModelRunner`: pad, run, sample.
+* :mod:`~kvpage.runner.kv_cache`       -- paged KV pool sizing and allocation.
+* :mod:`~kvpage.runner.sampler`        -- batched device sampling.
+* :mod:`~kvpage.runner.sampling_params` -- per-request :class:`SamplingParams`.
+* :mod:`~kvpage.runner.sampling_table` -- per-slot sampling state on device.
+* :mod:`~kvpage.runner.step_inputs`    -- packing a plan into one padded buffer.
+* :mod:`~kvpage.runner.buckets`        -- padded sizes.
+"""
+
+from kvpage.runner.kv_cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_memory
+from kvpage.runner.model_runner import ModelRunner
+from kvpage.runner.sampling_params import SamplingParams
+from kvpage.runner.step_output import StepOutput
+from kvpage.runner.step_plan import StepPlan, StepPlanLike
+
+__all__ = [
+    "KVCacheSpec",
+    "ModelRunner",
+    "SamplingParams",
+    "StepOutput",
+    "StepPlan",
+    "StepPlanLike",
+    "allocate_kv_cache",
+    "num_blocks_for_memory",
+]

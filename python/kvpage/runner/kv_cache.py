@@ -1,0 +1,135 @@
+"""The paged KV cache on device: sizing and allocation of the per-layer pools.
+
+This file owns the pools' shape and memory accounting. Each layer has a K pool and a V
+pool of shape ``[num_kv_heads, num_blocks + 1, block_size, head_dim]``; blocks
+``0 .. num_blocks - 1`` are managed by the Rust block pool and block ``num_blocks`` is a
+scratch block that padded tokens write to (never read).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvpage.model.config import ModelConfig
+from kvpage.model.params import jnp_dtype
+
+KVPools = list[tuple[jax.Array, jax.Array]]
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    """Shape and dtype of the whole paged cache."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    num_blocks: int
+    dtype: str
+
+    @classmethod
+    def for_model(
+        cls, config: ModelConfig, block_size: int, num_blocks: int, dtype: str | None = None
+    ) -> KVCacheSpec:
+        if block_size <= 0 or num_blocks <= 0:
+            raise ValueError(
+                f"block_size and num_blocks must be positive, got {block_size}, {num_blocks}"
+            )
+        return cls(
+            config.num_layers,
+            config.num_kv_heads,
+            config.head_dim,
+            block_size,
+            num_blocks,
+            dtype or config.dtype,
+        )
+
+    @property
+    def pool_shape(self) -> tuple[int, int, int, int]:
+        """One layer's K (or V) pool, scratch block included."""
+        return (self.num_kv_heads, self.num_blocks + 1, self.block_size, self.head_dim)
+
+    @property
+    def scratch_block(self) -> int:
+        return self.num_blocks
+
+    @property
+    def scratch_slot(self) -> int:
+        """Slot-mapping value for padded tokens (first slot of the scratch block)."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Device bytes one block costs, over all layers, K and V."""
+        itemsize = np.dtype(jnp_dtype(self.dtype)).itemsize
+        return 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim * itemsize
+
+    @property
+    def total_bytes(self) -> int:
+        return self.bytes_per_block * (self.num_blocks + 1)
+
+
+def num_blocks_for_memory(
+    config: ModelConfig,
+    block_size: int,
+    memory_fraction: float = 0.9,
+    dtype: str | None = None,
+    device: jax.Device | None = None,
+    reserved_bytes: int = 0,
+) -> int:
+    """How many blocks fit in ``memory_fraction`` of the device after what is already in use.
+
+    Call it after the params are on the device. ``reserved_bytes`` is left free for
+    activations of the step. Raises ValueError where the device reports no memory stats
+    (CPU) -- pass an explicit block count there.
+    """
+    if not 0.0 < memory_fraction <= 1.0:
+        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+    device = device or jax.local_devices()[0]
+    stats: dict[str, Any] | None = device.memory_stats()
+    if not stats or "bytes_limit" not in stats:
+        raise ValueError(
+            f"device {device} reports no memory statistics; pass num_blocks explicitly"
+        )
+    budget = int(stats["bytes_limit"] * memory_fraction)
+    free = budget - int(stats.get("bytes_in_use", 0)) - reserved_bytes
+    per_block = KVCacheSpec.for_model(config, block_size, 1, dtype).bytes_per_block
+    blocks = free // per_block - 1  # minus the scratch block
+    if blocks <= 0:
+        raise ValueError(
+            f"no room for KV blocks: {free} bytes free within {memory_fraction:.0%} of the "
+            f"device, one block needs {per_block}"
+        )
+    return int(blocks)
+
+
+def allocate_kv_cache(spec: KVCacheSpec, device: jax.Device | None = None) -> KVPools:
+    """Zero-filled ``(k_pages, v_pages)`` for every layer."""
+    dtype = jnp_dtype(spec.dtype)
+    return [
+        (
+            jnp.zeros(spec.pool_shape, dtype, device=device),
+            jnp.zeros(spec.pool_shape, dtype, device=device),
+        )
+        for _ in range(spec.num_layers)
+    ]
+
+
+def copy_blocks(pools: KVPools, src: jax.Array, dst: jax.Array) -> KVPools:
+    """Copy whole blocks ``src[i] -> dst[i]`` in every layer's K and V pool.
+
+    Out-of-range ``dst`` entries (e.g. ``num_blocks + 1``) are dropped, which is how
+    padded copy entries are expressed.
+    """
+    return [
+        (
+            k.at[:, dst].set(k[:, src], mode="drop"),
+            v.at[:, dst].set(v[:, src], mode="drop"),
+        )
+        for k, v in pools
+    ]

@@ -1,0 +1,208 @@
+"""Device-side token sampling for a whole step in one batched computation.
+
+This file owns the sampling math. Every per-row knob is an array, so one compiled
+function serves any mix of greedy and random rows and any parameter values:
+
+1. raw log-probabilities (``log_softmax`` of the model logits) -- what logprobs report;
+2. penalties (vLLM semantics): repetition over prompt + output tokens, then frequency and
+   presence over output tokens;
+3. greedy rows (temperature 0) take the argmax of the penalised logits;
+4. other rows: divide by temperature, apply min-p, then top-k and top-p, then draw with the
+   Gumbel-max trick using a per-row key. A seeded row's key depends only on
+   ``(seed, index of the token being generated)``, never on the batch around it.
+
+Expensive stages (penalties, the vocabulary sort behind top-k/top-p, random draws, the
+top-N logprob list) sit behind ``lax.cond`` so batches that do not use them skip them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from kvpage.runner.sampling_params import GREEDY_EPSILON
+
+
+class SamplingInputs(NamedTuple):
+    """Per-row sampling parameters, all ``[N]`` except the two ``[N, vocab]`` histories."""
+
+    temperature: jax.Array  # f32
+    top_k: jax.Array  # i32, <= 0 means off
+    top_p: jax.Array  # f32, 1 means off
+    min_p: jax.Array  # f32, 0 means off
+    presence_penalty: jax.Array  # f32
+    frequency_penalty: jax.Array  # f32
+    repetition_penalty: jax.Array  # f32
+    seed: jax.Array  # u32 [N, 2]: low and high 32-bit words of the request's seed
+    has_seed: jax.Array  # bool
+    step: jax.Array  # i32: index of the token being generated within its request
+    output_counts: jax.Array | None  # i32 [N, V]: occurrences in the generated output
+    prompt_mask: jax.Array | None  # bool [N, V]: token appears in the prompt
+
+
+class SamplerOutput(NamedTuple):
+    token_ids: jax.Array  # i32 [N]
+    logprobs: jax.Array  # f32 [N]  raw log-probability of the chosen token
+    ranks: jax.Array  # i32 [N]  1 + number of tokens strictly more likely
+    top_token_ids: jax.Array  # i32 [N, K]
+    top_logprobs: jax.Array  # f32 [N, K]
+
+
+def apply_penalties(
+    logits: jax.Array,
+    output_counts: jax.Array,
+    prompt_mask: jax.Array,
+    presence_penalty: jax.Array,
+    frequency_penalty: jax.Array,
+    repetition_penalty: jax.Array,
+) -> jax.Array:
+    """Repetition (prompt + output), then frequency and presence (output only)."""
+    generated = output_counts > 0
+    seen = generated | prompt_mask
+    rep = repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - frequency_penalty[:, None] * output_counts.astype(logits.dtype)
+    return logits - presence_penalty[:, None] * generated.astype(logits.dtype)
+
+
+def apply_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Mask tokens with probability below ``min_p`` x the row's top probability."""
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    threshold = top + jnp.log(min_p)[:, None]  # log(0) = -inf keeps everything
+    return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+
+def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Mask everything outside each row's top-k, then outside its top-p nucleus.
+
+    The nucleus is the smallest set of most likely tokens (among the top-k survivors)
+    whose probability reaches ``top_p``; the most likely token is always kept. Tokens tied
+    with a boundary token are kept too.
+    """
+    vocab = logits.shape[-1]
+    ordered = -jnp.sort(-logits, axis=-1)  # descending
+    k = jnp.where((top_k <= 0) | (top_k >= vocab), vocab, top_k)
+    kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
+    in_top_k = ordered >= kth
+    probs = jax.nn.softmax(jnp.where(in_top_k, ordered, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    in_nucleus = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    keep = in_top_k & in_nucleus
+    keep = keep.at[:, 0].set(True)
+    threshold = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+
+def row_keys(
+    seed: jax.Array, has_seed: jax.Array, step: jax.Array, unseeded_key: jax.Array
+) -> jax.Array:
+    """One PRNG key per row.
+
+    Seeded rows: ``fold_in(fold_in(key(seed_low), seed_high), step)`` -- a function of the
+    request's 64-bit seed and the index of the token being generated only. Other rows:
+    ``fold_in(unseeded_key, row)``.
+    """
+
+    def one(seed_: jax.Array, has: jax.Array, step_: jax.Array, row: jax.Array) -> jax.Array:
+        base = jax.random.fold_in(jax.random.key(seed_[0]), seed_[1])
+        seeded = jax.random.key_data(jax.random.fold_in(base, step_))
+        unseeded = jax.random.key_data(jax.random.fold_in(unseeded_key, row))
+        return jnp.where(has, seeded, unseeded)
+
+    rows = jnp.arange(seed.shape[0], dtype=jnp.int32)
+    return jax.random.wrap_key_data(jax.vmap(one)(seed, has_seed, step, rows))
+
+
+def _random_tokens(
+    logits: jax.Array, inputs: SamplingInputs, is_greedy: jax.Array, unseeded_key: jax.Array
+) -> jax.Array:
+    temperature = jnp.where(is_greedy, 1.0, inputs.temperature)
+    scaled = logits / temperature[:, None]
+    scaled = jax.lax.cond(
+        jnp.any(inputs.min_p > 0.0),
+        lambda x: apply_min_p(x, inputs.min_p),
+        lambda x: x,
+        scaled,
+    )
+    needs_sort = jnp.any((inputs.top_k > 0) & (inputs.top_k < logits.shape[-1])) | jnp.any(
+        inputs.top_p < 1.0
+    )
+    scaled = jax.lax.cond(
+        needs_sort,
+        lambda x: apply_top_k_top_p(x, inputs.top_k, inputs.top_p),
+        lambda x: x,
+        scaled,
+    )
+    keys = row_keys(inputs.seed, inputs.has_seed, inputs.step, unseeded_key)
+    vocab = logits.shape[-1]
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(keys)
+    return jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
+
+
+def sample(
+    logits: jax.Array,
+    inputs: SamplingInputs,
+    unseeded_key: jax.Array,
+    num_top_logprobs: int,
+    want_top_logprobs: jax.Array | bool = True,
+) -> SamplerOutput:
+    """Pick one token per row of float32 ``logits [N, vocab]``.
+
+    ``num_top_logprobs`` (static) is the width K of the top-N lists; they are computed only
+    when ``want_top_logprobs`` is true (zeros otherwise).
+    """
+    logits = logits.astype(jnp.float32)
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    if inputs.output_counts is not None and inputs.prompt_mask is not None:
+        active = (
+            jnp.any(inputs.presence_penalty != 0.0)
+            | jnp.any(inputs.frequency_penalty != 0.0)
+            | jnp.any(inputs.repetition_penalty != 1.0)
+        )
+        logits = jax.lax.cond(
+            active,
+            lambda x: apply_penalties(
+                x,
+                inputs.output_counts,
+                inputs.prompt_mask,
+                inputs.presence_penalty,
+                inputs.frequency_penalty,
+                inputs.repetition_penalty,
+            ),
+            lambda x: x,
+            logits,
+        )
+    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    is_greedy = inputs.temperature < GREEDY_EPSILON
+    random_tokens = jax.lax.cond(
+        jnp.all(is_greedy),
+        lambda x: greedy_tokens,
+        lambda x: _random_tokens(x, inputs, is_greedy, unseeded_key),
+        logits,
+    )
+    tokens = jnp.where(is_greedy, greedy_tokens, random_tokens)
+    chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+    ranks = 1 + jnp.sum(raw_logprobs > chosen[:, None], axis=-1).astype(jnp.int32)
+
+    n = logits.shape[0]
+    if num_top_logprobs > 0:
+
+        def top(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+            values, ids = jax.lax.top_k(x, num_top_logprobs)
+            return ids.astype(jnp.int32), values
+
+        def skip(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+            return (
+                jnp.zeros((n, num_top_logprobs), jnp.int32),
+                jnp.zeros((n, num_top_logprobs), jnp.float32),
+            )
+
+        top_ids, top_values = jax.lax.cond(
+            jnp.asarray(want_top_logprobs), top, skip, raw_logprobs
+        )
+    else:
+        top_ids = jnp.zeros((n, 0), jnp.int32)
+        top_values = jnp.zeros((n, 0), jnp.float32)
+    return SamplerOutput(tokens, chosen, ranks, top_ids, top_values)

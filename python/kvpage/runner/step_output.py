@@ -1,0 +1,24 @@
+"""What one executed step hands back to the engine (host numpy arrays)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """Results for the ``S'`` sampled rows of a plan, in ``plan.logits_indices`` order.
+
+    ``logprobs`` / ``ranks`` describe the sampled token under the raw model distribution.
+    ``top_token_ids`` / ``top_logprobs`` (``[S', max_logprobs]``, best first) are present only
+    when some sampled row's request asked for logprobs; each row should be cut to its own
+    request's ``logprobs`` count.
+    """
+
+    sampled_token_ids: np.ndarray  # int32 [S']
+    logprobs: np.ndarray  # float32 [S']
+    ranks: np.ndarray  # int32 [S']
+    top_token_ids: np.ndarray | None = None  # int32 [S', K]
+    top_logprobs: np.ndarray | None = None  # float32 [S', K]

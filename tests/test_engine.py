@@ -1,0 +1,180 @@
+"""End to end on CPU with a tiny random Llama: batching, preemption, prefix
+caching, parallel sampling, aborts, stop strings and bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from kvpage import LLM, SamplingParams
+from kvpage.engine import LLMEngine
+from kvpage.engine_config import EngineConfig
+
+PROMPTS = [
+    {"prompt_token_ids": [5, 17, 99, 3, 42, 7, 250, 11, 64]},
+    {"prompt_token_ids": [8, 9]},
+    {"prompt_token_ids": list(range(20, 61))},
+    {"prompt_token_ids": [300, 301, 302, 303, 304, 305, 306]},
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def make_llm(model: Path, **overrides: object) -> LLM:
+    args: dict = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128, block_size=8)
+    args.update(overrides)
+    return LLM(str(model), **args)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir: Path) -> LLM:
+    return make_llm(tiny_model_dir)
+
+
+def tokens(outputs: list) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def assert_all_blocks_back(engine: LLMEngine) -> None:
+    engine.check_invariants()
+    assert engine.get_stats()["kv_cache_usage_perc"] == 0.0
+
+
+def test_batched_greedy_equals_one_at_a_time(llm: LLM) -> None:
+    together = tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    alone = [tokens(llm.generate([p], GREEDY, use_tqdm=False))[0] for p in PROMPTS]
+    assert together == alone
+    assert all(len(t) == 12 for t in together)
+    assert_all_blocks_back(llm.engine)
+
+
+def test_outputs_come_back_in_input_order_with_metrics(llm: LLM) -> None:
+    outputs = llm.generate(["Hello world", "The sky"], GREEDY, use_tqdm=False)
+    assert [o.prompt for o in outputs] == ["Hello world", "The sky"]
+    for out in outputs:
+        assert out.finished and out.outputs[0].finish_reason == "length"
+        assert out.metrics.time_to_first_token is not None and out.metrics.queue_time >= 0
+        assert out.outputs[0].text != ""
+
+
+def test_tiny_pool_forces_preemption_and_keeps_greedy_outputs(
+    tiny_model_dir: Path, llm: LLM
+) -> None:
+    expected = tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    small = make_llm(tiny_model_dir, num_gpu_blocks=10, max_model_len=64)
+    got = tokens(small.generate(PROMPTS, GREEDY, use_tqdm=False))
+    assert small.engine.get_stats()["num_preemptions"] > 0
+    assert got == expected
+    assert_all_blocks_back(small.engine)
+
+
+def test_prefix_caching_hits_and_matches_uncached_outputs(tiny_model_dir: Path, llm: LLM) -> None:
+    system = list(range(100, 140))
+    prompts = [{"prompt_token_ids": system + [i, i + 1]} for i in (3, 9, 27)]
+    llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+    cached = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert all(o.num_cached_tokens >= 32 for o in cached[1:])
+    uncached_llm = make_llm(tiny_model_dir, enable_prefix_caching=False)
+    uncached = uncached_llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert tokens(cached) == tokens(uncached)
+    assert all(o.num_cached_tokens == 0 for o in uncached)
+
+
+def test_parallel_samples_share_the_prompt_and_are_seeded(llm: LLM) -> None:
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
+    first = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0]
+    again = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0]
+    assert [c.index for c in first.outputs] == [0, 1, 2]
+    assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]
+    assert len({tuple(c.token_ids) for c in first.outputs}) > 1, "samples differ"
+    assert_all_blocks_back(llm.engine)
+
+
+def test_abort_frees_every_block(llm: LLM) -> None:
+    engine = llm.engine
+    engine.add_request("long", PROMPTS[2], SamplingParams(max_tokens=100, ignore_eos=True))
+    engine.add_request("waiting", PROMPTS[0], SamplingParams(max_tokens=100, ignore_eos=True))
+    engine.step()
+    engine.step()
+    aborted = engine.abort_request(["long", "waiting", "unknown"])
+    assert [o.request_id for o in aborted] == ["long", "waiting"]
+    assert all(o.finished and o.outputs[0].finish_reason == "abort" for o in aborted if o.outputs)
+    assert not engine.has_unfinished_requests()
+    assert_all_blocks_back(engine)
+
+
+def test_stop_string_ends_the_sample_and_is_excluded(llm: LLM) -> None:
+    free = llm.generate(["Hello world"], GREEDY, use_tqdm=False)[0].outputs[0].text
+    stop = free[3:6]
+    assert stop.strip(), "need a non-trivial stop string from the free-running text"
+    out = llm.generate(
+        ["Hello world"], SamplingParams(temperature=0.0, max_tokens=12, stop=[stop]), use_tqdm=False
+    )[0]
+    completion = out.outputs[0]
+    assert completion.finish_reason == "stop" and completion.stop_reason == stop
+    assert completion.text == free[: free.index(stop)]
+    assert_all_blocks_back(llm.engine)
+
+
+def test_streaming_deltas_add_up_to_the_final_text(llm: LLM) -> None:
+    engine = llm.engine
+    engine.add_request("s", "Hello world", GREEDY, delta=True)
+    pieces, ids = [], []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            pieces.append(out.outputs[0].text)
+            ids += out.outputs[0].token_ids
+    full = llm.generate(["Hello world"], GREEDY, use_tqdm=False)[0].outputs[0]
+    assert "".join(pieces) == full.text and ids == full.token_ids
+
+
+def test_logprobs_are_returned_for_each_token(llm: LLM) -> None:
+    out = llm.generate(
+        PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=4, logprobs=3), use_tqdm=False
+    )[0].outputs[0]
+    assert len(out.logprobs) == 4
+    for token, entry in zip(out.token_ids, out.logprobs, strict=True):
+        assert token in entry and entry[token].rank == 1 and len(entry) == 3
+    assert out.cumulative_logprob == pytest.approx(
+        sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs, strict=True)), rel=1e-5
+    )
+
+
+def test_chat_uses_the_chat_template(llm: LLM) -> None:
+    out = llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)[0]
+    assert out.prompt == "<|user|>hi<|end|><|assistant|>"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(n=0), "n"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(logprobs=10_000), "logprobs"),
+        (dict(stop=[""]), "stop"),
+        (dict(presence_penalty=float("nan")), "presence_penalty"),
+        (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+    ],
+)
+def test_invalid_sampling_params_name_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_bad_requests_are_rejected_and_leave_the_engine_healthy(llm: LLM) -> None:
+    engine = llm.engine
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("too-long", {"prompt_token_ids": [1] * 128})
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.add_request("bad-id", {"prompt_token_ids": [1, 10**9]})
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("empty", {"prompt_token_ids": []})
+    engine.add_request("dup", PROMPTS[1], GREEDY)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("dup", PROMPTS[1], GREEDY)
+    engine.abort_request("dup")
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        EngineConfig(max_num_seqs=0)
+    assert tokens(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False))[0]
+    assert_all_blocks_back(engine)

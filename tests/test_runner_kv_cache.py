@@ -1,0 +1,132 @@
+"""KV cache sizing and allocation, plus plan packing/padding conventions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import model_fixtures  # noqa: F401  (sys.path / import setup, before kvpage)
+import numpy as np
+import pytest
+from kvpage.model import preset
+from kvpage.model.params import param_spec, tree_from_flat
+from kvpage.runner import (
+    KVCacheSpec,
+    ModelRunner,
+    StepPlan,
+    allocate_kv_cache,
+    num_blocks_for_memory,
+)
+from kvpage.runner.buckets import pick_bucket, power_of_two_buckets
+from kvpage.runner.kv_cache import copy_blocks
+from kvpage.runner.step_inputs import PackedLayout, PaddingValues
+
+LLAMA_8B = preset("llama-3-8b")
+
+
+def test_spec_shapes_and_bytes() -> None:
+    spec = KVCacheSpec.for_model(LLAMA_8B, block_size=16, num_blocks=1000)
+    assert spec.pool_shape == (8, 1001, 16, 128)
+    assert spec.scratch_block == 1000 and spec.scratch_slot == 16000
+    # 2 (K, V) x 32 layers x 8 heads x 16 tokens x 128 dims x 2 bytes
+    assert spec.bytes_per_block == 2 * 32 * 8 * 16 * 128 * 2
+    assert spec.total_bytes == spec.bytes_per_block * 1001
+
+
+class FakeDevice:
+    def __init__(self, stats: dict[str, int] | None) -> None:
+        self.stats = stats
+
+    def memory_stats(self) -> dict[str, int] | None:
+        return self.stats
+
+
+def test_num_blocks_from_memory_fraction() -> None:
+    gib = 1 << 30
+    device: Any = FakeDevice({"bytes_limit": 80 * gib, "bytes_in_use": 16 * gib})
+    per_block = KVCacheSpec.for_model(LLAMA_8B, 16, 1).bytes_per_block
+    blocks = num_blocks_for_memory(LLAMA_8B, 16, 0.9, device=device)
+    assert blocks == (int(80 * gib * 0.9) - 16 * gib) // per_block - 1
+    fewer = num_blocks_for_memory(LLAMA_8B, 16, 0.9, device=device, reserved_bytes=4 * gib)
+    assert fewer < blocks
+    with pytest.raises(ValueError, match="no room"):
+        num_blocks_for_memory(LLAMA_8B, 16, 0.1, device=device)
+    with pytest.raises(ValueError, match="num_blocks"):
+        num_blocks_for_memory(LLAMA_8B, 16, 0.9, device=FakeDevice(None))  # type: ignore[arg-type]
+
+
+def test_allocate_and_copy_blocks() -> None:
+    config = preset("tiny-llama")
+    spec = KVCacheSpec.for_model(config, block_size=4, num_blocks=6, dtype="float32")
+    pools = allocate_kv_cache(spec)
+    assert len(pools) == config.num_layers
+    assert pools[0][0].shape == (2, 7, 4, 16) and pools[0][0].dtype == jnp.float32
+    filled = [
+        (k + jnp.arange(7, dtype=jnp.float32)[None, :, None, None], v - 1.0) for k, v in pools
+    ]
+    # The second copy entry is padding: destination out of range, dropped.
+    copied = jax.jit(copy_blocks)(filled, jnp.asarray([1, 6]), jnp.asarray([4, 7]))
+    k = np.asarray(copied[1][0])
+    assert (k[:, 4] == 1.0).all() and (k[:, 1] == 1.0).all() and (k[:, 6] == 6.0).all()
+    np.testing.assert_array_equal(np.asarray(copied[0][1]), -1.0)
+
+
+def test_buckets() -> None:
+    assert power_of_two_buckets(16, 100) == (16, 32, 64, 128)
+    assert pick_bucket((16, 32), 17, "tokens") == 32
+    with pytest.raises(ValueError, match="tokens 33"):
+        pick_bucket((16, 32), 33, "tokens")
+
+
+def test_packing_pads_with_harmless_values() -> None:
+    layout = PackedLayout(num_tokens=8, num_seqs=4, num_copies=2, max_blocks=3)
+    pad = PaddingValues(scratch_slot=40, scratch_block=10, dummy_sample_row=5, dropped_block=11)
+    plan = StepPlan(
+        token_ids=np.asarray([7, 8, 9], np.int32),
+        positions=np.asarray([4, 0, 1], np.int32),
+        slot_mapping=np.asarray([12, 20, 21], np.int32),
+        cu_q_lens=np.asarray([0, 1, 3], np.int32),
+        kv_lens=np.asarray([5, 2], np.int32),
+        block_tables=np.asarray([[2, 3], [5, 10]], np.int32),
+        logits_indices=np.asarray([0, 2], np.int32),
+        sample_rows=np.asarray([1, 3], np.int32),
+        copy_src=np.asarray([2], np.int32),
+        copy_dst=np.asarray([4], np.int32),
+    )
+    buf = layout.pack(plan, layout.template(pad), 4, 7, True, include_copies=True)
+    a = jax.device_get(layout.unpack(jnp.asarray(buf)))
+    np.testing.assert_array_equal(a.token_ids, [7, 8, 9, 0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(a.meta.slot_mapping, [12, 20, 21, 40, 40, 40, 40, 40])
+    np.testing.assert_array_equal(a.meta.cu_q_lens, [0, 1, 3, 3, 3])
+    np.testing.assert_array_equal(a.meta.kv_lens, [5, 2, 0, 0])
+    np.testing.assert_array_equal(
+        a.meta.block_tables, [[2, 3, 10], [5, 10, 10], [10, 10, 10], [10, 10, 10]]
+    )
+    np.testing.assert_array_equal(a.meta.num_seqs, [2])
+    np.testing.assert_array_equal(a.logits_indices, [0, 2, 0, 0])
+    np.testing.assert_array_equal(a.sample_rows, [1, 3, 5, 5])
+    np.testing.assert_array_equal(a.copy_src, [2, 10])
+    np.testing.assert_array_equal(a.copy_dst, [4, 11])
+    assert int(a.num_sampled) == 2 and int(a.step_counter) == 7 and bool(a.want_top_logprobs)
+
+
+def test_every_step_size_lands_in_a_warmup_bucket() -> None:
+    config = preset("tiny-llama")
+    params = tree_from_flat(
+        config, {name: np.zeros(shape, np.float32) for name, shape in param_spec(config).items()}
+    )
+    runner = ModelRunner(
+        config, params, num_blocks=8, block_size=4, max_model_len=64, max_num_seqs=64,
+        max_num_batched_tokens=512,
+    )
+    keys = set(runner.warmup_buckets())
+    assert len(keys) == len(runner.warmup_buckets())
+    for num_tokens in range(1, 513):
+        for num_seqs in {1, 2, 7, num_tokens // 3, num_tokens // 2, num_tokens}:
+            if 1 <= num_seqs <= min(num_tokens, 64):
+                t_pad, s_pad = runner.padded_sizes(num_tokens, num_seqs)
+                assert (t_pad, s_pad, False) in keys
+                assert t_pad >= num_tokens and s_pad >= num_seqs
+    # Large token buckets skip the smallest sequence buckets (max_token_seq_ratio=16).
+    assert runner.padded_sizes(300, 1) == (512, 32)
