@@ -178,3 +178,15 @@ def test_bad_requests_are_rejected_and_leave_the_engine_healthy(llm: LLM) -> Non
         EngineConfig(max_num_seqs=0)
     assert tokens(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False))[0]
     assert_all_blocks_back(engine)
+
+
+def test_overlapped_host_work_gives_the_same_outputs(tiny_model_dir: Path, llm: LLM) -> None:
+    params = [GREEDY, SamplingParams(temperature=0.0, max_tokens=12, stop=["e"])] * 2
+    overlapped = llm.generate(PROMPTS, params, use_tqdm=False)
+    serial = make_llm(tiny_model_dir, overlap_host_work=False)
+    plain = serial.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in overlapped] == [o.outputs[0].token_ids for o in plain]
+    assert [o.outputs[0].text for o in overlapped] == [o.outputs[0].text for o in plain]
+    timing = llm.engine.get_stats()["timing"]
+    assert timing["steps"] > 0 and 0.0 <= timing["device_idle_fraction"] < 1.0
+    assert_all_blocks_back(serial.engine)

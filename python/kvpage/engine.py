@@ -40,6 +40,40 @@ _CPU_MAX_DEFAULT_BLOCKS = 16384
 PromptType = str | dict[str, Any] | Sequence[int]
 
 
+class StepTiming:
+    """Where a step's wall time goes: on the device (dispatch to result)
+    versus the host gap between one step's result and the next dispatch,
+    during which the device idles."""
+
+    __slots__ = ("device_s", "host_gap_s", "steps")
+
+    def __init__(self) -> None:
+        self.device_s = 0.0
+        self.host_gap_s = 0.0
+        self.steps = 0
+
+    def record_step(self, seconds: float) -> None:
+        self.device_s += seconds
+        self.steps += 1
+
+    def record_host_gap(self, seconds: float) -> None:
+        self.host_gap_s += seconds
+
+    @property
+    def device_idle_fraction(self) -> float:
+        total = self.device_s + self.host_gap_s
+        return self.host_gap_s / total if total else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        steps = max(self.steps, 1)
+        return {
+            "steps": self.steps,
+            "mean_device_ms": 1e3 * self.device_s / steps,
+            "mean_host_gap_ms": 1e3 * self.host_gap_s / steps,
+            "device_idle_fraction": self.device_idle_fraction,
+        }
+
+
 class QueueFullError(RuntimeError):
     """The waiting queue is at ``max_num_waiting``: shed load (HTTP 503)."""
 
@@ -55,6 +89,7 @@ class _Sample:
     stop_reason: int | str | None = None
     slot: int | None = None
     sent_tokens: int = 0
+    detok_pos: int = 0
     versions: list[tuple[int, int]] = field(default_factory=list)
 
 
@@ -154,6 +189,9 @@ class LLMEngine:
         self.params_version = 0
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
         self.finished_counts: dict[str, int] = {}
+        self._deferred: dict[int, _Request] = {}
+        self._last_result_time: float | None = None
+        self.timing = StepTiming()
 
     # ---- construction ---------------------------------------------------
 
@@ -261,6 +299,8 @@ class LLMEngine:
                 continue
             self.scheduler.abort_request(request.handle)
             for sample in request.samples.values():
+                self._detokenize(request, sample)
+            for sample in request.samples.values():
                 if sample.finish_reason is None:
                     sample.finish_reason = "abort"
             outputs.append(self._finish(request, "abort"))
@@ -275,7 +315,13 @@ class LLMEngine:
     # ---- one step -------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; returns the requests that progressed."""
+        """Run one scheduler step; returns the requests that progressed.
+
+        With ``overlap_host_work`` (the default), the text of step t's tokens
+        is produced while the device runs step t + 1, so the device does not
+        wait for detokenization; outputs then trail the device by one step
+        and a stop string costs at most one discarded token.
+        """
         plan = self.scheduler.schedule()
         now = time.monotonic()
         for handle, index in zip(
@@ -284,7 +330,7 @@ class LLMEngine:
             self._release_slot(handle, index)
         if plan.num_tokens == 0:
             self.scheduler.update(np.zeros(0, np.int32))
-            return []
+            return self._process_text(self._take_deferred())
         for handle in set(plan.row_request.tolist()):
             request = self._by_handle.get(handle)
             if request is not None and request.metrics.first_scheduled_time is None:
@@ -305,11 +351,18 @@ class LLMEngine:
             num_seqs=plan.num_seqs,
             num_tokens=plan.num_tokens,
         )
-        out = self.runner.execute(runner_plan)
+        pending = self.runner.dispatch(runner_plan)
+        dispatched = time.perf_counter()
+        if self._last_result_time is not None:
+            self.timing.record_host_gap(dispatched - self._last_result_time)
+        outputs = self._process_text(self._take_deferred()) if self.config.overlap_host_work else []
+        out = pending.result()
+        self._last_result_time = time.perf_counter()
+        self.timing.record_step(self._last_result_time - dispatched)
         handles, samples, tokens, codes, event_rows = self.scheduler.update(out.sampled_token_ids)
         self.counters["steps"] += 1
         done = time.monotonic()
-        touched: dict[int, _Request] = {}
+        touched = self._deferred
         for h, i, tok, code, row in zip(
             handles.tolist(),
             samples.tolist(),
@@ -319,12 +372,24 @@ class LLMEngine:
             strict=True,
         ):
             request = self._by_handle.get(h)
-            if request is None:
-                continue
-            self._apply_token(request, i, tok, code, row, out, done)
-            touched[h] = request
+            if request is not None and self._record_token(request, i, tok, code, row, out, done):
+                touched[h] = request
+        if not self.config.overlap_host_work:
+            outputs += self._process_text(self._take_deferred())
+        return outputs
+
+    def _take_deferred(self) -> dict[int, _Request]:
+        deferred, self._deferred = self._deferred, {}
+        return deferred
+
+    def _process_text(self, touched: dict[int, _Request]) -> list[RequestOutput]:
+        """Detokenize new tokens, apply stop strings, build the outputs."""
         outputs = []
-        for request in touched.values():
+        for handle, request in touched.items():
+            if self._by_handle.get(handle) is not request:
+                continue  # aborted meanwhile: its output was already returned
+            for sample in request.samples.values():
+                self._detokenize(request, sample)
             if (
                 all(s.finish_reason is not None for s in request.samples.values())
                 and len(request.samples) == request.params.n
@@ -333,6 +398,21 @@ class LLMEngine:
             else:
                 outputs.append(self._make_output(request))
         return outputs
+
+    def _detokenize(self, request: _Request, sample: _Sample) -> None:
+        detok = sample.detok
+        if detok is None:
+            return
+        while sample.detok_pos < len(sample.token_ids) and detok.stop_reason is None:
+            detok.add_token(sample.token_ids[sample.detok_pos])
+            sample.detok_pos += 1
+        if detok.stop_reason is not None and sample.stop_reason != detok.stop_reason:
+            if sample.finish_reason is None:
+                self.scheduler.finish_sample(request.handle, sample.index, "stop")
+                self._release_slot(request.handle, sample.index)
+            sample.finish_reason = "stop"
+            sample.stop_reason = detok.stop_reason
+            del sample.token_ids[sample.detok_pos :]
 
     def _sample_slots(self, plan: Any) -> np.ndarray:
         rows = np.empty(plan.num_sampled, np.int32)
@@ -383,10 +463,14 @@ class LLMEngine:
         request.samples[index] = sample
         return sample
 
-    def _apply_token(
+    def _record_token(
         self, request: _Request, index: int, token: int, code: int, row: int, out: Any, now: float
-    ) -> None:
+    ) -> bool:
+        """Append one sampled token (no text yet); False if the sample had
+        already finished (a stop string found after this step was planned)."""
         sample = request.samples.get(index) or self._new_sample(request, index)
+        if sample.finish_reason is not None:
+            return False
         if not sample.versions or sample.versions[-1][1] != self.params_version:
             sample.versions.append((len(sample.token_ids), self.params_version))
         sample.token_ids.append(token)
@@ -397,34 +481,24 @@ class LLMEngine:
             entry = {token: Logprob(logprob, int(out.ranks[row]))}
             k = request.params.logprobs or 0
             if k and out.top_token_ids is not None:
-                for rank, (tid, lp) in enumerate(
-                    zip(
-                        out.top_token_ids[row][:k].tolist(),
-                        out.top_logprobs[row][:k].tolist(),
-                        strict=True,
-                    ),
-                    start=1,
-                ):
+                top = zip(
+                    out.top_token_ids[row][:k].tolist(),
+                    out.top_logprobs[row][:k].tolist(),
+                    strict=True,
+                )
+                for rank, (tid, lp) in enumerate(top, start=1):
                     entry.setdefault(int(tid), Logprob(float(lp), rank))
             sample.logprobs.append(entry)
         metrics = request.metrics
         if metrics.first_token_time is None:
             metrics.first_token_time = now
         metrics.last_token_time = now
-        stopped_by_string = sample.detok is not None and sample.detok.add_token(token)
         if code:
             sample.finish_reason = FINISH_REASONS[code]
             if code == 1 and token in request.params.stop_token_ids:
                 sample.stop_reason = token
-        elif stopped_by_string:
-            self.scheduler.finish_sample(request.handle, index, "stop")
-            sample.finish_reason = "stop"
-            sample.stop_reason = sample.detok.stop_reason if sample.detok else None
-        if stopped_by_string and sample.detok is not None:
-            sample.finish_reason = "stop"
-            sample.stop_reason = sample.detok.stop_reason
-        if sample.finish_reason is not None:
             self._release_slot(request.handle, index)
+        return True
 
     def _finish(self, request: _Request, reason: str | None) -> RequestOutput:
         request.finished = True
@@ -483,6 +557,7 @@ class LLMEngine:
         stats["generation_tokens_total"] = self.counters["generation_tokens"]
         stats["request_success_total"] = dict(self.finished_counts)
         stats["num_unfinished_requests"] = len(self._requests)
+        stats["timing"] = self.timing.as_dict()
         return stats
 
     def check_invariants(self) -> None:

@@ -33,6 +33,8 @@ class EngineConfig:
     max_num_waiting: int | None = None
     """Bound of the waiting queue: add_request raises QueueFullError past it."""
     max_logprobs: int = 20
+    overlap_host_work: bool = True
+    """Detokenize step t while the device runs step t + 1."""
 
     def __post_init__(self) -> None:
         def positive(name: str, upper: int = 1 << 24) -> None:

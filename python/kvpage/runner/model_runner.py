@@ -445,6 +445,12 @@ class ModelRunner:
 
         ``plan.sample_rows`` name request slots bound with :meth:`set_request`.
         """
+        return self.dispatch(plan).result()
+
+    def dispatch(self, plan: StepPlanLike) -> PendingStep:
+        """Enqueue one step on the device and return at once (JAX dispatch is
+        asynchronous); ``result()`` waits for the sampled tokens. The host can
+        do other work, such as detokenizing the previous step, in between."""
         num_sampled = len(plan.logits_indices)
         if self.validate_plans:
             self._check_plan(plan, num_sampled)
@@ -473,16 +479,26 @@ class ModelRunner:
             self.params, self.kv_pools, self.sampling_table, packed
         )
         self._step_counter += 1
-        if want_top:
+        return PendingStep(out, num_sampled, want_top)
+
+
+class PendingStep:
+    """A dispatched step whose sampled tokens are still on the device."""
+
+    __slots__ = ("_out", "_num_sampled", "_want_top")
+
+    def __init__(self, out: Any, num_sampled: int, want_top: bool) -> None:
+        self._out = out
+        self._num_sampled = num_sampled
+        self._want_top = want_top
+
+    def result(self) -> StepOutput:
+        """Wait for the step and copy its sampled rows to the host."""
+        out, n = self._out, self._num_sampled
+        if self._want_top:
             tokens, logprobs, ranks, top_ids, top_lps = jax.device_get(
                 (out.token_ids, out.logprobs, out.ranks, out.top_token_ids, out.top_logprobs)
             )
-            return StepOutput(
-                tokens[:num_sampled],
-                logprobs[:num_sampled],
-                ranks[:num_sampled],
-                top_ids[:num_sampled],
-                top_lps[:num_sampled],
-            )
+            return StepOutput(tokens[:n], logprobs[:n], ranks[:n], top_ids[:n], top_lps[:n])
         tokens, logprobs, ranks = jax.device_get((out.token_ids, out.logprobs, out.ranks))
-        return StepOutput(tokens[:num_sampled], logprobs[:num_sampled], ranks[:num_sampled])
+        return StepOutput(tokens[:n], logprobs[:n], ranks[:n])
