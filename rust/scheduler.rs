@@ -146,8 +146,9 @@ pub struct Scheduler {
     ghosts: Vec<u32>,
     next_arrival: u64,
     scheduled: Vec<Scheduled>,
-    /// (request handle, sample index) of each sampled row of the last plan.
-    sample_rows: Vec<(u64, u32)>,
+    /// (request handle, sample index, sequence) of each sampled row of the
+    /// last plan; the handle (with its generation) guards the sequence index.
+    sample_rows: Vec<(u64, u32, u32)>,
     awaiting_update: bool,
     copies: Vec<BlockCopy>,
     plan: StepPlan,
@@ -797,76 +798,33 @@ impl Scheduler {
             })
             .try_fold(0, |w, len| len.map(|l| w.max(l)))?;
         let scheduled = std::mem::take(&mut self.scheduled);
-        let plan = &mut self.plan;
-        plan.block_table_width = width;
-        plan.cu_q_lens.push(0);
+        self.plan.block_table_width = width;
+        self.plan.cu_q_lens.push(0);
         self.sample_rows.clear();
         for copy in self.copies.drain(..) {
-            plan.copy_src.push(copy.src as i32);
-            plan.copy_dst.push(copy.dst as i32);
+            self.plan.copy_src.push(copy.src as i32);
+            self.plan.copy_dst.push(copy.dst as i32);
         }
+        let bs = self.config.block_size;
         for row in &scheduled {
-            let seq = self.seqs[row.seq as usize].as_ref().expect("live");
-            let kv = seq.kv.expect("scheduled");
-            let end = row.start + row.len;
-            plan.token_ids
-                .extend(seq.tokens[row.start..end].iter().map(|&t| t as i32));
-            plan.positions.extend((row.start..end).map(|p| p as i32));
-            let slots_from = plan.slot_mapping.len();
-            plan.slot_mapping.resize(slots_from + row.len, scratch_slot);
-            if !row.ghost {
-                self.kv
-                    .write_slots(kv, row.start, &mut plan.slot_mapping[slots_from..])?;
-            }
-            plan.cu_q_lens.push(plan.token_ids.len() as i32);
-            plan.row_request.push(
-                self.requests[seq.request as usize]
-                    .as_ref()
-                    .expect("live")
-                    .handle,
-            );
-            plan.kv_lens.push(if row.ghost {
-                row.start as i32 + 1
-            } else {
-                end as i32
-            });
-            let table = self.kv.block_table(kv)?;
-            plan.block_tables.extend_from_slice(block_ids_as_i32(table));
-            plan.block_tables
-                .extend(std::iter::repeat_n(scratch_block, width - table.len()));
+            self.push_row_arrays(row, width, scratch_block, scratch_slot)?;
             if row.ghost {
                 self.stats.ghost_rows += 1;
                 continue;
             }
-            let prompt_len = self.requests[seq.request as usize]
-                .as_ref()
-                .expect("live")
-                .prompt_len;
-            if row.len == 1 && row.start >= prompt_len {
-                plan.num_decode_tokens += 1;
-            } else {
-                plan.num_prefill_tokens += row.len;
-            }
-        }
-        // Advance, cache full blocks, fork completed n > 1 prompts, add rows.
-        let bs = self.config.block_size;
-        for (i, row) in scheduled.iter().enumerate() {
-            if row.ghost {
-                continue;
-            }
-            let seq = self.seq_mut(row.seq);
+            // Advance, cache newly full blocks, sample when the row reaches
+            // the end of its known tokens, fork a completed n > 1 prompt.
+            let seq = self.seqs[row.seq as usize].as_mut().expect("live");
             seq.num_computed = row.start + row.len;
             let done = seq.num_computed == seq.tokens.len();
             let kv = seq.kv.expect("scheduled");
-            let filled_a_block = row.start / bs != seq.num_computed / bs;
-            if self.config.enable_prefix_caching && filled_a_block {
-                let seq = self.seqs[row.seq as usize].as_ref().expect("live");
+            if self.config.enable_prefix_caching && row.start / bs != seq.num_computed / bs {
                 self.kv.cache_blocks(kv, &seq.tokens[..seq.num_computed])?;
             }
             if !done {
                 continue;
             }
-            let logits_index = self.plan.cu_q_lens[i + 1] - 1;
+            let logits_index = self.plan.token_ids.len() as i32 - 1;
             self.push_sample_row(row.seq, logits_index);
             let forks = std::mem::take(&mut self.seq_mut(row.seq).forks_pending);
             self.pending_fork_seats -= forks as usize;
@@ -887,6 +845,50 @@ impl Scheduler {
                 self.config.max_num_seqs.saturating_sub(seats) as u64;
         }
         self.scheduled = scheduled;
+        Ok(())
+    }
+
+    /// Tokens, positions, slots, lengths and the block-table row of one
+    /// scheduled row.
+    fn push_row_arrays(
+        &mut self,
+        row: &Scheduled,
+        width: usize,
+        scratch_block: i32,
+        scratch_slot: i32,
+    ) -> KvResult<()> {
+        let plan = &mut self.plan;
+        let seq = self.seqs[row.seq as usize].as_ref().expect("live");
+        let request = self.requests[seq.request as usize].as_ref().expect("live");
+        let kv = seq.kv.expect("scheduled");
+        let end = row.start + row.len;
+        plan.token_ids
+            .extend(seq.tokens[row.start..end].iter().map(|&t| t as i32));
+        plan.positions.extend((row.start..end).map(|p| p as i32));
+        let slots_from = plan.slot_mapping.len();
+        plan.slot_mapping.resize(slots_from + row.len, scratch_slot);
+        if !row.ghost {
+            self.kv
+                .write_slots(kv, row.start, &mut plan.slot_mapping[slots_from..])?;
+        }
+        plan.cu_q_lens.push(plan.token_ids.len() as i32);
+        plan.row_request.push(request.handle);
+        plan.kv_lens.push(if row.ghost {
+            row.start as i32 + 1
+        } else {
+            end as i32
+        });
+        let table = self.kv.block_table(kv)?;
+        plan.block_tables.extend_from_slice(block_ids_as_i32(table));
+        plan.block_tables
+            .extend(std::iter::repeat_n(scratch_block, width - table.len()));
+        if row.ghost {
+            // A static ghost recomputes its last position: not a real token.
+        } else if row.len == 1 && row.start >= request.prompt_len {
+            plan.num_decode_tokens += 1;
+        } else {
+            plan.num_prefill_tokens += row.len;
+        }
         Ok(())
     }
 
@@ -941,7 +943,7 @@ impl Scheduler {
         plan.sample_repetition_penalty.push(p.repetition_penalty);
         plan.sample_suppress_stop
             .push((output_len as u32) < p.min_tokens);
-        self.sample_rows.push((request.handle, s.sample_index));
+        self.sample_rows.push((request.handle, s.sample_index, seq));
     }
 
     /// Apply one sampled token per sampled row of the last plan; returns
@@ -972,13 +974,16 @@ impl Scheduler {
         }
         self.awaiting_update = false;
         let rows = std::mem::take(&mut self.sample_rows);
-        for (row, (&(handle, sample_index), &token)) in rows.iter().zip(sampled).enumerate() {
-            let Some(&index) = self.by_handle.get(&handle) else {
-                continue;
+        for (row, (&(handle, sample_index, seq), &token)) in rows.iter().zip(sampled).enumerate() {
+            // The sequence may have been aborted (and its slot reused) since
+            // the plan was made: its request handle must still match.
+            let live = match &self.seqs[seq as usize] {
+                Some(s) if s.state == SeqState::Running => self.requests[s.request as usize]
+                    .as_ref()
+                    .is_some_and(|r| r.handle == handle),
+                _ => false,
             };
-            let seq =
-                self.requests[index as usize].as_ref().expect("live").seqs[sample_index as usize];
-            if self.seq(seq).state != SeqState::Running {
+            if !live {
                 continue;
             }
             let token = token as u32;
