@@ -587,6 +587,12 @@ impl Scheduler {
         self.inner.has_unfinished_requests()
     }
 
+    /// True between a non-empty `schedule()` and its `update()`.
+    #[getter]
+    fn awaiting_update(&self) -> bool {
+        self.inner.awaiting_update()
+    }
+
     #[getter]
     fn num_requests_running(&self) -> usize {
         self.inner.num_running()

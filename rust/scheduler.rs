@@ -236,6 +236,11 @@ impl Scheduler {
         self.by_handle.len()
     }
 
+    /// True between a non-empty `schedule()` and its `update()`.
+    pub fn awaiting_update(&self) -> bool {
+        self.awaiting_update
+    }
+
     pub fn has_unfinished_requests(&self) -> bool {
         !self.by_handle.is_empty()
     }

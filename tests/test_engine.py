@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
 import pytest
 from kvpage import LLM, SamplingParams
 from kvpage.engine import LLMEngine
@@ -190,3 +191,35 @@ def test_overlapped_host_work_gives_the_same_outputs(tiny_model_dir: Path, llm: 
     timing = llm.engine.get_stats()["timing"]
     assert timing["steps"] > 0 and 0.0 <= timing["device_idle_fraction"] < 1.0
     assert_all_blocks_back(serial.engine)
+
+
+def _fail_next_dispatch(engine: LLMEngine, lose_device_state: bool = False) -> None:
+    runner = engine.runner
+
+    def boom(plan: object) -> object:
+        del runner.dispatch  # back to the real method after one failure
+        if lose_device_state:  # as if the failed executable consumed its donated pools
+            for leaf in jax.tree_util.tree_leaves(runner.kv_pools):
+                leaf.delete()
+        raise RuntimeError("injected device fault")
+
+    runner.dispatch = boom
+
+
+@pytest.mark.parametrize("lose_device_state", [False, True])
+def test_failed_step_fails_its_requests_and_the_engine_keeps_serving(
+    llm: LLM, lose_device_state: bool
+) -> None:
+    engine = llm.engine
+    engine.add_request("r1", PROMPTS[0], SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.add_request("r2", PROMPTS[1], SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    _fail_next_dispatch(engine, lose_device_state)
+    failed = engine.step()
+    assert sorted(o.request_id for o in failed) == ["r1", "r2"]
+    assert all(o.finished and "injected device fault" in o.error for o in failed)
+    assert all(c.finish_reason == "error" for o in failed for c in o.outputs)
+    assert not engine.has_unfinished_requests()
+    assert_all_blocks_back(engine)
+    after = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0]
+    assert len(after.outputs[0].token_ids) == 12 and after.error is None

@@ -199,6 +199,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 
+    try:
+        from kvpage.bench import add_bench_parser
+    except ImportError:  # the bench package is optional
+        pass
+    else:
+        add_bench_parser(sub)
+
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random Llama HF directory")
     tiny.add_argument("path", help="output directory")
     tiny.add_argument("--seed", type=int, default=0, help="weight seed")

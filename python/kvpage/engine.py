@@ -14,6 +14,7 @@ sampled row until it finishes or is preempted.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Sequence
@@ -35,6 +36,7 @@ from kvpage.runner.step_plan import StepPlan as RunnerPlan
 from kvpage.sampling_params import SamplingParams
 
 FINISH_REASONS = {1: "stop", 2: "length", 3: "abort", 4: "error"}
+logger = logging.getLogger("kvpage.engine")
 _CPU_MAX_DEFAULT_BLOCKS = 16384
 
 PromptType = str | dict[str, Any] | Sequence[int]
@@ -336,46 +338,85 @@ class LLMEngine:
             if request is not None and request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
                 request.num_cached_tokens = self.scheduler.num_cached_tokens(handle) or 0
-        rows = self._sample_slots(plan)
-        runner_plan = RunnerPlan(
-            token_ids=plan.token_ids,
-            positions=plan.positions,
-            slot_mapping=plan.slot_mapping,
-            cu_q_lens=plan.cu_q_lens,
-            kv_lens=plan.kv_lens,
-            block_tables=plan.block_tables,
-            logits_indices=plan.logits_indices,
-            sample_rows=rows,
-            copy_src=plan.copy_src,
-            copy_dst=plan.copy_dst,
-            num_seqs=plan.num_seqs,
-            num_tokens=plan.num_tokens,
-        )
-        pending = self.runner.dispatch(runner_plan)
-        dispatched = time.perf_counter()
-        if self._last_result_time is not None:
-            self.timing.record_host_gap(dispatched - self._last_result_time)
-        outputs = self._process_text(self._take_deferred()) if self.config.overlap_host_work else []
-        out = pending.result()
-        self._last_result_time = time.perf_counter()
-        self.timing.record_step(self._last_result_time - dispatched)
-        handles, samples, tokens, codes, event_rows = self.scheduler.update(out.sampled_token_ids)
-        self.counters["steps"] += 1
-        done = time.monotonic()
-        touched = self._deferred
-        for h, i, tok, code, row in zip(
-            handles.tolist(),
-            samples.tolist(),
-            tokens.tolist(),
-            codes.tolist(),
-            event_rows.tolist(),
-            strict=True,
-        ):
-            request = self._by_handle.get(h)
-            if request is not None and self._record_token(request, i, tok, code, row, out, done):
-                touched[h] = request
+        outputs: list[RequestOutput] = []
+        try:
+            rows = self._sample_slots(plan)
+            runner_plan = RunnerPlan(
+                token_ids=plan.token_ids,
+                positions=plan.positions,
+                slot_mapping=plan.slot_mapping,
+                cu_q_lens=plan.cu_q_lens,
+                kv_lens=plan.kv_lens,
+                block_tables=plan.block_tables,
+                logits_indices=plan.logits_indices,
+                sample_rows=rows,
+                copy_src=plan.copy_src,
+                copy_dst=plan.copy_dst,
+                num_seqs=plan.num_seqs,
+                num_tokens=plan.num_tokens,
+            )
+            pending = self.runner.dispatch(runner_plan)
+            dispatched = time.perf_counter()
+            if self._last_result_time is not None:
+                self.timing.record_host_gap(dispatched - self._last_result_time)
+            if self.config.overlap_host_work:
+                outputs = self._process_text(self._take_deferred())
+            out = pending.result()
+            self._last_result_time = time.perf_counter()
+            self.timing.record_step(self._last_result_time - dispatched)
+            handles, samples, tokens, codes, event_rows = self.scheduler.update(
+                out.sampled_token_ids
+            )
+            self.counters["steps"] += 1
+            done = time.monotonic()
+            touched = self._deferred
+            for h, i, tok, code, row in zip(
+                handles.tolist(),
+                samples.tolist(),
+                tokens.tolist(),
+                codes.tolist(),
+                event_rows.tolist(),
+                strict=True,
+            ):
+                request = self._by_handle.get(h)
+                if request is not None and self._record_token(
+                    request, i, tok, code, row, out, done
+                ):
+                    touched[h] = request
+        except Exception as exc:  # one failed step fails its own requests only
+            return outputs + self._fail_step(plan, exc)
         if not self.config.overlap_host_work:
             outputs += self._process_text(self._take_deferred())
+        return outputs
+
+    def _fail_step(self, plan: Any, exc: Exception) -> list[RequestOutput]:
+        """A step raised: finish the requests it carried with an error, close
+        the step in the scheduler, and drop the prefix cache (blocks cached
+        for this step were never written). If the device KV pools were lost,
+        every running request is failed and the pools are rebuilt."""
+        message = f"the engine failed this request: {type(exc).__name__}: {exc}"
+        logger.error("step failed: %s", message)
+        handles = set(plan.row_request.tolist()) | set(plan.sample_request.tolist())
+        if self.runner.recover_device_state():  # every KV on the device is gone
+            handles |= {
+                r.handle
+                for r in self._requests.values()
+                if r.metrics.first_scheduled_time is not None
+            }
+        outputs = []
+        for handle in handles:
+            request = self._by_handle.get(handle)
+            if request is None:
+                continue
+            self.scheduler.finish_request(handle, "error")
+            for sample in request.samples.values():
+                sample.finish_reason = sample.finish_reason or "error"
+            request.error = message
+            outputs.append(self._finish(request, "error"))
+        if self.scheduler.awaiting_update:
+            self.scheduler.update(np.zeros(plan.num_sampled, np.int32))
+        self.scheduler.reset_prefix_cache()
+        self.counters["failed_steps"] = self.counters.get("failed_steps", 0) + 1
         return outputs
 
     def _take_deferred(self) -> dict[int, _Request]:

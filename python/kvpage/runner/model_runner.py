@@ -440,6 +440,20 @@ class ModelRunner:
             chunk_dst[:n] = dst[start : start + n]
             self.kv_pools = copy(self.kv_pools, chunk_src, chunk_dst)
 
+    def recover_device_state(self) -> bool:
+        """After a failed step: if the donated KV pools or sampling table were
+        consumed, allocate fresh ones and return True (every sequence's KV is
+        then lost); otherwise return False."""
+        leaves = jax.tree_util.tree_leaves((self.kv_pools, self.sampling_table))
+        if not any(leaf.is_deleted() for leaf in leaves):
+            return False
+        self.kv_pools = allocate_kv_cache(self.kv_spec, self.device)
+        self.sampling_table = init_sampling_table(
+            self.max_num_seqs, self.config.vocab_size, self.enable_penalties, self.device
+        )
+        self._slot_logprobs[:] = 0
+        return True
+
     def execute(self, plan: StepPlanLike) -> StepOutput:
         """Run one step plan; returns the tokens sampled at ``plan.logits_indices``.
 

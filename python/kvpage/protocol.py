@@ -1,0 +1,201 @@
+"""Request bodies of the OpenAI-compatible API, and its error shape.
+
+This file owns the pydantic models that validate ``/v1/completions`` and
+``/v1/chat/completions`` bodies (OpenAI's fields plus the vLLM extras
+``top_k``, ``min_p``, ``min_tokens``, ``ignore_eos``, ``repetition_penalty``,
+``priority``, ``cache_salt``, ...), ``APIError`` (an error as an HTTP status
+plus OpenAI's ``{"error": {"message", "type", "param", "code"}}`` body) and
+the conversion of a request body into ``SamplingParams``.
+
+Models are strict (no "5" for 5) and ignore unknown fields.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvpage.sampling_params import SamplingParams
+
+
+class APIError(Exception):
+    """An error response: HTTP ``status`` and OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    """A 400 naming the first offending top-level field of a pydantic error."""
+    errors = exc.errors()
+    first = errors[0]
+    loc = first.get("loc", ())
+    if not loc:
+        return bad_request(str(first.get("msg", "invalid request body")))
+    param = str(loc[0])
+    same = [e for e in errors if e.get("loc", ())[:1] == loc[:1]]
+    if len(same) == 1:
+        where = ".".join(str(part) for part in loc)
+        return bad_request(f"{where}: {first.get('msg')}", param=param)
+    messages = list(dict.fromkeys(str(e.get("msg")) for e in same))
+    return bad_request(f"{param}: invalid value ({'; or '.join(messages[:4])})", param=param)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _GenerationRequest(_Strict):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    repetition_penalty: float | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def check_supported(self) -> None:
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported", param="logit_bias")
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Raises ``APIError`` 400 naming the field for invalid values."""
+        try:
+            return SamplingParams(
+                n=self.n,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=0 if self.top_k is None else self.top_k,
+                min_p=0.0 if self.min_p is None else self.min_p,
+                seed=self.seed,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                stop=self.stop,
+                stop_token_ids=self.stop_token_ids,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=(1.0 if self.repetition_penalty is None
+                                    else self.repetition_penalty),
+                skip_special_tokens=self.skip_special_tokens,
+            )
+        except ValueError as exc:
+            raise value_error(exc) from None
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise bad_request("echo is not supported", param="echo")
+        if self.suffix:
+            raise bad_request("suffix is not supported", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request("best_of other than n is not supported", param="best_of")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools:
+            raise bad_request("tools are not supported", param="tools")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise bad_request("response_format other than text is not supported",
+                              param="response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def value_error(exc: ValueError) -> APIError:
+    """A 400 for a ``ValueError`` from ``SamplingParams`` or the engine; the
+    param is the field the message starts with, when it names one."""
+    message = str(exc)
+    bare = message.removeprefix("invalid argument: ")  # the Rust core's prefix
+    first = bare.split(" ", 1)[0].split("=", 1)[0].strip(":,")
+    fields = set(SamplingParams.__dataclass_fields__) | set(_GenerationRequest.model_fields)
+    param = first if first in fields else None
+    if param is None and bare.startswith("prompt"):
+        param = "prompt"
+    return bad_request(message, param=param)

@@ -1,0 +1,793 @@
+"""The OpenAI-compatible HTTP server.
+
+This file owns:
+
+* ``build_app``: the FastAPI app over an ``AsyncLLMEngine`` with
+  ``/v1/completions`` and ``/v1/chat/completions`` (SSE streaming and not,
+  ``n``, several prompts, logprobs, usage with cached prompt tokens),
+  ``/v1/models``, ``/health`` and ``/metrics`` (Prometheus text);
+* an ASGI guard for the API key (``Authorization: Bearer``, every route but
+  ``/health``) and the request-body size limit (413);
+* mapping engine errors to OpenAI-style JSON errors (400, 401, 404, 413, 503,
+  500) and ``RequestOutput`` deltas to OpenAI responses and chunks;
+* aborting a request whose client went away (streaming or not);
+* ``run_server``: load a model, serve it with uvicorn and, on SIGTERM or
+  SIGINT, stop accepting, let running requests finish within a bounded grace
+  period and return (the process exits 0).
+
+Request bodies are validated by ``kvpage.protocol``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import json
+import logging
+import math
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvpage.async_engine import (
+    AsyncLLMEngine,
+    EngineClosedError,
+    RequestFailedError,
+    RequestStream,
+)
+from kvpage.engine import QueueFullError
+from kvpage.engine_config import EngineConfig
+from kvpage.outputs import CompletionOutput, Logprob, RequestOutput
+from kvpage.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    bad_request,
+    validation_error,
+    value_error,
+)
+from kvpage.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+DEFAULT_GRACE_SECONDS = 30.0
+OPEN_PATHS = frozenset({"/health"})
+"""Routes that need no API key."""
+_MIN_LOGPROB = -9999.0
+"""JSON has no -inf: log-probabilities are clamped to this."""
+
+
+# ---- errors -----------------------------------------------------------------
+
+
+def _error_json(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+def _engine_error(exc: BaseException) -> APIError:
+    """The HTTP error for an exception from adding or running a request."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, QueueFullError):
+        return APIError(503, f"the server is overloaded: {exc}", "service_unavailable_error",
+                        code="queue_full")
+    if isinstance(exc, EngineClosedError):
+        return APIError(503, str(exc), "service_unavailable_error", code="shutting_down")
+    if isinstance(exc, ValueError):
+        return value_error(exc)
+    return APIError(500, str(exc) or type(exc).__name__, "internal_server_error",
+                    code="engine_error")
+
+
+async def _send_error(send: Send, error: APIError) -> None:
+    body = json.dumps(error.body()).encode()
+    await send({"type": "http.response.start", "status": error.status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class _Guard:
+    """ASGI middleware: API-key check and request-body size limit."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key is not None else None
+        self.max_body_bytes = max_body_bytes
+
+    def _authorized(self, scope: Scope) -> bool:
+        assert self.api_key is not None
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                return scheme.lower() == b"bearer" and hmac.compare_digest(
+                    token.strip(), self.api_key)
+        return False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.api_key is not None and scope["path"] not in OPEN_PATHS \
+                and not self._authorized(scope):
+            await _send_error(send, APIError(
+                401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                "authentication_error", code="invalid_api_key"))
+            return
+        too_large = APIError(413, f"the request body exceeds {self.max_body_bytes} bytes",
+                             "invalid_request_error", code="request_too_large")
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    declared = 0
+                if declared > self.max_body_bytes:
+                    await _send_error(send, too_large)
+                    return
+        received = 0
+        started = False
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise _BodyTooLarge
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except _BodyTooLarge:
+            if not started:
+                await _send_error(send, too_large)
+
+
+# ---- helpers ----------------------------------------------------------------
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() \
+        + b"\n\n"
+
+
+_DONE = b"data: [DONE]\n\n"
+
+
+def _finite(value: float) -> float:
+    return value if math.isfinite(value) else _MIN_LOGPROB if value < 0 or math.isnan(value) \
+        else -_MIN_LOGPROB
+
+
+async def _merge(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several request streams as they come."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((index, output))
+        except Exception as exc:
+            queue.put_nowait((index, exc))
+        finally:
+            queue.put_nowait((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Returns when the client has gone away (the body was already read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+        await asyncio.sleep(0.05)
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """Await ``work``; cancel it and return None if the client disconnects."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        return None
+    finally:
+        for pending in (task, watcher):
+            if not pending.done():
+                pending.cancel()
+
+
+@dataclass(slots=True)
+class _Choice:
+    """One sample's accumulated output (non-streaming)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, c: CompletionOutput) -> None:
+        self.text += c.text
+        self.token_ids += c.token_ids
+        if c.logprobs:
+            self.logprobs += c.logprobs
+        if c.finish_reason is not None:
+            self.finish_reason, self.stop_reason = c.finish_reason, c.stop_reason
+
+
+@dataclass(slots=True)
+class _Usage:
+    prompt_tokens: list[int]
+    cached: list[int]
+    completion_tokens: int = 0
+
+    def add(self, index: int, output: RequestOutput) -> None:
+        self.cached[index] = max(self.cached[index], output.num_cached_tokens)
+        self.completion_tokens += sum(len(c.token_ids) for c in output.outputs)
+
+    def json(self) -> dict[str, Any]:
+        prompt = sum(self.prompt_tokens)
+        return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
+                "total_tokens": prompt + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached)}}
+
+
+@dataclass(slots=True)
+class _Generation:
+    """A validated request, added to the engine: one stream per prompt."""
+
+    request_id: str
+    created: int
+    model: str
+    n: int
+    streams: list[RequestStream]
+    usage: _Usage
+    num_logprobs: int | None
+    include_usage: bool
+
+    def abort(self) -> None:
+        for stream in self.streams:
+            stream.abort()
+
+
+class _Server:
+    """The state behind the routes."""
+
+    def __init__(self, engine: AsyncLLMEngine, model_names: list[str]) -> None:
+        self.engine = engine
+        self.model_names = model_names
+        self.created = int(time.time())
+        self._token_text: dict[int, str] = {}
+
+    # ---- request preparation --------------------------------------------
+
+    def model_name(self, requested: str | None) -> str:
+        if requested is None or requested in self.model_names:
+            return requested or self.model_names[0]
+        raise APIError(400, f"the model {requested!r} does not exist; this server serves "
+                       f"{', '.join(map(repr, self.model_names))}", "invalid_request_error",
+                       param="model", code="model_not_found")
+
+    @property
+    def tokenizer(self) -> Any:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise bad_request("the model has no tokenizer: send prompts as token ids")
+        return tokenizer
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def check_length(self, prompt_len: int, max_tokens: int | None, param: str) -> None:
+        limit = self.engine.max_model_len
+        if prompt_len == 0:
+            raise bad_request("the prompt is empty", param=param)
+        if prompt_len >= limit:
+            raise bad_request(
+                f"the prompt has {prompt_len} tokens but this model's maximum context length "
+                f"(max_model_len) is {limit} tokens, prompt and output together",
+                param=param, code="context_length_exceeded")
+        if max_tokens is not None and prompt_len + max_tokens > limit:
+            raise bad_request(
+                f"the prompt has {prompt_len} tokens and {max_tokens} more were requested, "
+                f"which exceeds this model's maximum context length (max_model_len) of "
+                f"{limit} tokens", param="max_tokens", code="context_length_exceeded")
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            tokenizer = self.engine.tokenizer
+            text = tokenizer.decode([token_id]) if tokenizer is not None else f"<{token_id}>"
+            self._token_text[token_id] = text
+        return text
+
+    async def start(self, prefix: str, model: str, prompts: list[dict[str, Any]],
+                    params: SamplingParams, body: Any, num_logprobs: int | None) -> _Generation:
+        """Add one engine request per prompt; all or none."""
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}"
+                                                     for i in range(len(prompts))]
+        results = await asyncio.gather(
+            *(self.engine.add_request(rid, prompt, params, body.priority, body.cache_salt)
+              for rid, prompt in zip(ids, prompts, strict=True)),
+            return_exceptions=True,
+        )
+        streams = [r for r in results if isinstance(r, RequestStream)]
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        if failure is not None:
+            for stream in streams:
+                stream.abort()
+            raise _engine_error(failure)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        usage = _Usage([len(p["prompt_token_ids"]) for p in prompts], [0] * len(prompts))
+        return _Generation(request_id, int(time.time()), model, params.n, streams, usage,
+                           num_logprobs, include_usage)
+
+    # ---- logprobs -------------------------------------------------------
+
+    def completion_logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]],
+                            k: int, offset: int) -> dict[str, Any]:
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for token_id, entry in zip(token_ids, entries, strict=False):
+            text = self.token_text(token_id)
+            tokens.append(text)
+            token_logprobs.append(_finite(entry[token_id].logprob))
+            ranked = sorted(entry.items(), key=lambda kv: kv[1].rank or 0)
+            top.append({self.token_text(t): _finite(lp.logprob) for t, lp in ranked
+                        if t == token_id or (lp.rank is not None and lp.rank <= k)})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+                "text_offset": offsets}
+
+    def chat_logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]],
+                      k: int) -> dict[str, Any]:
+        content = []
+        for token_id, entry in zip(token_ids, entries, strict=False):
+            text = self.token_text(token_id)
+            ranked = sorted(((t, lp) for t, lp in entry.items()
+                             if lp.rank is not None and lp.rank <= k),
+                            key=lambda kv: kv[1].rank or 0)
+            content.append({
+                "token": text, "logprob": _finite(entry[token_id].logprob),
+                "bytes": list(text.encode()),
+                "top_logprobs": [{"token": self.token_text(t), "logprob": _finite(lp.logprob),
+                                  "bytes": list(self.token_text(t).encode())}
+                                 for t, lp in ranked],
+            })
+        return {"content": content}
+
+
+def _stream_error(exc: BaseException) -> bytes:
+    error = _engine_error(exc)
+    return _sse(error.body())
+
+
+class _SSEResponse(StreamingResponse):
+    """An SSE stream that runs ``on_close`` however it ends (finished, client
+    gone, cancelled), even if the event generator never started."""
+
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+# ---- completions --------------------------------------------------------------
+
+
+async def _completion_events(srv: _Server, gen: _Generation) -> AsyncIterator[bytes]:
+    offsets: dict[int, int] = {}
+    done: set[int] = set()
+    try:
+        async for i, out in _merge(gen.streams):
+            gen.usage.add(i, out)
+            for c in out.outputs:
+                index = i * gen.n + c.index
+                wants_logprobs = gen.num_logprobs is not None and bool(c.logprobs)
+                if index in done or not (c.text or c.finish_reason or wants_logprobs):
+                    continue
+                if c.finish_reason is not None:
+                    done.add(index)
+                logprobs = None
+                if wants_logprobs:
+                    logprobs = srv.completion_logprobs(c.token_ids, c.logprobs, gen.num_logprobs,
+                                                       offsets.get(index, 0))
+                    offsets[index] = offsets.get(index, 0) + sum(map(len, logprobs["tokens"]))
+                yield _sse({"id": gen.request_id, "object": "text_completion",
+                            "created": gen.created, "model": gen.model,
+                            "choices": [{"index": index, "text": c.text, "logprobs": logprobs,
+                                         "finish_reason": c.finish_reason,
+                                         "stop_reason": c.stop_reason}]})
+        if gen.include_usage:
+            yield _sse({"id": gen.request_id, "object": "text_completion", "created": gen.created,
+                        "model": gen.model, "choices": [], "usage": gen.usage.json()})
+        yield _DONE
+    except (RequestFailedError, EngineClosedError) as exc:
+        yield _stream_error(exc)
+        yield _DONE
+    finally:
+        gen.abort()
+
+
+async def _collect(gen: _Generation) -> list[_Choice]:
+    choices = [_Choice() for _ in range(len(gen.streams) * gen.n)]
+    try:
+        async for i, out in _merge(gen.streams):
+            gen.usage.add(i, out)
+            for c in out.outputs:
+                choices[i * gen.n + c.index].add(c)
+    finally:
+        gen.abort()
+    return choices
+
+
+def _completion_body(srv: _Server, gen: _Generation, choices: list[_Choice]) -> dict[str, Any]:
+    result = []
+    for index, choice in enumerate(choices):
+        logprobs = None
+        if gen.num_logprobs is not None:
+            logprobs = srv.completion_logprobs(choice.token_ids, choice.logprobs,
+                                               gen.num_logprobs, 0)
+        result.append({"index": index, "text": choice.text, "logprobs": logprobs,
+                       "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason})
+    return {"id": gen.request_id, "object": "text_completion", "created": gen.created,
+            "model": gen.model, "choices": result, "usage": gen.usage.json()}
+
+
+# ---- chat completions ---------------------------------------------------------
+
+
+async def _chat_events(srv: _Server, gen: _Generation) -> AsyncIterator[bytes]:
+    def chunk(choices: list[dict[str, Any]]) -> bytes:
+        return _sse({"id": gen.request_id, "object": "chat.completion.chunk",
+                     "created": gen.created, "model": gen.model, "choices": choices})
+
+    done: set[int] = set()
+    try:
+        for index in range(len(gen.streams) * gen.n):
+            yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                          "logprobs": None, "finish_reason": None}])
+        async for i, out in _merge(gen.streams):
+            gen.usage.add(i, out)
+            for c in out.outputs:
+                index = i * gen.n + c.index
+                wants_logprobs = gen.num_logprobs is not None and bool(c.logprobs)
+                if index in done or not (c.text or c.finish_reason or wants_logprobs):
+                    continue
+                if c.finish_reason is not None:
+                    done.add(index)
+                logprobs = None
+                if wants_logprobs:
+                    logprobs = srv.chat_logprobs(c.token_ids, c.logprobs, gen.num_logprobs)
+                yield chunk([{"index": index, "delta": {"content": c.text} if c.text else {},
+                              "logprobs": logprobs, "finish_reason": c.finish_reason,
+                              "stop_reason": c.stop_reason}])
+        if gen.include_usage:
+            yield _sse({"id": gen.request_id, "object": "chat.completion.chunk",
+                        "created": gen.created, "model": gen.model, "choices": [],
+                        "usage": gen.usage.json()})
+        yield _DONE
+    except (RequestFailedError, EngineClosedError) as exc:
+        yield _stream_error(exc)
+        yield _DONE
+    finally:
+        gen.abort()
+
+
+def _chat_body(srv: _Server, gen: _Generation, choices: list[_Choice]) -> dict[str, Any]:
+    result = []
+    for index, choice in enumerate(choices):
+        logprobs = None
+        if gen.num_logprobs is not None:
+            logprobs = srv.chat_logprobs(choice.token_ids, choice.logprobs, gen.num_logprobs)
+        result.append({"index": index, "message": {"role": "assistant", "content": choice.text},
+                       "logprobs": logprobs, "finish_reason": choice.finish_reason,
+                       "stop_reason": choice.stop_reason})
+    return {"id": gen.request_id, "object": "chat.completion", "created": gen.created,
+            "model": gen.model, "choices": result, "usage": gen.usage.json()}
+
+
+# ---- the app ------------------------------------------------------------------
+
+
+async def _parse(request: Request, model: type[M]) -> M:
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}",
+                          code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise bad_request("the request body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def build_app(
+    async_engine: AsyncLLMEngine,
+    *,
+    served_model_name: str | Sequence[str],
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
+    """The OpenAI-compatible app over a running ``AsyncLLMEngine``.
+
+    ``served_model_name``: the name(s) clients must use in ``model`` (the
+    first is reported in responses when a request names none). With
+    ``api_key``, every route but ``/health`` needs ``Authorization: Bearer
+    <api_key>``. Bodies over ``max_body_bytes`` get 413. The app does not
+    shut the engine down.
+    """
+    names = [served_model_name] if isinstance(served_model_name, str) \
+        else list(served_model_name)
+    if not names:
+        raise ValueError("served_model_name must name at least one model")
+    srv = _Server(async_engine, names)
+    app = FastAPI(title="kvpage", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.kvpage = srv
+    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _error_json(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(
+            exc.status_code, "invalid_request_error")
+        return _error_json(APIError(exc.status_code, str(exc.detail), kind))
+
+    @app.exception_handler(Exception)
+    async def on_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error in %s", request.url.path, exc_info=exc)
+        return _error_json(APIError(500, f"internal error: {type(exc).__name__}",
+                                    "internal_server_error"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.is_running:
+            return _error_json(APIError(503, "the engine is not running",
+                                        "service_unavailable_error", code="engine_dead"))
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, content_type = async_engine.metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        data = [{"id": name, "object": "model", "created": srv.created, "owned_by": "kvpage",
+                 "root": names[0], "parent": None, "max_model_len": async_engine.max_model_len}
+                for name in names]
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await _parse(request, CompletionRequest)
+        model = srv.model_name(body.model)
+        body.check_supported()
+        raw = body.prompt
+        if isinstance(raw, str):
+            raw_prompts: list[str | list[int]] = [raw]
+        elif raw and all(isinstance(t, int) for t in raw):
+            raw_prompts = [list(raw)]  # type: ignore[arg-type]
+        else:
+            raw_prompts = list(raw)  # type: ignore[arg-type]
+        if not raw_prompts:
+            raise bad_request("prompt must not be empty", param="prompt")
+        explicit = body.max_tokens if "max_tokens" in body.model_fields_set else None
+        prompts = []
+        for p in raw_prompts:
+            ids = srv.tokenize(p) if isinstance(p, str) else list(p)
+            srv.check_length(len(ids), explicit, "prompt")
+            prompts.append({"prompt": p if isinstance(p, str) else None,
+                            "prompt_token_ids": ids})
+        params = body.sampling_params(body.max_tokens, body.logprobs)
+        gen = await srv.start("cmpl", model, prompts, params, body, body.logprobs)
+        if body.stream:
+            return _SSEResponse(_completion_events(srv, gen), gen.abort)
+        try:
+            choices = await _unless_disconnected(request, _collect(gen))
+        except (RequestFailedError, EngineClosedError) as exc:
+            return _error_json(_engine_error(exc))
+        finally:
+            gen.abort()
+        if choices is None:
+            return Response(status_code=499)
+        return JSONResponse(_completion_body(srv, gen, choices))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await _parse(request, ChatCompletionRequest)
+        model = srv.model_name(body.model)
+        body.check_supported()
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        tokenizer = srv.tokenizer
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise bad_request("the model has no chat template; use /v1/completions")
+        try:
+            text = tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=body.add_generation_prompt)
+        except Exception as exc:  # a template may reject a conversation
+            raise bad_request(f"the chat template failed on these messages: {exc}",
+                              param="messages") from None
+        ids = srv.tokenize(text, add_special_tokens=False)
+        srv.check_length(len(ids), body.output_limit, "messages")
+        params = body.sampling_params(body.output_limit, body.num_logprobs)
+        gen = await srv.start("chatcmpl", model, [{"prompt": text, "prompt_token_ids": ids}],
+                              params, body, body.num_logprobs)
+        if body.stream:
+            return _SSEResponse(_chat_events(srv, gen), gen.abort)
+        try:
+            choices = await _unless_disconnected(request, _collect(gen))
+        except (RequestFailedError, EngineClosedError) as exc:
+            return _error_json(_engine_error(exc))
+        finally:
+            gen.abort()
+        if choices is None:
+            return Response(status_code=499)
+        return JSONResponse(_chat_body(srv, gen, choices))
+
+    return app
+
+
+# ---- running it ---------------------------------------------------------------
+
+
+class _UvicornServer:
+    """uvicorn's Server, with signal handling of our own: the first SIGTERM or
+    SIGINT stops the engine accepting work and starts uvicorn's graceful
+    shutdown (bounded by ``timeout_graceful_shutdown``); a second SIGINT
+    forces it. Unlike uvicorn's own handling, the signal is not re-raised
+    afterwards, so the process can exit 0."""
+
+    def __init__(self, config: Any, on_signal: Callable[[], None]) -> None:
+        import uvicorn
+
+        outer = self
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self) -> Generator[None, None, None]:
+                yield from outer._capture(self)
+
+        self.server = Server(config)
+        self._on_signal = on_signal
+
+    def _capture(self, server: Any) -> Generator[None, None, None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handle(signum: int, frame: Any) -> None:
+            logger.info("received %s: finishing running requests, then exiting",
+                        signal.Signals(signum).name)
+            self._on_signal()
+            if server.should_exit and signum == signal.SIGINT:
+                server.force_exit = True
+            server.should_exit = True
+
+        previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def run(self) -> None:
+        self.server.run()
+
+
+def run_server(
+    model_dir: str | Path,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    engine_config: EngineConfig | None = None,
+    *,
+    served_model_name: str | Sequence[str] | None = None,
+    grace_seconds: float = DEFAULT_GRACE_SECONDS,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    log_level: str = "info",
+) -> None:
+    """Serve the model in ``model_dir`` until SIGTERM/SIGINT; then stop
+    accepting, let running requests finish for up to ``grace_seconds``, abort
+    the rest and return.
+
+    ``engine_config.model`` is set to ``model_dir``. ``api_key`` defaults to
+    the ``KVPAGE_API_KEY`` environment variable; without either the API is
+    open. ``served_model_name`` defaults to ``model_dir`` as given.
+    """
+    import uvicorn
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = dataclasses.replace(engine_config or EngineConfig(), model=str(model_dir))
+    if api_key is None:
+        api_key = os.environ.get("KVPAGE_API_KEY") or None
+    names = served_model_name or str(model_dir)
+    first = names if isinstance(names, str) else names[0]
+    logger.info("loading %s", model_dir)
+    engine = AsyncLLMEngine.from_config(config, model_name=first)
+    signalled: list[float] = []
+
+    def on_signal() -> None:
+        engine.stop_accepting()
+        if not signalled:  # at the end of the grace period, end what still runs
+            signalled.append(time.monotonic())
+            timer = threading.Timer(grace_seconds, engine.abort_all)
+            timer.daemon = True
+            timer.start()
+
+    try:
+        app = build_app(engine, served_model_name=names, api_key=api_key,
+                        max_body_bytes=max_body_bytes)
+        # uvicorn's own bound only matters if aborted streams fail to close
+        uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                   timeout_graceful_shutdown=math.ceil(grace_seconds) + 5,
+                                   lifespan="off")
+        _UvicornServer(uv_config, on_signal).run()
+    finally:
+        spent = time.monotonic() - signalled[0] if signalled else 0.0
+        engine.shutdown(max(0.0, grace_seconds - spent))
+    logger.info("server stopped")
