@@ -589,6 +589,20 @@ class LLMEngine:
             error=request.error,
         )
 
+    # ---- live weights ---------------------------------------------------
+
+    def update_params(self, params: Any) -> int:
+        """Swap in new weights between steps (a step boundary) and return the
+        new params version. The tree must match the old one in structure,
+        shapes and dtypes, else ValueError and the old weights stay live.
+        The KV pool stays allocated and nothing recompiles; the prefix cache
+        is dropped (its KV came from the old weights). Tokens produced from
+        now on carry the new version in ``CompletionOutput.params_versions``."""
+        self.runner.update_params(params)
+        self.scheduler.reset_prefix_cache()
+        self.params_version += 1
+        return self.params_version
+
     # ---- introspection --------------------------------------------------
 
     def get_stats(self) -> dict[str, Any]:

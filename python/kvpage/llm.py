@@ -45,6 +45,11 @@ class LLM:
         engine = LLMEngine(EngineConfig(**engine_args), config, params, tokenizer)
         return cls.from_engine(engine)
 
+    def update_params(self, params: Any) -> int:
+        """Generate with new weights from the next step on (see
+        ``LLMEngine.update_params``); returns the new params version."""
+        return self.engine.update_params(params)
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
