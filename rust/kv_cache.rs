@@ -92,6 +92,12 @@ impl KvCacheManager {
         enable_prefix_caching: bool,
     ) -> KvResult<Self> {
         let pool = BlockPool::new(num_blocks, block_size)?;
+        // Slot ids (and the scratch block's, one past the pool) are int32.
+        if (num_blocks + 1).saturating_mul(block_size) > i32::MAX as usize {
+            return Err(KvError::InvalidArgument(format!(
+                "{num_blocks} blocks of {block_size} tokens give slot ids past the int32 range"
+            )));
+        }
         Ok(Self {
             cache: PrefixCache::new(num_blocks, block_size),
             pool,
@@ -248,19 +254,23 @@ impl KvCacheManager {
         Ok(self.blocks_needed_for(table, num_new_tokens))
     }
 
+    /// Blocks to take from the pool; `usize::MAX` when the grown length
+    /// would not even fit in a usize (so it can never be granted).
     fn blocks_needed_for(&self, table: &PageTable, num_new_tokens: usize) -> usize {
         if num_new_tokens == 0 {
             return 0;
         }
         let block_size = self.block_size();
-        let total_blocks = (table.num_tokens + num_new_tokens).div_ceil(block_size);
+        let Some(total_tokens) = table.num_tokens.checked_add(num_new_tokens) else {
+            return usize::MAX;
+        };
         let copy = match table.blocks.last() {
             Some(&last) if table.num_tokens % block_size != 0 => {
                 usize::from(self.pool.refcount(last).unwrap_or(0) > 1)
             }
             _ => 0,
         };
-        total_blocks - table.blocks.len() + copy
+        (total_tokens.div_ceil(block_size) - table.blocks.len()).saturating_add(copy)
     }
 
     /// Reserve KV slots for the next `num_new_tokens` positions of `seq`,
@@ -297,7 +307,8 @@ impl KvCacheManager {
         }
         table.num_tokens += num_new_tokens;
         debug_assert!(
-            table.num_tokens % block_size == 0
+            num_new_tokens == 0
+                || table.num_tokens % block_size == 0
                 || pool.refcount(*table.blocks.last().unwrap()).unwrap() == 1,
             "the block being written must be owned by the writer alone"
         );
@@ -348,10 +359,13 @@ impl KvCacheManager {
     /// Slot ids of positions `start..start + out.len()` of `seq`, into `out`.
     pub fn write_slots(&self, seq: SeqId, start: usize, out: &mut [i32]) -> KvResult<()> {
         let table = self.table(seq)?;
-        if start + out.len() > table.num_tokens {
+        if start
+            .checked_add(out.len())
+            .is_none_or(|end| end > table.num_tokens)
+        {
             return Err(KvError::InvalidArgument(format!(
-                "positions {start}..{} exceed the {} tokens of sequence {seq}",
-                start + out.len(),
+                "positions {start}..{start}+{} exceed the {} tokens of sequence {seq}",
+                out.len(),
                 table.num_tokens
             )));
         }
@@ -383,6 +397,12 @@ impl KvCacheManager {
         for index in table.num_cached_blocks..full {
             let chunk = &tokens[index * block_size..(index + 1) * block_size];
             let block = table.blocks[index];
+            if self.cache.is_cached(block) {
+                // Shared with a fork that cached it first: already on the path.
+                table.path_tail = block;
+                table.num_cached_blocks = index + 1;
+                continue;
+            }
             match self.cache.insert(table.path_tail, chunk, block) {
                 InsertOutcome::Inserted => {
                     table.path_tail = block;

@@ -44,20 +44,35 @@ fn append_allocates_only_when_last_block_is_full() {
 
 #[test]
 fn failed_allocation_changes_nothing() {
-    let mut kv = KvCacheManager::new(4, 4, false).unwrap();
+    let mut kv = KvCacheManager::new(8, 4, false).unwrap();
     let seq = kv.create_sequence(None);
     append(&mut kv, seq, 6);
+    let other = kv.create_sequence(None);
+    append(&mut kv, other, 16);
     let mut copies = Vec::new();
-    let err = kv.allocate_slots(seq, 100, &mut copies).unwrap_err();
+    let err = kv.allocate_slots(seq, 20, &mut copies).unwrap_err();
+    assert_eq!(
+        err,
+        KvError::OutOfBlocks {
+            requested: 5,
+            available: 2
+        }
+    );
+    assert_eq!(kv.num_tokens(seq).unwrap(), 6);
+    assert_eq!(kv.num_free_blocks(), 2);
+    // A length that would wrap around is refused, not wrapped.
+    let err = kv
+        .allocate_slots(seq, usize::MAX - 3, &mut copies)
+        .unwrap_err();
     assert!(matches!(
         err,
         KvError::OutOfBlocks {
-            requested: 25,
-            available: 2
+            requested: usize::MAX,
+            ..
         }
     ));
     assert_eq!(kv.num_tokens(seq).unwrap(), 6);
-    assert_eq!(kv.num_free_blocks(), 2);
+    assert!(copies.is_empty());
     kv.check_invariants().unwrap();
 }
 
@@ -406,4 +421,35 @@ fn randomized_operations_keep_every_invariant() {
         sim.kv.check_invariants().unwrap();
         assert_eq!(sim.kv.num_referenced_blocks(), 0, "every block comes back");
     }
+}
+
+#[test]
+fn zero_token_growth_of_a_fork_is_a_no_op() {
+    let mut kv = KvCacheManager::new(8, 4, false).unwrap();
+    let parent = kv.create_sequence(None);
+    append(&mut kv, parent, 5);
+    let child = kv.fork(parent).unwrap();
+    assert!(
+        append(&mut kv, child, 0).is_empty(),
+        "no copy for a write of nothing"
+    );
+    assert_eq!(
+        kv.block_table(child).unwrap(),
+        kv.block_table(parent).unwrap()
+    );
+    kv.check_invariants().unwrap();
+}
+
+#[test]
+fn forks_caching_a_shared_block_do_not_pin_it_twice() {
+    let mut kv = KvCacheManager::new(8, 4, true).unwrap();
+    let tokens: Vec<u32> = (0..4).collect();
+    let parent = kv.create_sequence(None);
+    append(&mut kv, parent, 4);
+    let child = kv.fork(parent).unwrap();
+    assert_eq!(kv.cache_blocks(parent, &tokens).unwrap(), 1);
+    assert_eq!(kv.cache_blocks(child, &tokens).unwrap(), 0);
+    let block = kv.block_table(parent).unwrap()[0];
+    assert_eq!(kv.refcount(block).unwrap(), 2, "two holders, no extra pin");
+    kv.check_invariants().unwrap();
 }

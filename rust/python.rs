@@ -96,6 +96,9 @@ impl BlockPool {
         py: Python<'py>,
         count: usize,
     ) -> Option<Bound<'py, PyArray1<i32>>> {
+        if count > self.inner.num_free() {
+            return None; // checked before reserving memory for the result
+        }
         let mut out = Vec::with_capacity(count);
         self.inner.allocate(count, &mut out).ok()?;
         Some(PyArray1::from_vec(
@@ -203,6 +206,12 @@ impl KVCacheManager {
         start: usize,
         n: usize,
     ) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let num_tokens = self.inner.num_tokens(seq)?;
+        if start.checked_add(n).is_none_or(|end| end > num_tokens) {
+            return Err(PyValueError::new_err(format!(
+                "positions {start}..{start}+{n} exceed the {num_tokens} tokens of sequence {seq}"
+            )));
+        }
         let mut out = vec![0i32; n];
         self.inner.write_slots(seq, start, &mut out)?;
         Ok(PyArray1::from_vec(py, out))
@@ -665,7 +674,10 @@ impl Scheduler {
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add("KVPageError", m.py().get_type::<KVPageError>())?;
+    let error_type = m.py().get_type::<KVPageError>();
+    // Named for where it lives, so errors pickle across processes.
+    error_type.setattr("__module__", "kvpage._core")?;
+    m.add("KVPageError", error_type)?;
     m.add_class::<BlockPool>()?;
     m.add_class::<KVCacheManager>()?;
     m.add_class::<Scheduler>()?;
