@@ -223,3 +223,36 @@ def test_failed_step_fails_its_requests_and_the_engine_keeps_serving(
     assert_all_blocks_back(engine)
     after = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0]
     assert len(after.outputs[0].token_ids) == 12 and after.error is None
+
+
+def test_non_finite_logits_fail_only_that_request(llm: LLM) -> None:
+    engine = llm.engine
+    engine.add_request("bad", PROMPTS[0], SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.add_request("good", PROMPTS[1], GREEDY)
+    engine.step()
+    runner, dispatch = engine.runner, engine.runner.dispatch
+
+    class Poisoned:
+        def __init__(self, plan: object) -> None:
+            self.plan, self.pending = plan, dispatch(plan)
+
+        def result(self) -> object:
+            out = self.pending.result()
+            bad = engine._requests["bad"].samples[0].slot
+            out.logprobs = out.logprobs.copy()  # device_get arrays are read-only
+            out.logprobs[list(self.plan.sample_rows).index(bad)] = float("nan")
+            return out
+
+    def poisoned(plan: object) -> object:
+        del runner.dispatch
+        return Poisoned(plan)
+
+    runner.dispatch = poisoned
+    outputs: dict[str, object] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out
+    assert outputs["bad"].error and "non-finite" in outputs["bad"].error
+    assert outputs["good"].error is None
+    assert len(outputs["good"].outputs[0].token_ids) == 12
+    assert_all_blocks_back(engine)

@@ -170,6 +170,7 @@ class LLMEngine:
             max_num_batched_tokens=batched,
             max_logprobs=config.max_logprobs,
             seed=config.seed,
+            tensor_parallel_size=config.tensor_parallel_size,
         )
         self.eos_token_ids = _merge_eos_ids(model_config, model_dir, tokenizer)
         self.scheduler = Scheduler(
@@ -379,9 +380,13 @@ class LLMEngine:
                 strict=True,
             ):
                 request = self._by_handle.get(h)
-                if request is not None and self._record_token(
-                    request, i, tok, code, row, out, done
-                ):
+                if request is None:
+                    continue
+                if not math.isfinite(out.logprobs[row]):  # NaN/inf logits: this request only
+                    touched.pop(h, None)
+                    message = "the model produced non-finite logits for this request"
+                    outputs.append(self._fail_request(request, message))
+                elif self._record_token(request, i, tok, code, row, out, done):
                     touched[h] = request
         except Exception as exc:  # one failed step fails its own requests only
             return outputs + self._fail_step(plan, exc)
@@ -403,21 +408,22 @@ class LLMEngine:
                 for r in self._requests.values()
                 if r.metrics.first_scheduled_time is not None
             }
-        outputs = []
-        for handle in handles:
-            request = self._by_handle.get(handle)
-            if request is None:
-                continue
-            self.scheduler.finish_request(handle, "error")
-            for sample in request.samples.values():
-                sample.finish_reason = sample.finish_reason or "error"
-            request.error = message
-            outputs.append(self._finish(request, "error"))
+        outputs = [
+            self._fail_request(self._by_handle[h], message) for h in handles if h in self._by_handle
+        ]
         if self.scheduler.awaiting_update:
             self.scheduler.update(np.zeros(plan.num_sampled, np.int32))
         self.scheduler.reset_prefix_cache()
         self.counters["failed_steps"] = self.counters.get("failed_steps", 0) + 1
         return outputs
+
+    def _fail_request(self, request: _Request, message: str) -> RequestOutput:
+        """Finish every sample of one request with an error; blocks return."""
+        self.scheduler.finish_request(request.handle, "error")
+        for sample in request.samples.values():
+            sample.finish_reason = sample.finish_reason or "error"
+        request.error = message
+        return self._finish(request, "error")
 
     def _take_deferred(self) -> dict[int, _Request]:
         deferred, self._deferred = self._deferred, {}
