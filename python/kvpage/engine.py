@@ -122,6 +122,16 @@ def _merge_eos_ids(config: ModelConfig, model_dir: Path | None, tokenizer: Any) 
     return sorted(ids)
 
 
+def _enable_compilation_cache(path: str | None) -> None:
+    """Point JAX's persistent compilation cache at ``path`` unless the user
+    already configured one."""
+    if not path or jax.config.jax_compilation_cache_dir:
+        return
+    cache_dir = Path(path).expanduser()
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(cache_dir))
+
+
 def load_tokenizer(model_dir: str | Path) -> Any:
     """The model's Hugging Face tokenizer, from local files only."""
     from transformers import AutoTokenizer
@@ -159,6 +169,7 @@ class LLMEngine:
         batched = max(config.max_num_batched_tokens, config.max_num_seqs)
         if not config.enable_chunked_prefill:
             batched = max(batched, max_model_len)
+        _enable_compilation_cache(config.compilation_cache_dir)
         self.runner = ModelRunner(
             model_config,
             params,
@@ -195,6 +206,8 @@ class LLMEngine:
         self._deferred: dict[int, _Request] = {}
         self._last_result_time: float | None = None
         self.timing = StepTiming()
+        if config.warmup:
+            self.runner.warmup(progress=True)
 
     # ---- construction ---------------------------------------------------
 

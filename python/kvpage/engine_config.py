@@ -35,6 +35,12 @@ class EngineConfig:
     max_logprobs: int = 20
     overlap_host_work: bool = True
     """Detokenize step t while the device runs step t + 1."""
+    warmup: bool = False
+    """Compile every step bucket at startup (with a progress bar) instead of
+    on first use; servers want it, one-off scripts usually do not."""
+    compilation_cache_dir: str | None = "~/.cache/kvpage/xla"
+    """JAX's persistent compilation cache, so a restart skips compiles;
+    None leaves JAX's own setting alone."""
 
     def __post_init__(self) -> None:
         def positive(name: str, upper: int = 1 << 24) -> None:
