@@ -26,6 +26,16 @@ class Decoder(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
 
+def _fast_decoder(tokenizer: Decoder) -> Decoder:
+    """The Rust ``tokenizers`` object behind a Hugging Face fast tokenizer
+    decodes ~10x faster than the Python wrapper; use it when the wrapper adds
+    nothing (no clean-up of tokenization spaces)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return tokenizer
+    return backend
+
+
 class IncrementalDetokenizer:
     """The growing text of one sample, with stop-string detection."""
 
@@ -52,7 +62,7 @@ class IncrementalDetokenizer:
         include_stop_str_in_output: bool = False,
         skip_special_tokens: bool = True,
     ) -> None:
-        self._tokenizer = tokenizer
+        self._tokenizer = _fast_decoder(tokenizer)
         context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._ids = context
         self._prefix = 0

@@ -104,6 +104,7 @@ class _Request:
     params: SamplingParams
     metrics: RequestMetrics
     delta: bool
+    final_only: bool = False
     samples: dict[int, _Sample] = field(default_factory=dict)
     finished: bool = False
     error: str | None = None
@@ -249,6 +250,7 @@ class LLMEngine:
         cache_salt: str | None = None,
         *,
         delta: bool = False,
+        final_only: bool = False,
         arrival_time: float | None = None,
     ) -> None:
         """Queue a request. Raises ValueError naming what is wrong with it,
@@ -300,7 +302,7 @@ class LLMEngine:
             cache_salt=cache_salt,
         )
         metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic())
-        request = _Request(request_id, handle, text, ids, params, metrics, delta)
+        request = _Request(request_id, handle, text, ids, params, metrics, delta, final_only)
         self._requests[request_id] = request
         self._by_handle[handle] = request
         self.counters["prompt_tokens"] += len(ids)
@@ -455,7 +457,7 @@ class LLMEngine:
                 and len(request.samples) == request.params.n
             ):
                 outputs.append(self._finish(request, None))
-            else:
+            elif not request.final_only:
                 outputs.append(self._make_output(request))
         return outputs
 

@@ -83,7 +83,11 @@ class LLM:
             for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
                 request_id = f"generate-{next(self._ids)}"
                 self.engine.add_request(
-                    request_id, prompt, params, priority=priority[i] if priority else 0
+                    request_id,
+                    prompt,
+                    params,
+                    priority=priority[i] if priority else 0,
+                    final_only=True,
                 )
                 ids.append(request_id)
             return self._run(ids, use_tqdm)
