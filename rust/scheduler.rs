@@ -766,10 +766,14 @@ impl Scheduler {
                 self.pending_fork_seats += self.seq(seq).forks_pending as usize;
             }
         }
+        // The batch shares the step's token budget: long prompts prefill
+        // over several steps (in chunks), as the continuous policy's do.
+        let mut budget = self.config.max_num_batched_tokens;
         for &seq in &self.running {
             let s = self.seq(seq);
-            let len = s.tokens.len() - s.num_computed;
+            let len = (s.tokens.len() - s.num_computed).min(budget);
             if len > 0 {
+                budget -= len;
                 self.scheduled.push(Scheduled {
                     seq,
                     start: s.num_computed,
@@ -779,6 +783,10 @@ impl Scheduler {
             }
         }
         for &seq in &self.ghosts {
+            if budget == 0 {
+                break;
+            }
+            budget -= 1;
             let start = self.seq(seq).num_computed - 1;
             self.scheduled.push(Scheduled {
                 seq,

@@ -108,6 +108,42 @@ fn seeds_example_static_batching_is_46_9_percent_efficient() {
 }
 
 #[test]
+fn static_batch_prefill_respects_the_token_budget() {
+    let mut sched = Scheduler::new(SchedulerConfig {
+        policy: Policy::Static,
+        max_num_seqs: 4,
+        max_num_batched_tokens: 16,
+        max_model_len: 64,
+        ..config(256, 4)
+    })
+    .unwrap();
+    for i in 0..4 {
+        sched
+            .add_request(&prompt(12, i * 50), params(3), 0, None)
+            .unwrap();
+    }
+    let mut steps = 0;
+    let mut out = Outputs::default();
+    while sched.has_unfinished_requests() {
+        let plan = sched.schedule().unwrap();
+        assert!(
+            plan.num_tokens() <= 16,
+            "step of {} tokens",
+            plan.num_tokens()
+        );
+        let rows = plan.num_sampled();
+        let mut events = Vec::new();
+        sched.update(&vec![7; rows], &mut events).unwrap();
+        record(&mut out, &events);
+        steps += 1;
+    }
+    assert!(steps >= 3, "48 prompt tokens need at least 3 steps of 16");
+    assert!(out.tokens.values().all(|t| t.len() == 3));
+    assert_eq!(out.tokens.len(), 4);
+    assert_all_blocks_back(&sched);
+}
+
+#[test]
 fn continuous_batching_never_idles_a_seat_while_work_waits() {
     let mut sched = Scheduler::new(SchedulerConfig {
         max_num_seqs: 4,

@@ -1,0 +1,34 @@
+"""Benchmarks of the engine, in the spirit of ``vllm bench``.
+
+    kvpage bench throughput [MODEL_DIR | --random-weights CONFIG]   offline tokens/s
+    kvpage bench serve --base-url URL                               online, over HTTP
+    kvpage bench scheduler                                          host cost per step
+    kvpage bench compare                                            static vs continuous
+
+``compare`` runs the two lessons of continuous batching and PagedAttention
+on the same model and workload, only the scheduling policy changed, and can
+draw the README's figures (``--plot-dir``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``bench`` and its subcommands to the ``kvpage`` CLI's subparsers."""
+    from kvpage.bench import compare, scheduler, serve, throughput
+
+    bench = subparsers.add_parser(
+        "bench",
+        help="benchmarks: throughput, serve, scheduler, compare",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+    throughput.add_parser(sub)
+    serve.add_parser(sub)
+    scheduler.add_parser(sub)
+    compare.add_parser(sub)
+    return bench
