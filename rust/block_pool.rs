@@ -15,7 +15,7 @@
 //! The free list is allocated once at construction: nothing on the hot path
 //! allocates memory.
 
-use crate::error::{KvError, KvResult};
+use crate::error::{try_filled_vec, KvError, KvResult};
 
 pub type BlockId = u32;
 
@@ -50,11 +50,15 @@ impl BlockPool {
                 "block_size must be in 1..=65536, got {block_size}"
             )));
         }
+        let mut free = try_filled_vec(num_blocks, 0 as BlockId, "the free list")?;
+        for (slot, block) in free.iter_mut().zip((0..num_blocks as BlockId).rev()) {
+            *slot = block;
+        }
         Ok(Self {
             block_size,
-            refcount: vec![0; num_blocks],
-            is_free: vec![true; num_blocks],
-            free: (0..num_blocks as BlockId).rev().collect(),
+            refcount: try_filled_vec(num_blocks, 0, "block refcounts")?,
+            is_free: try_filled_vec(num_blocks, true, "block states")?,
+            free,
         })
     }
 

@@ -32,3 +32,16 @@ pub enum KvError {
 }
 
 pub type KvResult<T> = Result<T, KvError>;
+
+/// `vec![value; len]`, but an allocation failure is an error instead of an
+/// abort (pool sizes come from users).
+pub fn try_filled_vec<T: Clone>(len: usize, value: T, what: &str) -> KvResult<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len).map_err(|_| {
+        KvError::InvalidArgument(format!(
+            "cannot allocate {what} for {len} entries: out of memory"
+        ))
+    })?;
+    v.resize(len, value);
+    Ok(v)
+}

@@ -99,7 +99,7 @@ impl KvCacheManager {
             )));
         }
         Ok(Self {
-            cache: PrefixCache::new(num_blocks, block_size),
+            cache: PrefixCache::new(num_blocks, block_size)?,
             pool,
             enable_prefix_caching,
             cache_epoch: 0,

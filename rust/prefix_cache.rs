@@ -35,7 +35,7 @@ use std::hash::BuildHasherDefault;
 use rustc_hash::FxHashMap;
 
 use crate::block_pool::BlockId;
-use crate::error::{KvError, KvResult};
+use crate::error::{try_filled_vec, KvError, KvResult};
 
 /// A tree node: a cached block id (< num_blocks) or a root id (>= num_blocks).
 pub type NodeId = u32;
@@ -145,19 +145,32 @@ impl std::hash::Hasher for PassThroughHasher {
 type EdgeMap = HashMap<u64, BlockId, BuildHasherDefault<PassThroughHasher>>;
 
 impl PrefixCache {
-    pub fn new(num_blocks: usize, block_size: usize) -> Self {
-        Self {
+    pub fn new(num_blocks: usize, block_size: usize) -> KvResult<Self> {
+        let token_slots = num_blocks.checked_mul(block_size).ok_or_else(|| {
+            KvError::InvalidArgument(format!(
+                "{num_blocks} blocks of {block_size} tokens overflow"
+            ))
+        })?;
+        Ok(Self {
             block_size,
             num_blocks,
-            cached: vec![false; num_blocks],
-            parent: vec![NIL; num_blocks],
-            edge_key: vec![0; num_blocks],
-            tokens: vec![0; num_blocks * block_size],
-            num_children: vec![0; num_blocks + 1],
-            edges: EdgeMap::with_capacity_and_hasher(num_blocks, Default::default()),
-            lru_prev: vec![NIL; num_blocks],
-            lru_next: vec![NIL; num_blocks],
-            in_lru: vec![false; num_blocks],
+            cached: try_filled_vec(num_blocks, false, "the prefix cache")?,
+            parent: try_filled_vec(num_blocks, NIL, "the prefix cache")?,
+            edge_key: try_filled_vec(num_blocks, 0, "the prefix cache")?,
+            tokens: try_filled_vec(token_slots, 0, "the prefix cache's tokens")?,
+            num_children: try_filled_vec(num_blocks + 1, 0, "the prefix cache")?,
+            edges: {
+                let mut edges = EdgeMap::default();
+                edges.try_reserve(num_blocks).map_err(|_| {
+                    KvError::InvalidArgument(format!(
+                        "cannot allocate the prefix cache for {num_blocks} blocks: out of memory"
+                    ))
+                })?;
+                edges
+            },
+            lru_prev: try_filled_vec(num_blocks, NIL, "the LRU list")?,
+            lru_next: try_filled_vec(num_blocks, NIL, "the LRU list")?,
+            in_lru: try_filled_vec(num_blocks, false, "the LRU list")?,
             lru_head: NIL,
             lru_tail: NIL,
             lru_len: 0,
@@ -166,7 +179,7 @@ impl PrefixCache {
             root_users: vec![0],
             free_root_ids: Vec::new(),
             stats: PrefixCacheStats::default(),
-        }
+        })
     }
 
     pub fn block_size(&self) -> usize {
@@ -502,7 +515,7 @@ mod tests {
 
     #[test]
     fn longest_prefix_stops_at_first_mismatch() {
-        let mut cache = PrefixCache::new(8, 4);
+        let mut cache = PrefixCache::new(8, 4).unwrap();
         let root = cache.acquire_root(None);
         assert_eq!(cache.insert(root, &chunk(0, 4), 3), InsertOutcome::Inserted);
         assert_eq!(cache.insert(3, &chunk(4, 4), 5), InsertOutcome::Inserted);
@@ -520,7 +533,7 @@ mod tests {
 
     #[test]
     fn salts_do_not_share() {
-        let mut cache = PrefixCache::new(8, 4);
+        let mut cache = PrefixCache::new(8, 4).unwrap();
         let a = cache.acquire_root(Some("tenant-a"));
         let b = cache.acquire_root(Some("tenant-b"));
         assert_ne!(a, b);
@@ -537,7 +550,7 @@ mod tests {
 
     #[test]
     fn duplicate_insert_reports_the_cached_block() {
-        let mut cache = PrefixCache::new(8, 4);
+        let mut cache = PrefixCache::new(8, 4).unwrap();
         let root = cache.acquire_root(None);
         cache.insert(root, &chunk(0, 4), 1);
         assert_eq!(
@@ -548,7 +561,7 @@ mod tests {
 
     #[test]
     fn eviction_takes_lru_leaf_and_then_its_parent() {
-        let mut cache = PrefixCache::new(8, 4);
+        let mut cache = PrefixCache::new(8, 4).unwrap();
         let root = cache.acquire_root(None);
         cache.insert(root, &chunk(0, 4), 1);
         cache.insert(1, &chunk(4, 4), 2);
@@ -567,7 +580,7 @@ mod tests {
 
     #[test]
     fn unused_salted_root_is_recycled() {
-        let mut cache = PrefixCache::new(4, 2);
+        let mut cache = PrefixCache::new(4, 2).unwrap();
         let a = cache.acquire_root(Some("a"));
         cache.release_root(a);
         let b = cache.acquire_root(Some("b"));

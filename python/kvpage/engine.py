@@ -113,10 +113,14 @@ class _Request:
 
 def _merge_eos_ids(config: ModelConfig, model_dir: Path | None, tokenizer: Any) -> list[int]:
     ids = set(config.eos_token_ids)
-    if model_dir is not None and (model_dir / "generation_config.json").is_file():
+    path = None if model_dir is None else model_dir / "generation_config.json"
+    if path is not None and path.is_file():
         import json
 
-        eos = json.loads((model_dir / "generation_config.json").read_text()).get("eos_token_id")
+        try:
+            eos = json.loads(path.read_text()).get("eos_token_id")
+        except (ValueError, AttributeError) as err:
+            raise ValueError(f"{path} is not a valid generation config: {err}") from None
         ids.update([eos] if isinstance(eos, int) else (eos or []))
     if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(int(tokenizer.eos_token_id))
@@ -137,7 +141,10 @@ def load_tokenizer(model_dir: str | Path) -> Any:
     """The model's Hugging Face tokenizer, from local files only."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as err:  # transformers raises many types; name the directory
+        raise ValueError(f"cannot load the tokenizer of {model_dir}: {err}") from None
 
 
 class LLMEngine:
@@ -256,6 +263,8 @@ class LLMEngine:
         """Queue a request. Raises ValueError naming what is wrong with it,
         or QueueFullError when the waiting queue is at its bound."""
         params = params or SamplingParams()
+        if not -(2**63) <= priority < 2**63:
+            raise ValueError(f"priority must fit in a signed 64-bit integer, got {priority}")
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         bound = self.config.max_num_waiting
@@ -401,6 +410,8 @@ class LLMEngine:
                     touched.pop(h, None)
                     message = "the model produced non-finite logits for this request"
                     outputs.append(self._fail_request(request, message))
+                    # Its cached blocks may hold the bad values: never reuse them.
+                    self.scheduler.reset_prefix_cache()
                 elif self._record_token(request, i, tok, code, row, out, done):
                     touched[h] = request
         except Exception as exc:  # one failed step fails its own requests only

@@ -7,14 +7,18 @@ This file owns the pydantic models that validate ``/v1/completions`` and
 plus OpenAI's ``{"error": {"message", "type", "param", "code"}}`` body) and
 the conversion of a request body into ``SamplingParams``.
 
-Models are strict (no "5" for 5) and ignore unknown fields.
+Models are strict (no "5" for 5) and ignore unknown fields. Integers the
+Rust core keeps in fixed-width fields are bounded here (a 400 naming the
+field, not an overflow inside the engine), and so are the fields the engine
+keeps per request (``cache_salt``, ``stop_token_ids``), so that the memory a
+queued request holds is bounded.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kvpage.sampling_params import SamplingParams
 
@@ -56,6 +60,12 @@ def validation_error(exc: ValidationError) -> APIError:
     return bad_request(f"{param}: invalid value ({'; or '.join(messages[:4])})", param=param)
 
 
+_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
+_I32_MAX = 2**31 - 1
+MAX_CACHE_SALT_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -80,16 +90,23 @@ class _GenerationRequest(_Strict):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM extras
-    top_k: int | None = None
+    top_k: int | None = Field(None, le=_I32_MAX)
     min_p: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
     repetition_penalty: float | None = None
-    priority: int = 0
-    cache_salt: str | None = None
-    stop_token_ids: list[int] | None = None
+    priority: int = Field(0, ge=_I64_MIN, le=_I64_MAX)
+    cache_salt: str | None = Field(None, max_length=MAX_CACHE_SALT_CHARS)
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt_is_unicode(cls, value: str | None) -> str | None:
+        if value is not None:
+            value.encode("utf-8")  # UnicodeEncodeError (a ValueError) for lone surrogates
+        return value
 
     def check_supported(self) -> None:
         if self.logit_bias:

@@ -77,7 +77,9 @@ class SamplingParams:
         )
         check("top_p", finite(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]")
         check(
-            "top_k", integer(self.top_k) and self.top_k >= -1, "-1, 0 (off) or a positive integer"
+            "top_k",
+            integer(self.top_k) and -1 <= self.top_k < 2**31,
+            "-1, 0 (off) or a positive integer",
         )
         check("min_p", finite(self.min_p) and 0 <= self.min_p <= 1, "in [0, 1]")
         check(

@@ -6,14 +6,22 @@ This file owns:
   ``/v1/completions`` and ``/v1/chat/completions`` (SSE streaming and not,
   ``n``, several prompts, logprobs, usage with cached prompt tokens),
   ``/v1/models``, ``/health`` and ``/metrics`` (Prometheus text);
-* an ASGI guard for the API key (``Authorization: Bearer``, every route but
-  ``/health``) and the request-body size limit (413);
+* an ASGI guard for the API key (``Authorization: Bearer``, compared in
+  constant time; every route but ``/health``, and ``/metrics`` too unless
+  ``public_metrics``) and the request-body size limit (413);
 * mapping engine errors to OpenAI-style JSON errors (400, 401, 404, 413, 503,
   500) and ``RequestOutput`` deltas to OpenAI responses and chunks;
 * aborting a request whose client went away (streaming or not);
-* ``run_server``: load a model, serve it with uvicorn and, on SIGTERM or
-  SIGINT, stop accepting, let running requests finish within a bounded grace
-  period and return (the process exits 0).
+* ``run_server``: load a model, serve it with uvicorn (on 127.0.0.1 unless
+  told otherwise; with a bounded waiting queue) and, on SIGTERM or SIGINT,
+  stop accepting, let running requests finish within a bounded grace period,
+  check that every KV block is back in the pool, and return (the process
+  exits 0).
+
+Hostile input never reaches a 5xx: malformed, too deeply nested or otherwise
+unparsable JSON, integers out of the engine's range and text that is not
+valid Unicode are 400s; text is tokenized off the event loop, so a huge
+prompt does not stall the streams of other clients.
 
 Request bodies are validated by ``kvpage.protocol``.
 """
@@ -71,6 +79,13 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_GRACE_SECONDS = 30.0
 OPEN_PATHS = frozenset({"/health"})
 """Routes that need no API key."""
+MAX_PROMPTS_PER_REQUEST = 1024
+"""Most prompts one ``/v1/completions`` request may carry (each becomes an
+engine request)."""
+DEFAULT_WAITING_PER_SEQ = 4
+"""``run_server`` bounds the waiting queue at this many requests per running
+slot (at least ``_MIN_DEFAULT_WAITING``) unless ``max_num_waiting`` is set."""
+_MIN_DEFAULT_WAITING = 64
 _MIN_LOGPROB = -9999.0
 """JSON has no -inf: log-probabilities are clamped to this."""
 
@@ -78,8 +93,11 @@ _MIN_LOGPROB = -9999.0
 # ---- errors -----------------------------------------------------------------
 
 
-def _error_json(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+def _error_json(error: APIError) -> Response:
+    # ASCII-escaped: a message quoting client text with a lone surrogate must
+    # not fail to encode (which would turn a 4xx into a 500)
+    return Response(json.dumps(error.body()), status_code=error.status,
+                    media_type="application/json")
 
 
 def _engine_error(exc: BaseException) -> APIError:
@@ -91,7 +109,7 @@ def _engine_error(exc: BaseException) -> APIError:
                         code="queue_full")
     if isinstance(exc, EngineClosedError):
         return APIError(503, str(exc), "service_unavailable_error", code="shutting_down")
-    if isinstance(exc, ValueError):
+    if isinstance(exc, ValueError | OverflowError):  # an int out of the core's range
         return value_error(exc)
     return APIError(500, str(exc) or type(exc).__name__, "internal_server_error",
                     code="engine_error")
@@ -112,10 +130,12 @@ class _BodyTooLarge(Exception):
 class _Guard:
     """ASGI middleware: API-key check and request-body size limit."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int,
+                 open_paths: frozenset[str] = OPEN_PATHS) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key is not None else None
         self.max_body_bytes = max_body_bytes
+        self.open_paths = open_paths
 
     def _authorized(self, scope: Scope) -> bool:
         assert self.api_key is not None
@@ -130,7 +150,7 @@ class _Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self.api_key is not None and scope["path"] not in OPEN_PATHS \
+        if self.api_key is not None and scope["path"] not in self.open_paths \
                 and not self._authorized(scope):
             await _send_error(send, APIError(
                 401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
@@ -324,8 +344,30 @@ class _Server:
             raise bad_request("the model has no tokenizer: send prompts as token ids")
         return tokenizer
 
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+    async def tokenize(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``, computed on a worker thread (a long text
+        must not stall the event loop, which serves every other stream)."""
+        _check_unicode(text, param)
+        tokenizer = self.tokenizer
+        ids = await asyncio.to_thread(tokenizer, text, add_special_tokens=add_special_tokens)
+        return list(ids["input_ids"])
+
+    async def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool,
+                          ) -> str:
+        """The chat template applied to ``messages`` (on a worker thread)."""
+        for message in messages:
+            for value in message.values():
+                _check_unicode(value, "messages")
+        tokenizer = self.tokenizer
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise bad_request("the model has no chat template; use /v1/completions")
+        try:
+            return await asyncio.to_thread(
+                tokenizer.apply_chat_template, messages, tokenize=False,
+                add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # a template may reject a conversation
+            raise bad_request(f"the chat template failed on these messages: {exc}",
+                              param="messages") from None
 
     def check_length(self, prompt_len: int, max_tokens: int | None, param: str) -> None:
         limit = self.engine.max_model_len
@@ -546,11 +588,24 @@ def _chat_body(srv: _Server, gen: _Generation, choices: list[_Choice]) -> dict[s
 # ---- the app ------------------------------------------------------------------
 
 
+def _check_unicode(text: str, param: str) -> None:
+    """400 for text that is not valid Unicode: JSON can spell lone surrogates
+    (``"\\ud800"``), which no tokenizer accepts."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad_request(f"{param} is not valid Unicode: {exc.reason} at position "
+                          f"{exc.start}", param=param) from None
+
+
 async def _parse(request: Request, model: type[M]) -> M:
     raw = await request.body()
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except RecursionError:
+        raise bad_request("the request body is not valid JSON: it is nested too deeply",
+                          code="invalid_json") from None
+    except ValueError as exc:  # bad JSON or UTF-8, an integer of over 4300 digits
         raise bad_request(f"the request body is not valid JSON: {exc}",
                           code="invalid_json") from None
     if not isinstance(data, dict):
@@ -559,6 +614,8 @@ async def _parse(request: Request, model: type[M]) -> M:
         return model.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc) from None
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply", code="invalid_json") from None
 
 
 def build_app(
@@ -567,14 +624,15 @@ def build_app(
     served_model_name: str | Sequence[str],
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    public_metrics: bool = False,
 ) -> FastAPI:
     """The OpenAI-compatible app over a running ``AsyncLLMEngine``.
 
     ``served_model_name``: the name(s) clients must use in ``model`` (the
     first is reported in responses when a request names none). With
-    ``api_key``, every route but ``/health`` needs ``Authorization: Bearer
-    <api_key>``. Bodies over ``max_body_bytes`` get 413. The app does not
-    shut the engine down.
+    ``api_key``, every route but ``/health`` (and ``/metrics`` when
+    ``public_metrics``) needs ``Authorization: Bearer <api_key>``. Bodies over
+    ``max_body_bytes`` get 413. The app does not shut the engine down.
     """
     names = [served_model_name] if isinstance(served_model_name, str) \
         else list(served_model_name)
@@ -583,20 +641,22 @@ def build_app(
     srv = _Server(async_engine, names)
     app = FastAPI(title="kvpage", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.kvpage = srv
-    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+    open_paths = OPEN_PATHS | {"/metrics"} if public_metrics else OPEN_PATHS
+    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes,
+                       open_paths=open_paths)
 
     @app.exception_handler(APIError)
-    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+    async def on_api_error(request: Request, exc: APIError) -> Response:
         return _error_json(exc)
 
     @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
         kind = {404: "not_found_error", 405: "invalid_request_error"}.get(
             exc.status_code, "invalid_request_error")
         return _error_json(APIError(exc.status_code, str(exc.detail), kind))
 
     @app.exception_handler(Exception)
-    async def on_error(request: Request, exc: Exception) -> JSONResponse:
+    async def on_error(request: Request, exc: Exception) -> Response:
         logger.exception("unhandled error in %s", request.url.path, exc_info=exc)
         return _error_json(APIError(500, f"internal error: {type(exc).__name__}",
                                     "internal_server_error"))
@@ -634,10 +694,13 @@ def build_app(
             raw_prompts = list(raw)  # type: ignore[arg-type]
         if not raw_prompts:
             raise bad_request("prompt must not be empty", param="prompt")
+        if len(raw_prompts) > MAX_PROMPTS_PER_REQUEST:
+            raise bad_request(f"prompt holds {len(raw_prompts)} prompts; one request may "
+                              f"carry at most {MAX_PROMPTS_PER_REQUEST}", param="prompt")
         explicit = body.max_tokens if "max_tokens" in body.model_fields_set else None
         prompts = []
         for p in raw_prompts:
-            ids = srv.tokenize(p) if isinstance(p, str) else list(p)
+            ids = await srv.tokenize(p, "prompt") if isinstance(p, str) else list(p)
             srv.check_length(len(ids), explicit, "prompt")
             prompts.append({"prompt": p if isinstance(p, str) else None,
                             "prompt_token_ids": ids})
@@ -661,16 +724,8 @@ def build_app(
         model = srv.model_name(body.model)
         body.check_supported()
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        tokenizer = srv.tokenizer
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise bad_request("the model has no chat template; use /v1/completions")
-        try:
-            text = tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=body.add_generation_prompt)
-        except Exception as exc:  # a template may reject a conversation
-            raise bad_request(f"the chat template failed on these messages: {exc}",
-                              param="messages") from None
-        ids = srv.tokenize(text, add_special_tokens=False)
+        text = await srv.render_chat(messages, body.add_generation_prompt)
+        ids = await srv.tokenize(text, "messages", add_special_tokens=False)
         srv.check_length(len(ids), body.output_limit, "messages")
         params = body.sampling_params(body.output_limit, body.num_logprobs)
         gen = await srv.start("chatcmpl", model, [{"prompt": text, "prompt_token_ids": ids}],
@@ -748,14 +803,20 @@ def run_server(
     grace_seconds: float = DEFAULT_GRACE_SECONDS,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     log_level: str = "info",
+    public_metrics: bool | None = None,
 ) -> None:
     """Serve the model in ``model_dir`` until SIGTERM/SIGINT; then stop
     accepting, let running requests finish for up to ``grace_seconds``, abort
-    the rest and return.
+    the rest, check the engine's KV pool and return.
 
-    ``engine_config.model`` is set to ``model_dir``. ``api_key`` defaults to
-    the ``KVPAGE_API_KEY`` environment variable; without either the API is
-    open. ``served_model_name`` defaults to ``model_dir`` as given.
+    ``engine_config.model`` is set to ``model_dir``; an unset
+    ``max_num_waiting`` becomes ``DEFAULT_WAITING_PER_SEQ * max_num_seqs`` (at
+    least 64), so that past capacity the server answers 503 instead of
+    queueing without bound. ``api_key`` defaults to the ``KVPAGE_API_KEY``
+    environment variable; without either the API is open.
+    ``public_metrics`` (default: the ``KVPAGE_PUBLIC_METRICS`` environment
+    variable is 1) serves ``/metrics`` without the key. ``served_model_name``
+    defaults to ``model_dir`` as given.
     """
     import uvicorn
 
@@ -763,6 +824,11 @@ def run_server(
         logging.basicConfig(level=logging.INFO,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = dataclasses.replace(engine_config or EngineConfig(), model=str(model_dir))
+    if config.max_num_waiting is None:
+        config = dataclasses.replace(config, max_num_waiting=max(
+            _MIN_DEFAULT_WAITING, DEFAULT_WAITING_PER_SEQ * config.max_num_seqs))
+    if public_metrics is None:
+        public_metrics = os.environ.get("KVPAGE_PUBLIC_METRICS", "") == "1"
     if api_key is None:
         api_key = os.environ.get("KVPAGE_API_KEY") or None
     names = served_model_name or str(model_dir)
@@ -781,7 +847,7 @@ def run_server(
 
     try:
         app = build_app(engine, served_model_name=names, api_key=api_key,
-                        max_body_bytes=max_body_bytes)
+                        max_body_bytes=max_body_bytes, public_metrics=public_metrics)
         # uvicorn's own bound only matters if aborted streams fail to close
         uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                    timeout_graceful_shutdown=math.ceil(grace_seconds) + 5,
@@ -790,4 +856,31 @@ def run_server(
     finally:
         spent = time.monotonic() - signalled[0] if signalled else 0.0
         engine.shutdown(max(0.0, grace_seconds - spent))
+        check_engine_at_exit(engine)
     logger.info("server stopped")
+
+
+def check_engine_at_exit(engine: AsyncLLMEngine) -> bool:
+    """After ``shutdown``: log whether every KV block is back in the pool and
+    the engine's invariants hold (``LLMEngine.check_invariants``); returns
+    that. Skipped (False) while the engine thread still runs."""
+    if engine.is_running:
+        logger.error("engine state at exit: not checked, the engine thread still runs")
+        return False
+    inner = engine.engine
+    try:
+        check = getattr(inner, "check_invariants", None)
+        if check is not None:
+            check()
+        stats = inner.get_stats()
+    except Exception as exc:
+        logger.error("engine state at exit: invariants violated: %s", exc)
+        return False
+    usage = float(stats.get("kv_cache_usage_perc", 0.0))
+    unfinished = int(stats.get("num_unfinished_requests", 0))
+    ok = usage == 0.0 and unfinished == 0
+    log = logger.info if ok else logger.error
+    log("engine state at exit: %d unfinished requests, KV cache usage %.2f%%, %s",
+        unfinished, 100.0 * usage,
+        "all KV blocks free, invariants hold" if ok else "KV blocks still held")
+    return ok
