@@ -65,6 +65,10 @@ struct PageTable {
     cache_epoch: u64,
     /// Tree blocks pinned in place of own duplicate blocks, by logical index.
     pins: Vec<(usize, BlockId)>,
+    /// The last block is known to be held by this table alone (set when it
+    /// was allocated or copied here, cleared by a fork), so a decode that
+    /// fits in it needs no refcount lookup. False only means "check".
+    owns_last: bool,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -282,9 +286,15 @@ impl KvCacheManager {
         num_new_tokens: usize,
         copies: &mut Vec<BlockCopy>,
     ) -> KvResult<()> {
+        let block_size = self.block_size();
+        let table = self.table_mut(seq)?;
+        let filled = table.num_tokens % block_size;
+        if table.owns_last && filled != 0 && filled + num_new_tokens <= block_size {
+            table.num_tokens += num_new_tokens; // the common decode: room in an owned block
+            return Ok(());
+        }
         let needed = self.blocks_needed_for(self.table(seq)?, num_new_tokens);
         self.ensure_free(needed)?;
-        let block_size = self.block_size();
         // Split borrows: the table lives in `slots`, blocks come from `pool`.
         let pool = &mut self.pool;
         let table = self.slots[(seq & 0xffff_ffff) as usize]
@@ -299,11 +309,13 @@ impl KvCacheManager {
                 copies.push(BlockCopy { src: *last, dst });
                 *last = dst;
             }
+            table.owns_last = pool.refcount(*table.blocks.last().expect("exists"))? == 1;
         }
         let total_blocks = (table.num_tokens + num_new_tokens).div_ceil(block_size);
         let extra = total_blocks - table.blocks.len();
         if extra > 0 {
             pool.allocate(extra, &mut table.blocks)?;
+            table.owns_last = true;
         }
         table.num_tokens += num_new_tokens;
         debug_assert!(
@@ -429,6 +441,7 @@ impl KvCacheManager {
 
     /// A new sequence sharing every block of `seq` (refcount + 1 each).
     pub fn fork(&mut self, seq: SeqId) -> KvResult<SeqId> {
+        self.table_mut(seq)?.owns_last = false;
         let child = self.table(seq)?.clone();
         for &block in &child.blocks {
             self.pool.retain(block)?;
