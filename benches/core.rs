@@ -57,7 +57,7 @@ fn prefix_cache(c: &mut Criterion) {
             kv.free_sequence(seq).unwrap();
         })
     });
-    let mut radix = PrefixCache::new(512, 16);
+    let mut radix = PrefixCache::new(512, 16).unwrap();
     let root = radix.acquire_root(None);
     let mut parent = root;
     for (block, chunk) in tokens.chunks_exact(16).enumerate() {

@@ -289,7 +289,10 @@ impl KvCacheManager {
         let block_size = self.block_size();
         let table = self.table_mut(seq)?;
         let filled = table.num_tokens % block_size;
-        if table.owns_last && filled != 0 && filled + num_new_tokens <= block_size {
+        let fits = filled
+            .checked_add(num_new_tokens)
+            .is_some_and(|end| end <= block_size);
+        if table.owns_last && filled != 0 && fits {
             table.num_tokens += num_new_tokens; // the common decode: room in an owned block
             return Ok(());
         }

@@ -5,7 +5,7 @@
     kvpage make-tiny-model PATH
 
 Engine flags are spelled as vLLM spells them. Without MODEL_DIR, ``generate``
-uses a tiny random Llama it builds once under ~/.cache/kvpage.
+uses the tiny trained Llama shipped inside the package (``kvpage/assets/default_model``).
 """
 
 from __future__ import annotations
@@ -99,6 +99,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="largest logprobs a request may ask for",
     )
     g.add_argument("--seed", type=int, default=0, help="engine seed")
+    g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile every step bucket at startup (default: on for serve)")
 
 
 def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfig:
@@ -109,15 +111,16 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
 def _resolve_model(model: str | None) -> str:
     if model:
         return model
-    if not (DEFAULT_TINY_MODEL / "config.json").is_file():
-        from kvpage.tiny_model import build_tiny_model
+    from kvpage.assets import default_model_dir
 
-        print(f"building a tiny random Llama at {DEFAULT_TINY_MODEL} ...", file=sys.stderr)
-        build_tiny_model(DEFAULT_TINY_MODEL)
-    return str(DEFAULT_TINY_MODEL)
+    try:
+        return str(default_model_dir())
+    except FileNotFoundError as err:
+        raise ValueError(str(err)) from None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    args.warmup = bool(args.warmup)
     from kvpage.llm import LLM
     from kvpage.sampling_params import SamplingParams
 
@@ -155,6 +158,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvpage.server import run_server
 
+    if args.warmup is None:
+        args.warmup = True  # a server compiles before it takes traffic
     config = engine_config_from_args(args, args.model)
     run_server(args.model, args.host, args.port, args.api_key, config)
     return 0
@@ -178,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
         "model",
         nargs="?",
         default=None,
-        help="HF model directory (default: a tiny random Llama built on first use)",
+        help="HF model directory (default: the tiny model shipped with kvpage)",
     )
     gen.add_argument("--prompt", action="append", help="a prompt; repeat for several")
     gen.add_argument("--prompts-file", help="a file with one prompt per line")

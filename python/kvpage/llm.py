@@ -41,7 +41,12 @@ class LLM:
     def from_params(
         cls, config: ModelConfig, params: Any, tokenizer: Any = None, **engine_args: Any
     ) -> LLM:
-        """Generate straight from a parameter pytree already in memory."""
+        """Generate straight from a parameter pytree already in memory.
+
+        ``params`` follows :mod:`kvpage.model.params` (e.g. a JAX training run's
+        pytree). Leaves that already are device arrays in the engine's layout (one
+        device, or :func:`kvpage.parallel.shard_params` for ``tensor_parallel_size``
+        > 1) are used as they are, without a copy; others are moved there once."""
         engine = LLMEngine(EngineConfig(**engine_args), config, params, tokenizer)
         return cls.from_engine(engine)
 

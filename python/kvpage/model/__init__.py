@@ -5,6 +5,7 @@
 * :mod:`~kvpage.model.params`   -- the documented parameter pytree layout.
 * :mod:`~kvpage.model.loader`   -- safetensors loading, random params, in-memory params.
 * :mod:`~kvpage.model.llama`    -- the forward pass over a ragged batch and paged KV.
+* :mod:`~kvpage.model.dense`    -- the same decoder, dense and causal, for training.
 * :mod:`~kvpage.model.attention` -- which paged-attention kernel the forward pass calls.
 * :mod:`~kvpage.model.rope`     -- rotary embeddings (default, linear, llama3).
 * :mod:`~kvpage.model.safetensors_file` -- strict memory-mapped safetensors reader.

@@ -2,7 +2,8 @@
 
 * :mod:`~kvpage.runner.step_plan`      -- the plan contract (+ a Python :class:`StepPlan`).
 * :mod:`~kvpage.runner.model_runner`   -- :class:`ModelRunner`: pad, run, sample.
-* :mod:`~kvpage.runner.kv_cache`       -- paged KV pool sizing and allocation.
+* :mod:`~kvpage.runner.kv_cache`       -- paged KV pool sizing and allocation (split by KV head
+  under tensor parallelism, see :mod:`kvpage.parallel`).
 * :mod:`~kvpage.runner.sampler`        -- batched device sampling.
 * :mod:`~kvpage.runner.sampling_params` -- per-request :class:`SamplingParams`.
 * :mod:`~kvpage.runner.sampling_table` -- per-slot sampling state on device.

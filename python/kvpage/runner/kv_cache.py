@@ -3,7 +3,8 @@
 This file owns the pools' shape and memory accounting. Each layer has a K pool and a V
 pool of shape ``[num_kv_heads, num_blocks + 1, block_size, head_dim]``; blocks
 ``0 .. num_blocks - 1`` are managed by the Rust block pool and block ``num_blocks`` is a
-scratch block that padded tokens write to (never read).
+scratch block that padded tokens write to (never read). With tensor parallelism the pools
+are split along the KV-head axis, so each device holds ``1 / tensor_parallel_size``.
 """
 
 from __future__ import annotations
@@ -31,10 +32,16 @@ class KVCacheSpec:
     block_size: int
     num_blocks: int
     dtype: str
+    tensor_parallel_size: int = 1
 
     @classmethod
     def for_model(
-        cls, config: ModelConfig, block_size: int, num_blocks: int, dtype: str | None = None
+        cls,
+        config: ModelConfig,
+        block_size: int,
+        num_blocks: int,
+        dtype: str | None = None,
+        tensor_parallel_size: int = 1,
     ) -> KVCacheSpec:
         if block_size <= 0 or num_blocks <= 0:
             raise ValueError(
@@ -47,6 +54,7 @@ class KVCacheSpec:
             block_size,
             num_blocks,
             dtype or config.dtype,
+            tensor_parallel_size,
         )
 
     @property
@@ -73,6 +81,11 @@ class KVCacheSpec:
     def total_bytes(self) -> int:
         return self.bytes_per_block * (self.num_blocks + 1)
 
+    @property
+    def bytes_per_device(self) -> int:
+        """Device bytes of the whole cache on each device (its share of the KV heads)."""
+        return self.total_bytes // self.tensor_parallel_size
+
 
 def num_blocks_for_memory(
     config: ModelConfig,
@@ -81,12 +94,15 @@ def num_blocks_for_memory(
     dtype: str | None = None,
     device: jax.Device | None = None,
     reserved_bytes: int = 0,
+    tensor_parallel_size: int = 1,
 ) -> int:
     """How many blocks fit in ``memory_fraction`` of the device after what is already in use.
 
     Call it after the params are on the device. ``reserved_bytes`` is left free for
-    activations of the step. Raises ValueError where the device reports no memory stats
-    (CPU) -- pass an explicit block count there.
+    activations of the step. With ``tensor_parallel_size`` N each device stores 1/N of a
+    block (its KV heads); ``device`` should then be the fullest device of the mesh.
+    Raises ValueError where the device reports no memory stats (CPU) -- pass an explicit
+    block count there.
     """
     if not 0.0 < memory_fraction <= 1.0:
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
@@ -99,6 +115,7 @@ def num_blocks_for_memory(
     budget = int(stats["bytes_limit"] * memory_fraction)
     free = budget - int(stats.get("bytes_in_use", 0)) - reserved_bytes
     per_block = KVCacheSpec.for_model(config, block_size, 1, dtype).bytes_per_block
+    per_block = max(per_block // tensor_parallel_size, 1)
     blocks = free // per_block - 1  # minus the scratch block
     if blocks <= 0:
         raise ValueError(
@@ -108,8 +125,11 @@ def num_blocks_for_memory(
     return int(blocks)
 
 
-def allocate_kv_cache(spec: KVCacheSpec, device: jax.Device | None = None) -> KVPools:
-    """Zero-filled ``(k_pages, v_pages)`` for every layer."""
+def allocate_kv_cache(
+    spec: KVCacheSpec, device: jax.Device | jax.sharding.Sharding | None = None
+) -> KVPools:
+    """Zero-filled ``(k_pages, v_pages)`` for every layer, on ``device`` (a device, or a
+    sharding such as the KV-head split of tensor parallelism)."""
     dtype = jnp_dtype(spec.dtype)
     return [
         (

@@ -12,6 +12,11 @@ Every executable is compiled explicitly and counted in :attr:`ModelRunner.num_co
 after :meth:`ModelRunner.warmup` that number stays fixed for any plan within the
 configured limits.
 
+With ``tensor_parallel_size=N`` (or an explicit ``mesh``) the same step runs over N devices
+(:mod:`kvpage.parallel`): params split Megatron-style, KV pools split by KV head, the
+attention kernel per shard under ``shard_map``; the packed step inputs, the sampling table
+and the sampled outputs are replicated, so every device (and host) sees the same tokens.
+
 Engine protocol::
 
     runner = ModelRunner(config, params, num_blocks, block_size, max_model_len)
@@ -31,12 +36,21 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from kvpage.model.attention import get_attention_backend
 from kvpage.model.config import ModelConfig
-from kvpage.model.llama import forward
-from kvpage.model.loader import params_from_pytree
-from kvpage.model.params import Params
+from kvpage.model.llama import compute_logits, decoder_hidden_states
+from kvpage.model.params import Params, validate_params
+from kvpage.parallel import (
+    TP_AXIS,
+    check_tensor_parallel,
+    make_mesh,
+    mesh_size,
+    param_shardings,
+    place,
+    shard_attention_backend,
+)
 from kvpage.runner.buckets import normalize_buckets, pick_bucket, power_of_two_buckets
 from kvpage.runner.kv_cache import (
     KVCacheSpec,
@@ -66,12 +80,14 @@ StepKey = tuple[int, int, bool]
 
 
 class ModelRunner:
-    """Owns the params, the paged KV pools and the per-slot sampling state on one device.
+    """Owns the params, the paged KV pools and the per-slot sampling state on the device(s).
 
     Args:
         config: the model's :class:`ModelConfig`.
-        params: parameter pytree (:mod:`kvpage.model.params` layout); validated and moved
-            to ``device``. Swap later with :meth:`update_params`.
+        params: parameter pytree (:mod:`kvpage.model.params` layout); validated and placed
+            on ``device`` (or sharded over the mesh). Leaves that are already there, as jax
+            arrays of the right sharding, are adopted as they are (no copy). Swap later
+            with :meth:`update_params`.
         num_blocks: KV blocks the Rust block pool manages (the device pool gets one more,
             the scratch block). ``None``: as many as fit in ``kv_memory_fraction`` of the
             device memory (GPU/TPU only).
@@ -93,6 +109,9 @@ class ModelRunner:
             presence/frequency/repetition penalties work.
         seed: base seed for requests without their own seed.
         validate_plans: range-check every plan on the host (cheap numpy checks).
+        tensor_parallel_size: shard the model over this many devices (the first N of
+            :func:`jax.devices`); must divide the query and KV head counts.
+        mesh: an explicit mesh with a ``"tp"`` axis instead (overrides the size).
     """
 
     def __init__(
@@ -117,6 +136,8 @@ class ModelRunner:
         seed: int = 0,
         device: jax.Device | None = None,
         validate_plans: bool = True,
+        tensor_parallel_size: int = 1,
+        mesh: Mesh | None = None,
     ) -> None:
         if max_model_len <= 0 or block_size <= 0:
             raise ValueError("max_model_len and block_size must be positive")
@@ -130,17 +151,44 @@ class ModelRunner:
                 f"sliding-window attention is not implemented: max_model_len {max_model_len} "
                 f"must not exceed the model's sliding_window {config.sliding_window}"
             )
+        if mesh is None and tensor_parallel_size > 1:
+            check_tensor_parallel(config, tensor_parallel_size)
+            mesh = make_mesh(tensor_parallel_size)
+        tp = mesh_size(mesh) if mesh is not None else 1
+        check_tensor_parallel(config, tp)
         self.config = config
-        self.device = device or jax.local_devices()[0]
+        self.mesh = mesh
+        self.tensor_parallel_size = tp
+        self.device = device or (
+            mesh.devices.flat[0] if mesh is not None else jax.local_devices()[0]
+        )
         self.backend = get_attention_backend(attention_backend)
-        self.params: Params = params_from_pytree(config, params, dtype=None, device=self.device)
+        validate_params(config, params)
+        if mesh is not None:
+            self.backend = shard_attention_backend(self.backend, mesh)
+            self._replicated: jax.sharding.Sharding = NamedSharding(mesh, PartitionSpec())
+            self._pool_sharding: jax.sharding.Sharding = NamedSharding(mesh, PartitionSpec(TP_AXIS))
+            self._param_shardings: Any = param_shardings(config, params, mesh)
+        else:
+            self._replicated = self._pool_sharding = SingleDeviceSharding(self.device)
+            self._param_shardings = jax.tree_util.tree_map(lambda _: self._replicated, params)
+        self._multiprocess = mesh is not None and not all(
+            d.process_index == jax.process_index() for d in mesh.devices.flat
+        )
+        self.params: Params
+        self.params, self.last_update_copies = place(params, self._param_shardings)
         param_dtype = str(jnp.dtype(self.params["embed_tokens"]["weight"].dtype))
         kv_dtype = kv_cache_dtype or param_dtype
         if num_blocks is None:
             num_blocks = num_blocks_for_memory(
-                config, block_size, kv_memory_fraction, kv_dtype, self.device
+                config,
+                block_size,
+                kv_memory_fraction,
+                kv_dtype,
+                self.device,
+                tensor_parallel_size=tp,
             )
-        self.kv_spec = KVCacheSpec.for_model(config, block_size, num_blocks, kv_dtype)
+        self.kv_spec = KVCacheSpec.for_model(config, block_size, num_blocks, kv_dtype, tp)
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
@@ -165,9 +213,9 @@ class ModelRunner:
             dropped_block=num_blocks + 1,
         )
 
-        self.kv_pools: KVPools = allocate_kv_cache(self.kv_spec, self.device)
+        self.kv_pools: KVPools = allocate_kv_cache(self.kv_spec, self._pool_sharding)
         self.sampling_table: SamplingTable = init_sampling_table(
-            max_num_seqs, config.vocab_size, enable_penalties, self.device
+            max_num_seqs, config.vocab_size, enable_penalties, self._replicated
         )
         self._slot_logprobs = np.zeros(max_num_seqs + 1, np.int32)
         self._base_key_seed = seed
@@ -189,6 +237,18 @@ class ModelRunner:
     def num_compilations(self) -> int:
         """Executables compiled so far (step buckets, slot writer, copy kernel)."""
         return self._num_compilations
+
+    @property
+    def kv_cache_bytes_per_device(self) -> int:
+        """Bytes of KV pools (all layers, K and V) held on the first device of the mesh."""
+        first = self.device
+        return sum(
+            shard.data.nbytes
+            for pool in self.kv_pools
+            for pages in pool
+            for shard in pages.addressable_shards
+            if shard.device == first
+        )
 
     @property
     def compiled_buckets(self) -> list[StepKey]:
@@ -231,27 +291,72 @@ class ModelRunner:
             self._layouts[key] = entry
         return entry
 
+    def _copy_blocks(self, pools: KVPools, src: jax.Array, dst: jax.Array) -> KVPools:
+        """:func:`copy_blocks`, per KV-head shard when the pools are sharded."""
+        if self.mesh is None:
+            return copy_blocks(pools, src, dst)
+        pages = jax.tree_util.tree_map(lambda _: PartitionSpec(TP_AXIS), pools)
+        mapped = jax.shard_map(
+            copy_blocks,
+            mesh=self.mesh,
+            in_specs=(pages, PartitionSpec(), PartitionSpec()),
+            out_specs=pages,
+            check_vma=False,
+        )
+        return mapped(pools, src, dst)
+
+    def _shardings(self, tree: Any, sharding: jax.sharding.Sharding | None = None) -> Any:
+        """``sharding`` (default: replicated) for every leaf of ``tree``."""
+        target = sharding or self._replicated
+        return jax.tree_util.tree_map(lambda _: target, tree)
+
+    def _jit(
+        self,
+        fn: Callable[..., Any],
+        donate: tuple[int, ...],
+        args: tuple[Any, ...],
+        in_shardings: tuple[Any, ...],
+        out_shardings: Any,
+    ) -> jax.stages.Lowered:
+        """Lower ``fn`` with explicit shardings on a mesh; plain ``jax.jit`` without one."""
+        if self.mesh is None:
+            return jax.jit(fn, donate_argnums=donate).lower(*args)
+        jitted = jax.jit(
+            fn, donate_argnums=donate, in_shardings=in_shardings, out_shardings=out_shardings
+        )
+        return jitted.lower(*args)
+
     def _make_step(self, layout: PackedLayout, decode_only: bool) -> Callable[..., Any]:
         config, backend = self.config, self.backend
         num_top, base_seed = self.max_logprobs, self._base_key_seed
+        replicated = self._replicated if self.mesh is not None else None
+        vocab_split = None
+        if self.mesh is not None and config.vocab_size % self.tensor_parallel_size == 0:
+            vocab_split = NamedSharding(self.mesh, PartitionSpec(None, TP_AXIS))
+        copy = self._copy_blocks
 
         def step(
             params: Params, pools: KVPools, table: SamplingTable, packed: jax.Array
         ) -> tuple[Any, KVPools, SamplingTable]:
             arrays = layout.unpack(packed)
             if layout.num_copies:
-                pools = copy_blocks(pools, arrays.copy_src, arrays.copy_dst)
-            logits, pools = forward(
+                pools = copy(pools, arrays.copy_src, arrays.copy_dst)
+            hidden, pools = decoder_hidden_states(
                 params,
                 config,
                 arrays.token_ids,
                 arrays.positions,
                 pools,
                 arrays.meta,
-                arrays.logits_indices,
                 backend,
                 decode_only,
             )
+            hidden = jnp.take(hidden, arrays.logits_indices, axis=0)
+            logits = compute_logits(params, config, hidden)
+            if vocab_split is not None:  # each device: its vocab rows of the lm_head
+                logits = jax.lax.with_sharding_constraint(logits, vocab_split)
+            if replicated is not None:  # sample on full rows: identical on every device
+                logits = jax.lax.with_sharding_constraint(logits, replicated)
             inputs = gather_inputs(table, arrays.sample_rows)
             step_key = jax.random.fold_in(jax.random.key(base_seed), arrays.step_counter)
             out = sample(logits, inputs, step_key, num_top, arrays.want_top_logprobs)
@@ -263,9 +368,16 @@ class ModelRunner:
 
     def _lower_step(self, key: StepKey) -> jax.stages.Lowered:
         layout, _ = self._layout(key[:2])
-        packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
-        jitted = jax.jit(self._make_step(layout, key[2]), donate_argnums=(1, 2))
-        return jitted.lower(self.params, self.kv_pools, self.sampling_table, packed)
+        packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=self._replicated)
+        pools = self._shardings(self.kv_pools, self._pool_sharding)
+        table = self._shardings(self.sampling_table)
+        return self._jit(
+            self._make_step(layout, key[2]),
+            (1, 2),
+            (self.params, self.kv_pools, self.sampling_table, packed),
+            (self._param_shardings, pools, table, self._replicated),
+            (self._replicated, pools, table),
+        )
 
     def _compile_step(self, key: StepKey) -> jax.stages.Compiled:
         executable = self._lower_step(key).compile()
@@ -276,24 +388,36 @@ class ModelRunner:
     def _write_slot_fn(self) -> jax.stages.Compiled:
         if self._write_slot_executable is None:
             ids_len = self.max_model_len if self.enable_penalties else 1
-            ids = jax.ShapeDtypeStruct((ids_len,), jnp.int32)
-            lowered = jax.jit(write_slot, donate_argnums=(0,)).lower(
+            rep = self._replicated
+            ids = jax.ShapeDtypeStruct((ids_len,), jnp.int32, sharding=rep)
+            table = self._shardings(self.sampling_table)
+            args = (
                 self.sampling_table,
-                jax.ShapeDtypeStruct((), jnp.int32),
-                jax.ShapeDtypeStruct((self.sampling_table.floats.shape[1],), jnp.float32),
-                jax.ShapeDtypeStruct((self.sampling_table.ints.shape[1],), jnp.int32),
-                jax.ShapeDtypeStruct((2,), jnp.uint32),
+                jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
+                jax.ShapeDtypeStruct(
+                    (self.sampling_table.floats.shape[1],), jnp.float32, sharding=rep
+                ),
+                jax.ShapeDtypeStruct((self.sampling_table.ints.shape[1],), jnp.int32, sharding=rep),
+                jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep),
                 ids,
                 ids,
             )
+            lowered = self._jit(write_slot, (0,), args, (table,) + (rep,) * 6, table)
             self._write_slot_executable = lowered.compile()
             self._num_compilations += 1
         return self._write_slot_executable
 
     def _copy_fn(self) -> jax.stages.Compiled:
         if self._copy_executable is None:
-            index = jax.ShapeDtypeStruct((_COPY_CHUNK,), jnp.int32)
-            lowered = jax.jit(copy_blocks, donate_argnums=(0,)).lower(self.kv_pools, index, index)
+            index = jax.ShapeDtypeStruct((_COPY_CHUNK,), jnp.int32, sharding=self._replicated)
+            pools = self._shardings(self.kv_pools, self._pool_sharding)
+            lowered = self._jit(
+                self._copy_blocks,
+                (0,),
+                (self.kv_pools, index, index),
+                (pools, self._replicated, self._replicated),
+                pools,
+            )
             self._copy_executable = lowered.compile()
             self._num_compilations += 1
         return self._copy_executable
@@ -364,8 +488,15 @@ class ModelRunner:
             prompt_buf[: len(prompt)] = prompt
             output_buf[: len(output)] = output
         floats, ints, seed = params_to_rows(params, len(output))
+        host = self._host_input
         self.sampling_table = self._write_slot_fn()(
-            self.sampling_table, np.int32(slot), floats, ints, seed, prompt_buf, output_buf
+            self.sampling_table,
+            host(np.asarray(slot, np.int32)),
+            host(floats),
+            host(ints),
+            host(seed),
+            host(prompt_buf),
+            host(output_buf),
         )
         self._slot_logprobs[slot] = params.logprobs or 0
 
@@ -374,22 +505,36 @@ class ModelRunner:
         self._slot_logprobs[slot] = 0
 
     # ------------------------------------------------------------------ params
-    def update_params(self, params: Params) -> None:
-        """Swap in new weights of identical structure, shapes and dtypes (no recompile)."""
-        new = params_from_pytree(self.config, params, dtype=None, device=self.device)
+    def update_params(self, params: Params) -> int:
+        """Swap in new weights of identical tree structure, shapes and dtypes.
+
+        Nothing recompiles and the KV pools stay as they are (their contents now
+        describe the old weights: the caller decides what to drop). Leaves that already
+        are jax arrays with this runner's sharding (one device, or the tensor-parallel
+        layout of :func:`kvpage.parallel.shard_params`) are adopted as they are; others
+        are transferred (device to device where possible). Raises ValueError naming the
+        first mismatch, before anything changes: the old params stay live. Returns the
+        number of leaves that had to be transferred (0: nothing was copied).
+        """
+        validate_params(self.config, params)
         old_def = jax.tree_util.tree_structure(self.params)
-        new_def = jax.tree_util.tree_structure(new)
+        new_def = jax.tree_util.tree_structure(params)
         if old_def != new_def:
-            raise ValueError("new params have a different tree structure")
-        for old_leaf, new_leaf in zip(
-            jax.tree_util.tree_leaves(self.params), jax.tree_util.tree_leaves(new), strict=True
+            raise ValueError(
+                f"new params have a different tree structure: expected {old_def}, got {new_def}"
+            )
+        old_leaves = jax.tree_util.tree_leaves_with_path(self.params)
+        for (path, old_leaf), new_leaf in zip(
+            old_leaves, jax.tree_util.tree_leaves(params), strict=True
         ):
-            if old_leaf.shape != new_leaf.shape or old_leaf.dtype != new_leaf.dtype:
+            shape, dtype = tuple(np.shape(new_leaf)), jnp.dtype(new_leaf.dtype)
+            if old_leaf.shape != shape or old_leaf.dtype != dtype:
                 raise ValueError(
-                    f"new params change a leaf from {old_leaf.shape} {old_leaf.dtype} "
-                    f"to {new_leaf.shape} {new_leaf.dtype}"
+                    f"new params change {jax.tree_util.keystr(path)} from "
+                    f"{old_leaf.shape} {old_leaf.dtype} to {shape} {dtype}"
                 )
-        self.params = new
+        self.params, self.last_update_copies = place(params, self._param_shardings)
+        return self.last_update_copies
 
     # ------------------------------------------------------------------ execution
     def _check_plan(self, plan: StepPlanLike, num_sampled: int) -> None:
@@ -438,7 +583,9 @@ class ModelRunner:
             n = min(_COPY_CHUNK, len(src) - start)
             chunk_src[:n] = src[start : start + n]
             chunk_dst[:n] = dst[start : start + n]
-            self.kv_pools = copy(self.kv_pools, chunk_src, chunk_dst)
+            self.kv_pools = copy(
+                self.kv_pools, self._host_input(chunk_src), self._host_input(chunk_dst)
+            )
 
     def recover_device_state(self) -> bool:
         """After a failed step: if the donated KV pools or sampling table were
@@ -447,9 +594,9 @@ class ModelRunner:
         leaves = jax.tree_util.tree_leaves((self.kv_pools, self.sampling_table))
         if not any(leaf.is_deleted() for leaf in leaves):
             return False
-        self.kv_pools = allocate_kv_cache(self.kv_spec, self.device)
+        self.kv_pools = allocate_kv_cache(self.kv_spec, self._pool_sharding)
         self.sampling_table = init_sampling_table(
-            self.max_num_seqs, self.config.vocab_size, self.enable_penalties, self.device
+            self.max_num_seqs, self.config.vocab_size, self.enable_penalties, self._replicated
         )
         self._slot_logprobs[:] = 0
         return True
@@ -489,11 +636,26 @@ class ModelRunner:
         )
         key = (t_pad, s_pad, decode_only)
         executable = self._step_executables.get(key) or self._compile_step(key)
-        out, self.kv_pools, self.sampling_table = executable(
-            self.params, self.kv_pools, self.sampling_table, packed
-        )
+        try:
+            out, self.kv_pools, self.sampling_table = executable(
+                self.params, self.kv_pools, self.sampling_table, self._host_input(packed)
+            )
+        except Exception as exc:
+            if any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(self.params)):
+                raise RuntimeError(
+                    "the runner's params were deleted (donated to a training step?): pass "
+                    "the new params to update_params before generating again"
+                ) from exc
+            raise
         self._step_counter += 1
         return PendingStep(out, num_sampled, want_top)
+
+    def _host_input(self, value: np.ndarray) -> Any:
+        """A host array as a step input: as is on one process; with a mesh spanning
+        several processes, a replicated global array (every process passes the same)."""
+        if not self._multiprocess:
+            return value
+        return jax.make_array_from_process_local_data(self._replicated, value, value.shape)
 
 
 class PendingStep:
@@ -511,8 +673,15 @@ class PendingStep:
         out, n = self._out, self._num_sampled
         if self._want_top:
             tokens, logprobs, ranks, top_ids, top_lps = jax.device_get(
-                (out.token_ids, out.logprobs, out.ranks, out.top_token_ids, out.top_logprobs)
+                _local(
+                    (out.token_ids, out.logprobs, out.ranks, out.top_token_ids, out.top_logprobs)
+                )
             )
             return StepOutput(tokens[:n], logprobs[:n], ranks[:n], top_ids[:n], top_lps[:n])
-        tokens, logprobs, ranks = jax.device_get((out.token_ids, out.logprobs, out.ranks))
+        tokens, logprobs, ranks = jax.device_get(_local((out.token_ids, out.logprobs, out.ranks)))
         return StepOutput(tokens[:n], logprobs[:n], ranks[:n])
+
+
+def _local(arrays: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    """Replicated outputs as arrays this process can read (its first local copy)."""
+    return tuple(a if a.is_fully_addressable else a.addressable_data(0) for a in arrays)

@@ -1,0 +1,91 @@
+"""A dense (unpaged) causal forward pass over the same parameter pytree, for training.
+
+This file owns :func:`dense_logits` and :func:`causal_lm_loss`: the Llama-family decoder
+of :mod:`kvpage.model.llama` applied to a ``[batch, length]`` block of token ids with an
+ordinary causal mask and no KV cache. It shares the building blocks (RMSNorm, linear
+layers, RoPE, logits) with the paged inference path, so a model trained through these
+functions generates through the engine exactly as it was trained -- the params pytree
+(:mod:`kvpage.model.params` layout) goes from the optimizer to ``LLM.update_params``
+untouched.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kvpage.model.config import ModelConfig
+from kvpage.model.llama import compute_logits, layer_params, linear, rms_norm
+from kvpage.model.params import Params
+from kvpage.model.rope import apply_rope, config_inverse_frequencies, rope_cos_sin
+
+
+def _attention(
+    config: ModelConfig, attn: Params, x: jax.Array, cos: jax.Array, sin: jax.Array
+) -> jax.Array:
+    batch, length, _ = x.shape
+    d, hq, hkv = config.head_dim, config.num_heads, config.num_kv_heads
+    flat = x.reshape(batch * length, -1)
+    q = linear(flat, attn["q_proj"]).reshape(batch * length, hq, d)
+    k = linear(flat, attn["k_proj"]).reshape(batch * length, hkv, d)
+    v = linear(flat, attn["v_proj"]).reshape(batch * length, hkv, d)
+    if config.qk_norm:
+        q = rms_norm(q, attn["q_norm"]["weight"], config.rms_norm_eps)
+        k = rms_norm(k, attn["k_norm"]["weight"], config.rms_norm_eps)
+    q = apply_rope(q, cos, sin).reshape(batch, length, hkv, hq // hkv, d)
+    k = apply_rope(k, cos, sin).reshape(batch, length, hkv, d)
+    v = v.reshape(batch, length, hkv, d)
+    scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32) * (d**-0.5)
+    causal = jnp.tril(jnp.ones((length, length), jnp.bool_))
+    scores = jnp.where(causal, scores, -jnp.inf)
+    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", weights, v).reshape(batch * length, hq * d)
+    return linear(out.astype(x.dtype), attn["o_proj"]).reshape(batch, length, -1)
+
+
+def dense_hidden_states(params: Params, config: ModelConfig, token_ids: jax.Array) -> jax.Array:
+    """Last-layer hidden states ``[B, L, hidden]`` (before the final norm)."""
+    batch, length = token_ids.shape
+    hidden = jnp.take(params["embed_tokens"]["weight"], token_ids, axis=0)
+    positions = jnp.tile(jnp.arange(length, dtype=jnp.int32), batch)
+    cos, sin = rope_cos_sin(positions, config_inverse_frequencies(config))
+    eps = config.rms_norm_eps
+    for i in range(config.num_layers):
+        layer = layer_params(params, i)
+        normed = rms_norm(hidden, layer["input_layernorm"]["weight"], eps)
+        hidden = hidden + _attention(config, layer["self_attn"], normed, cos, sin)
+        normed = rms_norm(hidden, layer["post_attention_layernorm"]["weight"], eps)
+        mlp = layer["mlp"]
+        gate = linear(normed, mlp["gate_proj"])
+        up = linear(normed, mlp["up_proj"])
+        hidden = hidden + linear(jax.nn.silu(gate) * up, mlp["down_proj"])
+    return hidden
+
+
+def dense_logits(params: Params, config: ModelConfig, token_ids: jax.Array) -> jax.Array:
+    """float32 next-token logits ``[B, L, vocab]`` of int ``token_ids`` ``[B, L]``."""
+    batch, length = token_ids.shape
+    hidden = dense_hidden_states(params, config, token_ids)
+    logits = compute_logits(params, config, hidden.reshape(batch * length, -1))
+    return logits.reshape(batch, length, -1)
+
+
+def token_logprobs(params: Params, config: ModelConfig, token_ids: jax.Array) -> jax.Array:
+    """``log p(token_ids[:, t + 1] | token_ids[:, :t + 1])`` as ``[B, L - 1]`` float32."""
+    logits = dense_logits(params, config, token_ids[:, :-1])
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return jnp.take_along_axis(logp, token_ids[:, 1:, None], axis=-1)[..., 0]
+
+
+def causal_lm_loss(
+    params: Params, config: ModelConfig, token_ids: jax.Array, mask: jax.Array | None = None
+) -> jax.Array:
+    """Mean next-token cross-entropy of ``token_ids`` ``[B, L]``.
+
+    ``mask`` ``[B, L - 1]`` (optional) weights the predicted positions ``1 .. L - 1``.
+    """
+    nll = -token_logprobs(params, config, token_ids)
+    if mask is None:
+        return jnp.mean(nll)
+    mask = mask.astype(jnp.float32)
+    return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
