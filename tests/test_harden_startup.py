@@ -74,8 +74,12 @@ MALFORMED: dict[str, tuple[Callable[[Path], None], str]] = {
         _config(architectures=["EvilForCausalLM"]),
         "unsupported architecture",
     ),
-    "config-negative-size": (_config(hidden_size=-64), "hidden_size must be a positive int"),
-    "config-zero-heads": (_config(num_attention_heads=0), "num_heads must be a positive int"),
+    "config-negative-size": (
+        _config(hidden_size=-64), r"hidden_size must be an int in \[1, \d+\], got -64"
+    ),
+    "config-zero-heads": (
+        _config(num_attention_heads=0), r"num_heads must be an int in \[1, \d+\], got 0"
+    ),
     "st-empty": (_write("model.safetensors", b""), r"malformed safetensors file .*too short"),
     "st-truncated-header": (
         _write("model.safetensors", struct.pack("<Q", 10**6) + b"{}"),
@@ -167,3 +171,22 @@ def test_serve_on_a_malformed_model_exits_2_before_binding(
     assert f"error: malformed model config {model_dir / 'config.json'}" in result.stderr
     assert "Traceback" not in result.stderr
     assert "Uvicorn running" not in result.stderr
+
+
+def test_absurd_sizes_and_escaping_weight_paths_are_rejected(tmp_path: Path) -> None:
+    import json
+
+    from kvpage.model.config import ModelConfig
+    from kvpage.model.errors import CheckpointError
+    from kvpage.model.loader import load_model
+    from kvpage.tiny_model import tiny_llama_config
+
+    with pytest.raises(ValueError, match="num_layers"):
+        ModelConfig.from_hf_dict(tiny_llama_config(512, num_hidden_layers=10**9))
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(tiny_llama_config(512)))
+    index = {"weight_map": {"model.embed_tokens.weight": "../../etc/passwd"}}
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="outside the model directory"):
+        load_model(model)

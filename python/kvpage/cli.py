@@ -161,7 +161,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.warmup is None:
         args.warmup = True  # a server compiles before it takes traffic
     config = engine_config_from_args(args, args.model)
-    run_server(args.model, args.host, args.port, args.api_key, config)
+    run_server(args.model, args.host, args.port, args.api_key, config,
+               public_metrics=args.public_metrics or None)
     return 0
 
 
@@ -201,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000, help="port")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    serve.add_argument("--public-metrics", action="store_true",
+                       help="serve /metrics without the API key (it is protected by default)")
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -47,6 +47,19 @@ class RopeConfig:
     original_max_position_embeddings: int | None = None
 
 
+_SIZE_LIMITS = {
+    # Far above any real model; a malformed config fails here instead of
+    # building a parameter spec that exhausts memory.
+    "vocab_size": 1 << 22,
+    "hidden_size": 1 << 17,
+    "intermediate_size": 1 << 19,
+    "num_layers": 1 << 12,
+    "num_heads": 1 << 12,
+    "num_kv_heads": 1 << 12,
+    "head_dim": 1 << 12,
+}
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """Everything the decoder, loader and KV cache need to know about a model.
@@ -79,13 +92,10 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.architecture not in _ARCHITECTURES:
             raise ValueError(_unknown_architecture_message(self.architecture))
-        for name in (
-            "vocab_size", "hidden_size", "intermediate_size", "num_layers",
-            "num_heads", "num_kv_heads", "head_dim",
-        ):
+        for name, upper in _SIZE_LIMITS.items():
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= upper:
+                raise ValueError(f"{name} must be an int in [1, {upper}], got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of "

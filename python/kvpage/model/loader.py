@@ -71,7 +71,15 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
                 raise TypeError("weight_map is not an object")
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
             raise CheckpointError(f"malformed weight index {index_path}: {exc}") from exc
-        return {str(name): model_dir / str(file) for name, file in weight_map.items()}
+        root = model_dir.resolve()
+        files = {str(name): (model_dir / str(file)) for name, file in weight_map.items()}
+        for name, path in files.items():
+            if not path.resolve().is_relative_to(root):
+                raise CheckpointError(
+                    f"weight index {index_path} points tensor {name!r} outside the model "
+                    f"directory: {path}"
+                )
+        return files
     files = [model_dir / _SINGLE_FILE] if (model_dir / _SINGLE_FILE).is_file() else sorted(
         model_dir.glob("*.safetensors")
     )
