@@ -332,15 +332,7 @@ pub struct StepPlan {
     copy_dst: Py<PyArray1<i32>>,
     sample_request: Py<PyArray1<u64>>,
     sample_index: Py<PyArray1<i32>>,
-    sample_temperature: Py<PyArray1<f32>>,
-    sample_top_p: Py<PyArray1<f32>>,
-    sample_top_k: Py<PyArray1<i32>>,
-    sample_min_p: Py<PyArray1<f32>>,
-    sample_seed: Py<PyArray1<i64>>,
     sample_output_len: Py<PyArray1<i32>>,
-    sample_presence_penalty: Py<PyArray1<f32>>,
-    sample_frequency_penalty: Py<PyArray1<f32>>,
-    sample_repetition_penalty: Py<PyArray1<f32>>,
     sample_suppress_stop: Py<PyArray1<bool>>,
     preempted: Py<PyArray1<u64>>,
     preempted_index: Py<PyArray1<i32>>,
@@ -373,15 +365,7 @@ impl StepPlan {
             copy_dst: arr(py, &p.copy_dst),
             sample_request: arr(py, &p.sample_request),
             sample_index: arr(py, &p.sample_index),
-            sample_temperature: arr(py, &p.sample_temperature),
-            sample_top_p: arr(py, &p.sample_top_p),
-            sample_top_k: arr(py, &p.sample_top_k),
-            sample_min_p: arr(py, &p.sample_min_p),
-            sample_seed: arr(py, &p.sample_seed),
             sample_output_len: arr(py, &p.sample_output_len),
-            sample_presence_penalty: arr(py, &p.sample_presence_penalty),
-            sample_frequency_penalty: arr(py, &p.sample_frequency_penalty),
-            sample_repetition_penalty: arr(py, &p.sample_repetition_penalty),
             sample_suppress_stop: arr(py, &p.sample_suppress_stop),
             preempted: arr(py, &p.preempted),
             preempted_index: arr(py, &p.preempted_index),
@@ -456,12 +440,11 @@ impl Scheduler {
     }
 
     /// Queue a request; returns its integer handle. Raises ValueError naming
-    /// the problem for an empty or too long prompt or invalid limits.
+    /// the problem for an empty or too long prompt or invalid limits. Only
+    /// scheduling facts come here: sampling knobs belong to the runner.
     #[pyo3(signature = (
         prompt_token_ids, *, n = 1, max_tokens = 16, min_tokens = 0, ignore_eos = false,
-        stop_token_ids = None, temperature = 1.0, top_p = 1.0, top_k = 0, min_p = 0.0, seed = None,
-        presence_penalty = 0.0, frequency_penalty = 0.0, repetition_penalty = 1.0, priority = 0,
-        cache_salt = None,
+        stop_token_ids = None, priority = 0, cache_salt = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
@@ -472,14 +455,6 @@ impl Scheduler {
         min_tokens: u32,
         ignore_eos: bool,
         stop_token_ids: Option<Vec<u32>>,
-        temperature: f32,
-        top_p: f32,
-        top_k: i32,
-        min_p: f32,
-        seed: Option<i64>,
-        presence_penalty: f32,
-        frequency_penalty: f32,
-        repetition_penalty: f32,
         priority: i64,
         cache_salt: Option<&str>,
     ) -> PyResult<u64> {
@@ -490,14 +465,6 @@ impl Scheduler {
             min_tokens,
             ignore_eos,
             stop_token_ids: stop_token_ids.unwrap_or_default(),
-            temperature,
-            top_p,
-            top_k,
-            min_p,
-            seed: seed.unwrap_or(-1),
-            presence_penalty,
-            frequency_penalty,
-            repetition_penalty,
         };
         Ok(self
             .inner

@@ -43,8 +43,9 @@ impl FinishReason {
     }
 }
 
-/// What the scheduler needs to know of a request's sampling parameters: stop
-/// conditions, plus the numeric sampling knobs it forwards per sampled row.
+/// What the scheduler needs to know of a request: its stop conditions and
+/// sample count. The sampling knobs (temperature, top-p, seeds, penalties)
+/// belong to the model runner's device sampling table, not to scheduling.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RequestParams {
     pub n: u32,
@@ -52,15 +53,6 @@ pub struct RequestParams {
     pub min_tokens: u32,
     pub ignore_eos: bool,
     pub stop_token_ids: Vec<u32>,
-    pub temperature: f32,
-    pub top_p: f32,
-    pub top_k: i32,
-    pub min_p: f32,
-    /// -1 when the request has no seed.
-    pub seed: i64,
-    pub presence_penalty: f32,
-    pub frequency_penalty: f32,
-    pub repetition_penalty: f32,
 }
 
 impl Default for RequestParams {
@@ -71,14 +63,6 @@ impl Default for RequestParams {
             min_tokens: 0,
             ignore_eos: false,
             stop_token_ids: Vec::new(),
-            temperature: 0.0,
-            top_p: 1.0,
-            top_k: 0,
-            min_p: 0.0,
-            seed: -1,
-            presence_penalty: 0.0,
-            frequency_penalty: 0.0,
-            repetition_penalty: 1.0,
         }
     }
 }

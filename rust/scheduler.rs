@@ -945,15 +945,7 @@ impl Scheduler {
         plan.logits_indices.push(logits_index);
         plan.sample_request.push(request.handle);
         plan.sample_index.push(s.sample_index as i32);
-        plan.sample_temperature.push(p.temperature);
-        plan.sample_top_p.push(p.top_p);
-        plan.sample_top_k.push(p.top_k);
-        plan.sample_min_p.push(p.min_p);
-        plan.sample_seed.push(p.seed);
         plan.sample_output_len.push(output_len as i32);
-        plan.sample_presence_penalty.push(p.presence_penalty);
-        plan.sample_frequency_penalty.push(p.frequency_penalty);
-        plan.sample_repetition_penalty.push(p.repetition_penalty);
         plan.sample_suppress_stop
             .push((output_len as u32) < p.min_tokens);
         self.sample_rows.push((request.handle, s.sample_index, seq));

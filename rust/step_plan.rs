@@ -21,7 +21,7 @@
 //! | `logits_indices` | [R] | flat token index whose logits feed sampled row r |
 //! | `copy_src`, `copy_dst` | [C] | copy-on-write block copies to run before the step |
 //! | `sample_request`, `sample_index` | [R] | request handle and sample index (0..n) of row r |
-//! | `sample_*` params | [R] | that request's sampling parameters (temperature, top_p, top_k, min_p, seed, penalties), the sequence's output length so far, and whether EOS/stop tokens must be suppressed (min_tokens not reached) |
+//! | `sample_output_len`, `sample_suppress_stop` | [R] | the sample's output length so far, and whether EOS/stop tokens must be suppressed (min_tokens not reached); the sampling knobs themselves live in the runner's per-request device table |
 //!
 //! With n > 1, the row that completes a prompt appears R = n times in
 //! `logits_indices` (same flat index), once per forked sample. Arrays are
@@ -43,15 +43,7 @@ pub struct StepPlan {
     pub copy_dst: Vec<i32>,
     pub sample_request: Vec<u64>,
     pub sample_index: Vec<i32>,
-    pub sample_temperature: Vec<f32>,
-    pub sample_top_p: Vec<f32>,
-    pub sample_top_k: Vec<i32>,
-    pub sample_min_p: Vec<f32>,
-    pub sample_seed: Vec<i64>,
     pub sample_output_len: Vec<i32>,
-    pub sample_presence_penalty: Vec<f32>,
-    pub sample_frequency_penalty: Vec<f32>,
-    pub sample_repetition_penalty: Vec<f32>,
     pub sample_suppress_stop: Vec<bool>,
     /// (request handle, sample index) of sequences preempted (back to
     /// waiting) while building this step.
@@ -76,15 +68,7 @@ impl StepPlan {
         self.copy_dst.clear();
         self.sample_request.clear();
         self.sample_index.clear();
-        self.sample_temperature.clear();
-        self.sample_top_p.clear();
-        self.sample_top_k.clear();
-        self.sample_min_p.clear();
-        self.sample_seed.clear();
         self.sample_output_len.clear();
-        self.sample_presence_penalty.clear();
-        self.sample_frequency_penalty.clear();
-        self.sample_repetition_penalty.clear();
         self.sample_suppress_stop.clear();
         self.preempted.clear();
         self.preempted_index.clear();
