@@ -69,7 +69,7 @@ from kvpage.model import ModelConfig, random_params
 from kvpage.model.dense import causal_lm_loss, token_logprobs
 from kvpage.model.params import Params, iter_leaves
 from kvpage.parallel import make_mesh, shard_params
-from kvpage.tiny_model import CHAT_TEMPLATE, SPECIAL_TOKENS
+from kvpage.tiny_model import build_tokenizer
 
 EOS_ID = 2  # "</s>" in SPECIAL_TOKENS
 _SKIPPED_STDLIB_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "turtledemo"}
@@ -127,30 +127,9 @@ def stdlib_corpus() -> list[str]:
 
 # ----------------------------------------------------------------------------- tokenizer
 def train_tokenizer(paragraphs: list[str], vocab_size: int) -> Any:
-    """A byte-level BPE fitted to the corpus, as a ``PreTrainedTokenizerFast``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(paragraphs, trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        unk_token="<unk>",
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="</s>",
-        additional_special_tokens=SPECIAL_TOKENS[3:],
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
+    """A byte-level BPE fitted to the corpus, as a ``PreTrainedTokenizerFast``
+    with the same special tokens and chat template as kvpage's tiny models."""
+    return build_tokenizer(vocab_size, texts=paragraphs)
 
 
 def token_stream(tokenizer: Any, paragraphs: list[str]) -> np.ndarray:

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -34,8 +36,9 @@ Once upon a time there was a little model that wanted to write stories about the
 """
 
 
-def build_tokenizer(vocab_size: int = 512):  # -> transformers.PreTrainedTokenizerFast
-    """A byte-level BPE tokenizer trained on the built-in text."""
+def build_tokenizer(vocab_size: int = 512, texts: Iterable[str] | None = None) -> Any:
+    """A byte-level BPE tokenizer (``PreTrainedTokenizerFast``) with the chat
+    template, trained on ``texts`` (default: the small built-in text)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -48,7 +51,7 @@ def build_tokenizer(vocab_size: int = 512):  # -> transformers.PreTrainedTokeniz
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    tok.train_from_iterator([_CORPUS] * 4 if texts is None else texts, trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         unk_token="<unk>",
