@@ -470,32 +470,43 @@ class _SSEResponse(StreamingResponse):
             self._on_close()
 
 
+# ---- streaming ----------------------------------------------------------------
+
+
+async def _choice_deltas(gen: _Generation) -> AsyncIterator[tuple[int, Any, bool]]:
+    """(choice index, completion delta, wants logprobs) for every delta
+    worth sending, across all prompts and samples; counts usage on the way
+    and drops anything after a choice's final delta."""
+    done: set[int] = set()
+    async for i, out in _merge(gen.streams):
+        gen.usage.add(i, out)
+        for c in out.outputs:
+            index = i * gen.n + c.index
+            wants_logprobs = gen.num_logprobs is not None and bool(c.logprobs)
+            if index in done or not (c.text or c.finish_reason or wants_logprobs):
+                continue
+            if c.finish_reason is not None:
+                done.add(index)
+            yield index, c, wants_logprobs
+
+
 # ---- completions --------------------------------------------------------------
 
 
 async def _completion_events(srv: _Server, gen: _Generation) -> AsyncIterator[bytes]:
     offsets: dict[int, int] = {}
-    done: set[int] = set()
     try:
-        async for i, out in _merge(gen.streams):
-            gen.usage.add(i, out)
-            for c in out.outputs:
-                index = i * gen.n + c.index
-                wants_logprobs = gen.num_logprobs is not None and bool(c.logprobs)
-                if index in done or not (c.text or c.finish_reason or wants_logprobs):
-                    continue
-                if c.finish_reason is not None:
-                    done.add(index)
-                logprobs = None
-                if wants_logprobs:
-                    logprobs = srv.completion_logprobs(c.token_ids, c.logprobs, gen.num_logprobs,
-                                                       offsets.get(index, 0))
-                    offsets[index] = offsets.get(index, 0) + sum(map(len, logprobs["tokens"]))
-                yield _sse({"id": gen.request_id, "object": "text_completion",
-                            "created": gen.created, "model": gen.model,
-                            "choices": [{"index": index, "text": c.text, "logprobs": logprobs,
-                                         "finish_reason": c.finish_reason,
-                                         "stop_reason": c.stop_reason}]})
+        async for index, c, wants_logprobs in _choice_deltas(gen):
+            logprobs = None
+            if wants_logprobs:
+                logprobs = srv.completion_logprobs(c.token_ids, c.logprobs, gen.num_logprobs,
+                                                   offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + sum(map(len, logprobs["tokens"]))
+            yield _sse({"id": gen.request_id, "object": "text_completion",
+                        "created": gen.created, "model": gen.model,
+                        "choices": [{"index": index, "text": c.text, "logprobs": logprobs,
+                                     "finish_reason": c.finish_reason,
+                                     "stop_reason": c.stop_reason}]})
         if gen.include_usage:
             yield _sse({"id": gen.request_id, "object": "text_completion", "created": gen.created,
                         "model": gen.model, "choices": [], "usage": gen.usage.json()})
@@ -540,26 +551,17 @@ async def _chat_events(srv: _Server, gen: _Generation) -> AsyncIterator[bytes]:
         return _sse({"id": gen.request_id, "object": "chat.completion.chunk",
                      "created": gen.created, "model": gen.model, "choices": choices})
 
-    done: set[int] = set()
     try:
         for index in range(len(gen.streams) * gen.n):
             yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
                           "logprobs": None, "finish_reason": None}])
-        async for i, out in _merge(gen.streams):
-            gen.usage.add(i, out)
-            for c in out.outputs:
-                index = i * gen.n + c.index
-                wants_logprobs = gen.num_logprobs is not None and bool(c.logprobs)
-                if index in done or not (c.text or c.finish_reason or wants_logprobs):
-                    continue
-                if c.finish_reason is not None:
-                    done.add(index)
-                logprobs = None
-                if wants_logprobs:
-                    logprobs = srv.chat_logprobs(c.token_ids, c.logprobs, gen.num_logprobs)
-                yield chunk([{"index": index, "delta": {"content": c.text} if c.text else {},
-                              "logprobs": logprobs, "finish_reason": c.finish_reason,
-                              "stop_reason": c.stop_reason}])
+        async for index, c, wants_logprobs in _choice_deltas(gen):
+            logprobs = None
+            if wants_logprobs:
+                logprobs = srv.chat_logprobs(c.token_ids, c.logprobs, gen.num_logprobs)
+            yield chunk([{"index": index, "delta": {"content": c.text} if c.text else {},
+                          "logprobs": logprobs, "finish_reason": c.finish_reason,
+                          "stop_reason": c.stop_reason}])
         if gen.include_usage:
             yield _sse({"id": gen.request_id, "object": "chat.completion.chunk",
                         "created": gen.created, "model": gen.model, "choices": [],
