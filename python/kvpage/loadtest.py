@@ -610,16 +610,21 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def check_loopback(url: str) -> None:
-    """Only loopback servers may be load-tested by this tool."""
+def is_loopback_url(url: str) -> bool:
+    """Whether ``url`` names this machine (localhost or a loopback address)."""
     host = urlparse(url).hostname or ""
     if host == "localhost":
-        return
+        return True
     try:
-        if ipaddress.ip_address(host).is_loopback:
-            return
+        return ipaddress.ip_address(host).is_loopback
     except ValueError:
-        pass
+        return False
+
+
+def check_loopback(url: str) -> None:
+    """Only loopback servers may be load-tested by this tool."""
+    if is_loopback_url(url):
+        return
     raise ValueError(f"refusing to load-test {url!r}: only loopback addresses are allowed")
 
 

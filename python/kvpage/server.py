@@ -587,6 +587,29 @@ def _chat_body(srv: _Server, gen: _Generation, choices: list[_Choice]) -> dict[s
             "model": gen.model, "choices": result, "usage": gen.usage.json()}
 
 
+async def _respond(
+    request: Request,
+    srv: _Server,
+    gen: _Generation,
+    stream: bool,
+    events: Callable[[_Server, _Generation], AsyncIterator[bytes]],
+    body: Callable[[_Server, _Generation, list[_Choice]], dict[str, Any]],
+) -> Response:
+    """An SSE stream, or the whole answer once every choice finished (499 if
+    the client left first; the request is aborted either way)."""
+    if stream:
+        return _SSEResponse(events(srv, gen), gen.abort)
+    try:
+        choices = await _unless_disconnected(request, _collect(gen))
+    except (RequestFailedError, EngineClosedError) as exc:
+        return _error_json(_engine_error(exc))
+    finally:
+        gen.abort()
+    if choices is None:
+        return Response(status_code=499)
+    return JSONResponse(body(srv, gen, choices))
+
+
 # ---- the app ------------------------------------------------------------------
 
 
@@ -708,17 +731,8 @@ def build_app(
                             "prompt_token_ids": ids})
         params = body.sampling_params(body.max_tokens, body.logprobs)
         gen = await srv.start("cmpl", model, prompts, params, body, body.logprobs)
-        if body.stream:
-            return _SSEResponse(_completion_events(srv, gen), gen.abort)
-        try:
-            choices = await _unless_disconnected(request, _collect(gen))
-        except (RequestFailedError, EngineClosedError) as exc:
-            return _error_json(_engine_error(exc))
-        finally:
-            gen.abort()
-        if choices is None:
-            return Response(status_code=499)
-        return JSONResponse(_completion_body(srv, gen, choices))
+        return await _respond(request, srv, gen, body.stream, _completion_events,
+                              _completion_body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -732,17 +746,7 @@ def build_app(
         params = body.sampling_params(body.output_limit, body.num_logprobs)
         gen = await srv.start("chatcmpl", model, [{"prompt": text, "prompt_token_ids": ids}],
                               params, body, body.num_logprobs)
-        if body.stream:
-            return _SSEResponse(_chat_events(srv, gen), gen.abort)
-        try:
-            choices = await _unless_disconnected(request, _collect(gen))
-        except (RequestFailedError, EngineClosedError) as exc:
-            return _error_json(_engine_error(exc))
-        finally:
-            gen.abort()
-        if choices is None:
-            return Response(status_code=499)
-        return JSONResponse(_chat_body(srv, gen, choices))
+        return await _respond(request, srv, gen, body.stream, _chat_events, _chat_body)
 
     return app
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import json
 import time
 from collections.abc import Sequence
@@ -34,6 +33,7 @@ from kvpage.bench.common import (
     percentile,
     write_json,
 )
+from kvpage.loadtest import is_loopback_url
 
 
 @dataclass(slots=True)
@@ -154,14 +154,9 @@ def format_result(result: ServeResult) -> str:
 
 def check_loopback(base_url: str) -> None:
     """ValueError unless ``base_url`` names this machine."""
-    host = urlparse(base_url).hostname or ""
-    if host == "localhost":
+    if is_loopback_url(base_url):
         return
-    try:
-        if ipaddress.ip_address(host).is_loopback:
-            return
-    except ValueError:
-        pass
+    host = urlparse(base_url).hostname or ""
     raise ValueError(
         f"--base-url host {host!r} is not a loopback address; pass --allow-remote to load "
         "another machine"
