@@ -19,16 +19,24 @@
 //! Every block is in exactly one state:
 //! - free: on the pool's free list, refcount 0;
 //! - referenced: refcount = number of page-table entries + prefix pins holding it;
-//! - cached-unreferenced: in the prefix tree with refcount 0, evictable (LRU).
+//! - kept alive: in the prefix tree with refcount 0, but an ancestor of a
+//!   referenced cached block (a child keeps its parent), so not evictable;
+//! - cached-unreferenced: in the prefix tree with refcount 0 and no
+//!   referenced descendant, evictable (LRU).
 //!
 //! Invariants (checked by `check_invariants`):
-//! - free + referenced + cached-unreferenced = num_blocks;
+//! - free + referenced + kept alive + cached-unreferenced = num_blocks;
 //! - every block's refcount equals its holders, counted over all live
 //!   sequences (table entries plus pins);
 //! - a sequence's table has exactly ceil(num_tokens / block_size) entries;
 //! - a block that will be written (the last block of a sequence while it is
 //!   partially filled) has refcount 1, so no two sequences write one slot;
-//! - the prefix tree's own invariants (`PrefixCache::check_invariants`).
+//! - the prefix tree's own invariants (`PrefixCache::check_invariants`),
+//!   among them "a cached child keeps its parent alive": a cached node is
+//!   never evicted while any descendant is held, by any sequence;
+//! - `written[b]` (leading slots of block `b` holding computed KV, as told
+//!   by `record_written`) is 0 for free blocks, and `num_written_slots` is
+//!   its sum over referenced blocks, so usage stats are O(1).
 //!
 //! A sequence's cached blocks form a path from its salt's root. When the tree
 //! already holds equal tokens under another block (two sequences computed the
@@ -87,6 +95,10 @@ pub struct KvCacheManager {
     free_slots: Vec<u32>,
     num_live: usize,
     scratch: Vec<BlockId>,
+    /// Per block: leading slots holding computed KV (0 when free).
+    written: Vec<u32>,
+    /// Sum of `written` over referenced blocks.
+    num_written_slots: usize,
 }
 
 impl KvCacheManager {
@@ -111,6 +123,8 @@ impl KvCacheManager {
             free_slots: Vec::new(),
             num_live: 0,
             scratch: Vec::new(),
+            written: crate::error::try_filled_vec(num_blocks, 0, "written-slot counts")?,
+            num_written_slots: 0,
         })
     }
 
@@ -131,13 +145,20 @@ impl KvCacheManager {
         self.pool.num_free() + self.cache.num_evictable()
     }
 
-    /// Blocks held by live sequences (what vLLM calls KV cache usage).
+    /// Blocks held by live sequences, with the cached ancestors their
+    /// cached blocks keep alive (what vLLM calls KV cache usage).
     pub fn num_referenced_blocks(&self) -> usize {
         self.num_blocks() - self.num_available_blocks()
     }
 
     pub fn num_cached_blocks(&self) -> usize {
         self.cache.num_cached()
+    }
+
+    /// Slots of referenced blocks that hold computed KV (see
+    /// `record_written`); a block shared by several sequences counts once.
+    pub fn num_written_slots(&self) -> usize {
+        self.num_written_slots
     }
 
     pub fn usage(&self) -> f64 {
@@ -236,10 +257,7 @@ impl KvCacheManager {
         found.clear();
         let num_found = self.cache.longest_prefix(root, tokens, &mut found);
         for &block in &found {
-            if self.pool.refcount(block)? == 0 {
-                self.cache.unmark_evictable(block);
-            }
-            self.pool.retain(block)?;
+            self.retain_block(block)?;
         }
         let block_size = self.block_size();
         let table = self.table_mut(seq)?;
@@ -310,6 +328,9 @@ impl KvCacheManager {
                 let dst = pool.allocate_one().expect("ensured free blocks");
                 pool.release(*last)?;
                 copies.push(BlockCopy { src: *last, dst });
+                let copied = self.written[*last as usize];
+                self.written[dst as usize] = copied;
+                self.num_written_slots += copied as usize;
                 *last = dst;
             }
             table.owns_last = pool.refcount(*table.blocks.last().expect("exists"))? == 1;
@@ -340,8 +361,56 @@ impl KvCacheManager {
             });
         }
         while self.pool.num_free() < count {
-            let block = self.cache.evict_one().expect("counted as evictable");
-            self.pool.push_free(block)?;
+            let block = self.cache.evict_one()?.ok_or_else(|| {
+                KvError::InvariantViolated("an evictable block could not be evicted".into())
+            })?;
+            self.push_free(block)?;
+        }
+        Ok(())
+    }
+
+    /// Return an unreferenced block to the pool; its KV is gone.
+    fn push_free(&mut self, block: BlockId) -> KvResult<()> {
+        self.pool.push_free(block)?;
+        self.written[block as usize] = 0;
+        Ok(())
+    }
+
+    /// Add a holder to a held or cached block.
+    fn retain_block(&mut self, block: BlockId) -> KvResult<()> {
+        if self.pool.refcount(block)? == 0 {
+            self.cache.on_held(block);
+            self.num_written_slots += self.written[block as usize] as usize;
+        }
+        self.pool.retain(block)
+    }
+
+    /// Positions `start..end` of `seq` now hold computed KV (the scheduler
+    /// tells this when it issues the step that writes them). Only feeds
+    /// `num_written_slots`; O(blocks touched).
+    pub fn record_written(&mut self, seq: SeqId, start: usize, end: usize) -> KvResult<()> {
+        let table = self.table(seq)?;
+        if start >= end {
+            return Ok(());
+        }
+        if end > table.num_tokens {
+            return Err(KvError::InvalidArgument(format!(
+                "positions {start}..{end} exceed the {} tokens of sequence {seq}",
+                table.num_tokens
+            )));
+        }
+        let block_size = self.block_size();
+        let table = &self.slots[(seq & 0xffff_ffff) as usize]
+            .table
+            .as_ref()
+            .expect("checked above");
+        for index in start / block_size..end.div_ceil(block_size) {
+            let block = table.blocks[index] as usize;
+            let fill = (end - index * block_size).min(block_size) as u32;
+            if self.written[block] < fill {
+                self.num_written_slots += (fill - self.written[block]) as usize;
+                self.written[block] = fill;
+            }
         }
         Ok(())
     }
@@ -424,10 +493,7 @@ impl KvCacheManager {
                     newly += 1;
                 }
                 InsertOutcome::AlreadyCached(existing) => {
-                    if self.pool.refcount(existing)? == 0 {
-                        self.cache.unmark_evictable(existing);
-                    }
-                    self.pool.retain(existing)?;
+                    self.retain_block(existing)?;
                     table.pins.push((index, existing));
                     table.path_tail = existing;
                 }
@@ -478,10 +544,11 @@ impl KvCacheManager {
 
     fn release_block(&mut self, block: BlockId) -> KvResult<()> {
         if self.pool.release(block)? == 0 {
+            self.num_written_slots -= self.written[block as usize] as usize;
             if self.cache.is_cached(block) {
-                self.cache.mark_evictable(block);
+                self.cache.on_unheld(block);
             } else {
-                self.pool.push_free(block)?;
+                self.push_free(block)?;
             }
         }
         Ok(())
@@ -494,7 +561,7 @@ impl KvCacheManager {
         let mut freed = Vec::new();
         self.cache.clear(&mut freed);
         for block in freed {
-            self.pool.push_free(block)?;
+            self.push_free(block)?;
         }
         self.cache_epoch += 1;
         Ok(())
@@ -505,10 +572,10 @@ impl KvCacheManager {
     pub fn evict(&mut self, count: usize) -> KvResult<usize> {
         let mut evicted = 0;
         while evicted < count {
-            let Some(block) = self.cache.evict_one() else {
+            let Some(block) = self.cache.evict_one()? else {
                 break;
             };
-            self.pool.push_free(block)?;
+            self.push_free(block)?;
             evicted += 1;
         }
         Ok(evicted)
@@ -548,6 +615,8 @@ impl KvCacheManager {
             return fail(format!("{live} live tables but {} counted", self.num_live));
         }
         let mut referenced = 0;
+        let mut kept_alive = 0;
+        let mut written = 0;
         for (b, &count) in holders.iter().enumerate() {
             let refcount = pool.refcount(b as BlockId)?;
             if refcount != count {
@@ -555,17 +624,29 @@ impl KvCacheManager {
                     "block {b} has refcount {refcount} but {count} holders"
                 ));
             }
+            if self.written[b] as usize > block_size
+                || (pool.is_free(b as BlockId) && self.written[b] != 0)
+            {
+                return fail(format!("block {b} has {} written slots", self.written[b]));
+            }
             if refcount > 0 {
                 referenced += 1;
-                if self.cache.is_cached(b as BlockId) {
-                    continue;
-                }
+                written += self.written[b] as usize;
+            } else if self.cache.is_cached(b as BlockId) && !self.cache.is_evictable(b as BlockId) {
+                kept_alive += 1;
             }
         }
-        let unreferenced_cached = self.cache.num_evictable();
-        if pool.num_free() + referenced + unreferenced_cached != self.num_blocks() {
+        if written != self.num_written_slots {
             return fail(format!(
-                "free {} + referenced {referenced} + cached-unreferenced {unreferenced_cached} != {}",
+                "{written} written slots in referenced blocks but {} counted",
+                self.num_written_slots
+            ));
+        }
+        let unreferenced_cached = self.cache.num_evictable();
+        if pool.num_free() + referenced + kept_alive + unreferenced_cached != self.num_blocks() {
+            return fail(format!(
+                "free {} + referenced {referenced} + kept alive {kept_alive} \
+                 + cached-unreferenced {unreferenced_cached} != {}",
                 pool.num_free(),
                 self.num_blocks()
             ));

@@ -1,6 +1,7 @@
 //! Behaviour tests of `KvCacheManager`, plus a seeded randomized test that
-//! runs 100k random operations against a simulated device KV store and
-//! checks every invariant after each one.
+//! runs random public-API operations against a simulated device whose slots
+//! store context hashes, and checks every invariant after each one
+//! (`KVPAGE_SEED` replays a seed, `KVPAGE_SOAK=1` runs far longer).
 
 use crate::error::KvError;
 use crate::kv_cache::{BlockCopy, KvCacheManager, SeqId};
@@ -256,18 +257,38 @@ fn reset_prefix_cache_frees_unreferenced_and_stops_caching_live() {
     kv.check_invariants().unwrap();
 }
 
-/// One live sequence of the randomized test: its tokens and what the
-/// simulated device should read back at each position.
+/// One live sequence of the randomized test: its salt and tokens. What the
+/// simulated device must read back at position `p` is the hash of the salt
+/// and of tokens `0..=p` (its whole context, not just its token), so a slot
+/// computed under another prefix is caught even when the tokens agree.
 struct SimSeq {
     id: SeqId,
+    salt: usize,
     tokens: Vec<u32>,
 }
 
-const GARBAGE: u32 = u32::MAX;
+const GARBAGE: u64 = u64::MAX;
+const SALTS: [Option<&str>; 3] = [None, Some("a"), Some("b")];
+
+/// Context hash of a position, chained from the previous one.
+fn context_hash(previous: u64, token: u32) -> u64 {
+    crate::prefix_cache::hash_block_tokens(&[previous as u32, (previous >> 32) as u32, token])
+}
+
+fn context_hashes(salt: usize, tokens: &[u32]) -> Vec<u64> {
+    let mut h = salt as u64;
+    tokens
+        .iter()
+        .map(|&t| {
+            h = context_hash(h, t);
+            h
+        })
+        .collect()
+}
 
 struct Sim {
     kv: KvCacheManager,
-    device: Vec<u32>,
+    device: Vec<u64>,
     seqs: Vec<SimSeq>,
     rng: SplitMix64,
     block_size: usize,
@@ -302,7 +323,9 @@ impl Sim {
             .collect()
     }
 
-    /// Grow `seq` by `new` tokens as the runner would: run copies, write K/V.
+    /// Grow `seq` by `new` tokens as the runner would: run copies, write
+    /// K/V (context hashes); sometimes cache the full blocks at once,
+    /// sometimes leave that to a later `cache` operation (after forks).
     fn grow(&mut self, index: usize, new: &[u32]) -> bool {
         let id = self.seqs[index].id;
         let start = self.kv.num_tokens(id).unwrap();
@@ -317,30 +340,41 @@ impl Sim {
             let (src, dst) = (copy.src as usize * bs, copy.dst as usize * bs);
             self.device.copy_within(src..src + bs, dst);
         }
-        for (i, &token) in new.iter().enumerate() {
-            let slot = self.kv.slot(id, start + i).unwrap() as usize;
-            self.device[slot] = token;
-        }
         self.seqs[index].tokens.extend_from_slice(new);
-        let tokens = self.seqs[index].tokens.clone();
-        self.kv.cache_blocks(id, &tokens).unwrap();
+        let hashes = context_hashes(self.seqs[index].salt, &self.seqs[index].tokens);
+        for (pos, &hash) in hashes.iter().enumerate().skip(start) {
+            let slot = self.kv.slot(id, pos).unwrap() as usize;
+            self.device[slot] = hash;
+        }
+        self.kv.record_written(id, start, hashes.len()).unwrap();
+        if self.rng.chance(1, 2) {
+            self.cache(index);
+        }
         true
     }
 
+    fn cache(&mut self, index: usize) {
+        let tokens = self.seqs[index].tokens.clone();
+        self.kv.cache_blocks(self.seqs[index].id, &tokens).unwrap();
+    }
+
     fn step(&mut self) {
-        match self.rng.below(100) {
+        match self.rng.below(110) {
             0..=19 => {
-                let salt = [None, Some("a"), Some("b")][self.rng.below(3)];
-                let id = self.kv.create_sequence(salt);
+                let salt = self.rng.below(SALTS.len());
+                let id = self.kv.create_sequence(SALTS[salt]);
                 let len = 1 + self.rng.below(4 * self.block_size);
                 let prompt = self.random_tokens(len);
                 let matched = self.kv.match_prefix(id, &prompt[..len - 1]).unwrap();
                 assert_eq!(matched % self.block_size, 0);
                 self.seqs.push(SimSeq {
                     id,
+                    salt,
                     tokens: prompt[..matched].to_vec(),
                 });
                 let last = self.seqs.len() - 1;
+                // What a prefix hit attaches must be KV of this very prefix.
+                self.verify_seq(last);
                 if !self.grow(last, &prompt[matched..]) {
                     let seq = self.seqs.pop().unwrap();
                     self.kv.free_sequence(seq.id).unwrap();
@@ -355,8 +389,12 @@ impl Sim {
             60..=69 if !self.seqs.is_empty() => {
                 let index = self.rng.below(self.seqs.len());
                 let child = self.kv.fork(self.seqs[index].id).unwrap();
-                let tokens = self.seqs[index].tokens.clone();
-                self.seqs.push(SimSeq { id: child, tokens });
+                let (salt, tokens) = (self.seqs[index].salt, self.seqs[index].tokens.clone());
+                self.seqs.push(SimSeq {
+                    id: child,
+                    salt,
+                    tokens,
+                });
             }
             70..=94 if !self.seqs.is_empty() => {
                 let index = self.rng.below(self.seqs.len());
@@ -368,23 +406,44 @@ impl Sim {
                 self.kv.evict(n).unwrap();
             }
             99 if self.rng.chance(1, 10) => self.kv.reset_prefix_cache().unwrap(),
+            100..=109 if !self.seqs.is_empty() => {
+                let index = self.rng.below(self.seqs.len());
+                self.cache(index);
+            }
             _ => {}
+        }
+    }
+
+    fn verify_seq(&self, index: usize) {
+        let seq = &self.seqs[index];
+        assert_eq!(self.kv.num_tokens(seq.id).unwrap(), seq.tokens.len());
+        for (pos, hash) in context_hashes(seq.salt, &seq.tokens)
+            .into_iter()
+            .enumerate()
+        {
+            let slot = self.kv.slot(seq.id, pos).unwrap() as usize;
+            assert_eq!(
+                self.device[slot], hash,
+                "seq {} position {pos} reads KV of another context",
+                seq.id
+            );
         }
     }
 
     fn verify(&self) {
         self.kv.check_invariants().unwrap();
-        for seq in &self.seqs {
-            assert_eq!(self.kv.num_tokens(seq.id).unwrap(), seq.tokens.len());
-            for (pos, &token) in seq.tokens.iter().enumerate() {
-                let slot = self.kv.slot(seq.id, pos).unwrap() as usize;
-                assert_eq!(
-                    self.device[slot], token,
-                    "seq {} position {pos} reads wrong KV",
-                    seq.id
-                );
-            }
+        for index in 0..self.seqs.len() {
+            self.verify_seq(index);
         }
+    }
+}
+
+/// Ops per round: a few seconds in CI, far longer with `KVPAGE_SOAK=1`.
+fn random_ops() -> usize {
+    if std::env::var_os("KVPAGE_SOAK").is_some() {
+        2_000_000
+    } else {
+        60_000
     }
 }
 
@@ -394,10 +453,10 @@ fn randomized_operations_keep_every_invariant() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(0x5eed);
-    for (round, num_blocks) in [(0u64, 24usize), (1, 64)] {
+    for (round, num_blocks) in [(0u64, 24usize), (1, 64), (2, 12)] {
         let seed = seed + round;
         let mut sim = Sim::new(seed, num_blocks, 4);
-        for op in 0..60_000 {
+        for op in 0..random_ops() {
             let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 sim.step();
                 sim.verify();
@@ -420,7 +479,54 @@ fn randomized_operations_keep_every_invariant() {
         }
         sim.kv.check_invariants().unwrap();
         assert_eq!(sim.kv.num_referenced_blocks(), 0, "every block comes back");
+        assert_eq!(sim.kv.num_written_slots(), 0);
     }
+}
+
+#[test]
+fn a_fork_keeps_the_parent_its_sibling_cached_under_alive() {
+    // Regression (issue 13): a caches [0..4); p allocates 8 tokens; c forks
+    // p; p caches [0..8) (pinning a's block 0 and inserting its second
+    // block under it); a and p go. Block 0 must stay: c still holds the
+    // child, so block 0's id must not be recycled under another prefix.
+    let mut kv = KvCacheManager::new(8, 4, true).unwrap();
+    let tokens: Vec<u32> = (0..8).collect();
+    let a = kv.create_sequence(None);
+    append(&mut kv, a, 4);
+    kv.cache_blocks(a, &tokens[..4]).unwrap();
+    let p = kv.create_sequence(None);
+    append(&mut kv, p, 8);
+    let c = kv.fork(p).unwrap();
+    kv.cache_blocks(p, &tokens).unwrap();
+    kv.free_sequence(a).unwrap();
+    kv.free_sequence(p).unwrap();
+    kv.check_invariants().unwrap();
+    assert_eq!(
+        kv.num_available_blocks(),
+        8 - 3,
+        "c's two blocks and the cached parent they keep alive"
+    );
+    assert_eq!(
+        kv.evict(1).unwrap(),
+        0,
+        "block 0 lives through its held child"
+    );
+    kv.check_invariants().unwrap();
+    let q = kv.create_sequence(None);
+    append(&mut kv, q, 4);
+    kv.cache_blocks(q, &[90, 91, 92, 93]).unwrap();
+    let r = kv.create_sequence(None);
+    let probe = [90, 91, 92, 93, 4, 5, 6, 7, 99];
+    assert_eq!(
+        kv.match_prefix(r, &probe).unwrap(),
+        4,
+        "KV computed after [0..4) must never follow [90..94)"
+    );
+    kv.check_invariants().unwrap();
+    for seq in [c, q, r] {
+        kv.free_sequence(seq).unwrap();
+    }
+    kv.check_invariants().unwrap();
 }
 
 #[test]

@@ -14,19 +14,29 @@
 //! child's tokens); the child's tokens are stored and compared on every hit,
 //! so a hash collision can only cost a cache miss, never a wrong match.
 //!
-//! This module does not own refcounts (the `BlockPool` does). It keeps the
-//! eviction order: an intrusive doubly linked LRU list of the cached blocks
-//! whose refcount is 0. Holders release a sequence's blocks deepest first,
-//! and every holder of a node also holds all its ancestors, so a node always
-//! enters the list after its unreferenced descendants: the list's front is
-//! always the least recently used unreferenced *leaf*. Eviction pops it in
-//! O(1).
+//! This module does not own refcounts (the `BlockPool` does); the KV manager
+//! tells it when a cached block gains its first holder (`on_held`) or loses
+//! its last (`on_unheld`). A cached node is *live* while it has a holder or a
+//! live child: a child keeps its parent alive structurally, whoever holds
+//! it, so a parent can never be evicted (and its id recycled) under a child
+//! that is still in use. Live children are counted per node and liveness
+//! changes propagate up the path, stopping at the first ancestor whose
+//! liveness does not change (O(1) in the usual root-first retain and
+//! deepest-first release orders).
 //!
-//! Invariants (see `check_invariants`):
+//! Dead nodes (no holder, no live child) are the evictable ones. They sit in
+//! an intrusive doubly linked LRU list in the order they died; a node dies
+//! only after all its children are dead, so every node comes after its
+//! children and the list's front is always the least recently used dead
+//! *leaf*. Eviction pops it in O(1).
+//!
+//! Invariants (see `check_invariants`, run in release builds too):
 //! - a node's parent is a root or a cached node; `num_children` counts the
 //!   edges out of each node; the edge map holds exactly the cached nodes;
-//! - the LRU list holds exactly the cached nodes with refcount 0, and every
-//!   node in it comes after all its children (so the front is a leaf);
+//! - `held` mirrors "refcount > 0" and `live_children` counts the live
+//!   children of every cached node;
+//! - the LRU list holds exactly the dead cached nodes, every node after all
+//!   its children (so the front is a leaf); no live node has a dead parent;
 //! - a root is kept while it has children or live sequences using it.
 
 use std::collections::HashMap;
@@ -73,6 +83,10 @@ pub struct PrefixCache {
     tokens: Vec<u32>,
     /// Indexed by node id; roots are appended past `num_blocks`.
     num_children: Vec<u32>,
+    /// Cached block has a holder (its pool refcount is > 0).
+    held: Vec<bool>,
+    /// Children that are live (held, or with a live child themselves).
+    live_children: Vec<u32>,
     /// Edge key (parent and child-token hash mixed) -> child block.
     edges: EdgeMap,
     lru_prev: Vec<u32>,
@@ -84,6 +98,9 @@ pub struct PrefixCache {
     num_cached: usize,
     /// Salt -> root id. The unsalted root is `num_blocks` and always exists.
     salted_roots: FxHashMap<String, NodeId>,
+    /// Salt of each salted root, by root index (None for the unsalted root
+    /// and for recycled root ids), so dropping a root is O(1).
+    root_salt: Vec<Option<String>>,
     root_users: Vec<u32>,
     free_root_ids: Vec<NodeId>,
     pub stats: PrefixCacheStats,
@@ -159,6 +176,8 @@ impl PrefixCache {
             edge_key: try_filled_vec(num_blocks, 0, "the prefix cache")?,
             tokens: try_filled_vec(token_slots, 0, "the prefix cache's tokens")?,
             num_children: try_filled_vec(num_blocks + 1, 0, "the prefix cache")?,
+            held: try_filled_vec(num_blocks, false, "the prefix cache")?,
+            live_children: try_filled_vec(num_blocks, 0, "the prefix cache")?,
             edges: {
                 let mut edges = EdgeMap::default();
                 edges.try_reserve(num_blocks).map_err(|_| {
@@ -176,6 +195,7 @@ impl PrefixCache {
             lru_len: 0,
             num_cached: 0,
             salted_roots: FxHashMap::default(),
+            root_salt: vec![None],
             root_users: vec![0],
             free_root_ids: Vec::new(),
             stats: PrefixCacheStats::default(),
@@ -191,7 +211,8 @@ impl PrefixCache {
         self.num_cached
     }
 
-    /// Number of cached blocks with refcount 0, i.e. evictable right now.
+    /// Number of dead cached blocks (no holder, no live descendant): all of
+    /// them can be evicted, leaves first.
     pub fn num_evictable(&self) -> usize {
         self.lru_len
     }
@@ -199,6 +220,12 @@ impl PrefixCache {
     #[inline]
     pub fn is_cached(&self, block: BlockId) -> bool {
         self.cached.get(block as usize).copied().unwrap_or(false)
+    }
+
+    /// A cached block that is dead (on the LRU list), i.e. evictable.
+    #[inline]
+    pub fn is_evictable(&self, block: BlockId) -> bool {
+        self.in_lru.get(block as usize).copied().unwrap_or(false)
     }
 
     pub fn is_root(&self, node: NodeId) -> bool {
@@ -222,10 +249,12 @@ impl PrefixCache {
                         None => {
                             self.num_children.push(0);
                             self.root_users.push(0);
+                            self.root_salt.push(None);
                             (self.num_children.len() - 1) as NodeId
                         }
                     };
                     self.salted_roots.insert(salt.to_owned(), root);
+                    self.root_salt[root as usize - self.num_blocks] = Some(salt.to_owned());
                     root
                 }
             },
@@ -253,8 +282,10 @@ impl PrefixCache {
         {
             return;
         }
-        self.salted_roots.retain(|_, r| *r != root);
-        self.free_root_ids.push(root);
+        if let Some(salt) = self.root_salt[idx].take() {
+            self.salted_roots.remove(&salt);
+            self.free_root_ids.push(root);
+        }
     }
 
     /// The cached child of `parent` holding exactly `chunk`, if any.
@@ -302,6 +333,7 @@ impl PrefixCache {
     }
 
     /// Cache a full, held block (refcount > 0) as the child of `parent`.
+    /// The new node is live, so it keeps `parent` (and its path) alive.
     pub fn insert(&mut self, parent: NodeId, chunk: &[u32], block: BlockId) -> InsertOutcome {
         debug_assert_eq!(chunk.len(), self.block_size);
         debug_assert!(!self.cached[block as usize], "block {block} inserted twice");
@@ -318,18 +350,78 @@ impl PrefixCache {
         let b = block as usize;
         self.edges.insert(key, block);
         self.cached[b] = true;
+        self.held[b] = true;
+        self.live_children[b] = 0;
         self.parent[b] = parent;
         self.edge_key[b] = key;
         self.tokens[b * self.block_size..(b + 1) * self.block_size].copy_from_slice(chunk);
         self.num_children[parent as usize] += 1;
         self.num_cached += 1;
         self.stats.inserted_blocks += 1;
+        self.add_live_child(parent);
         InsertOutcome::Inserted
     }
 
-    /// A cached block's refcount just reached 0: it becomes evictable, as the
-    /// most recently used.
-    pub fn mark_evictable(&mut self, block: BlockId) {
+    #[inline]
+    fn is_live(&self, block: BlockId) -> bool {
+        self.held[block as usize] || self.live_children[block as usize] > 0
+    }
+
+    /// A cached block gained its first holder (refcount 0 -> 1). If it was
+    /// dead it leaves the LRU list and revives its dead ancestors.
+    pub fn on_held(&mut self, block: BlockId) {
+        if !self.is_cached(block) || self.held[block as usize] {
+            return;
+        }
+        let was_live = self.is_live(block);
+        self.held[block as usize] = true;
+        if !was_live {
+            self.unlink_lru(block);
+            self.add_live_child(self.parent[block as usize]);
+        }
+    }
+
+    /// A cached block lost its last holder (refcount -> 0). Without live
+    /// children it dies (enters the LRU list as the most recently used) and
+    /// may take dead-to-be ancestors with it.
+    pub fn on_unheld(&mut self, block: BlockId) {
+        if !self.is_cached(block) || !self.held[block as usize] {
+            return;
+        }
+        self.held[block as usize] = false;
+        if !self.is_live(block) {
+            self.push_lru(block);
+            self.remove_live_child(self.parent[block as usize]);
+        }
+    }
+
+    /// `node` has one more live child; revive it (and up the path) if it was dead.
+    fn add_live_child(&mut self, mut node: NodeId) {
+        while !self.is_root(node) {
+            let was_live = self.is_live(node);
+            self.live_children[node as usize] += 1;
+            if was_live {
+                return;
+            }
+            self.unlink_lru(node);
+            node = self.parent[node as usize];
+        }
+    }
+
+    /// `node` has one live child less; it dies (and up the path) if that
+    /// was its last reason to live.
+    fn remove_live_child(&mut self, mut node: NodeId) {
+        while !self.is_root(node) {
+            self.live_children[node as usize] -= 1;
+            if self.is_live(node) {
+                return;
+            }
+            self.push_lru(node);
+            node = self.parent[node as usize];
+        }
+    }
+
+    fn push_lru(&mut self, block: BlockId) {
         let b = block as usize;
         debug_assert!(self.cached[b] && !self.in_lru[b]);
         self.in_lru[b] = true;
@@ -344,8 +436,7 @@ impl PrefixCache {
         self.lru_len += 1;
     }
 
-    /// A cached block with refcount 0 is referenced again: not evictable.
-    pub fn unmark_evictable(&mut self, block: BlockId) {
+    fn unlink_lru(&mut self, block: BlockId) {
         let b = block as usize;
         if !self.in_lru[b] {
             return;
@@ -367,29 +458,36 @@ impl PrefixCache {
         self.lru_len -= 1;
     }
 
-    /// Remove the least recently used unreferenced leaf from the tree and
-    /// return its block (now refcount 0 and uncached: the caller frees it).
-    pub fn evict_one(&mut self) -> Option<BlockId> {
+    /// Remove the least recently used dead leaf from the tree and return its
+    /// block (refcount 0 and now uncached: the caller frees it). The front is
+    /// a leaf by construction; should that ever not hold, this is an
+    /// invariant error, never a silent removal of a node with children.
+    pub fn evict_one(&mut self) -> KvResult<Option<BlockId>> {
         let block = self.lru_head;
         if block == NIL {
-            return None;
+            return Ok(None);
         }
-        debug_assert_eq!(
-            self.num_children[block as usize], 0,
-            "LRU front {block} is not a leaf"
-        );
-        self.unmark_evictable(block);
+        if self.num_children[block as usize] != 0 || self.is_live(block) {
+            return Err(KvError::InvariantViolated(format!(
+                "LRU front {block} is not a dead leaf"
+            )));
+        }
+        self.unlink_lru(block);
         self.remove_node(block);
         self.stats.evicted_blocks += 1;
-        Some(block)
+        Ok(Some(block))
     }
 
+    /// Unlink a dead leaf. Its parent's live-children count is unchanged
+    /// (the leaf was dead), and a parent is never removed before its children.
     fn remove_node(&mut self, block: BlockId) {
         let b = block as usize;
         let parent = self.parent[b];
         self.edges.remove(&self.edge_key[b]);
         self.num_children[parent as usize] -= 1;
         self.cached[b] = false;
+        self.held[b] = false;
+        self.live_children[b] = 0;
         self.parent[b] = NIL;
         self.num_cached -= 1;
         if self.is_root(parent) {
@@ -402,12 +500,14 @@ impl PrefixCache {
     /// holders as plain, uncached blocks.
     pub fn clear(&mut self, freed: &mut Vec<BlockId>) {
         while let Some(block) = self.lru_head_block() {
-            self.unmark_evictable(block);
+            self.unlink_lru(block);
             freed.push(block);
         }
         for b in 0..self.num_blocks {
             if self.cached[b] {
                 self.cached[b] = false;
+                self.held[b] = false;
+                self.live_children[b] = 0;
                 self.parent[b] = NIL;
             }
         }
@@ -428,41 +528,61 @@ impl PrefixCache {
     pub fn lru_order(&self) -> Vec<BlockId> {
         let mut order = Vec::with_capacity(self.lru_len);
         let mut cur = self.lru_head;
-        while cur != NIL {
+        while cur != NIL && order.len() <= self.lru_len {
             order.push(cur);
             cur = self.lru_next[cur as usize];
         }
         order
     }
 
-    /// Check the tree and LRU invariants against the pool's refcounts.
+    /// Check the tree, liveness and LRU invariants against the pool's
+    /// refcounts, O(num_blocks + salts). Liveness is checked locally (each
+    /// node's live-children count against its children), which by
+    /// induction from the leaves proves it globally.
     pub fn check_invariants(&self, refcount: impl Fn(BlockId) -> u32) -> KvResult<()> {
         let fail = |msg: String| Err(KvError::InvariantViolated(msg));
         let mut children = vec![0u32; self.num_children.len()];
+        let mut live_children = vec![0u32; self.num_blocks];
         let mut cached = 0;
         for b in 0..self.num_blocks {
             if !self.cached[b] {
-                if self.in_lru[b] {
-                    return fail(format!("uncached block {b} is on the LRU list"));
+                if self.in_lru[b] || self.held[b] || self.live_children[b] != 0 {
+                    return fail(format!("uncached block {b} has cache state"));
                 }
                 continue;
             }
             cached += 1;
             let parent = self.parent[b];
-            if !(self.is_root(parent) || self.cached[parent as usize]) {
+            if parent as usize >= self.num_children.len()
+                || !(self.is_root(parent) || self.cached[parent as usize])
+            {
                 return fail(format!("cached block {b} has uncached parent {parent}"));
             }
             children[parent as usize] += 1;
             if self.edges.get(&self.edge_key[b]) != Some(&(b as BlockId)) {
                 return fail(format!("cached block {b} is missing from the edge map"));
             }
-            let unreferenced = refcount(b as BlockId) == 0;
-            if unreferenced != self.in_lru[b] {
+            let count = refcount(b as BlockId);
+            if (count > 0) != self.held[b] {
                 return fail(format!(
-                    "cached block {b}: refcount {} but on LRU list: {}",
-                    refcount(b as BlockId),
+                    "cached block {b}: refcount {count} but held flag {}",
+                    self.held[b]
+                ));
+            }
+            let live = self.is_live(b as BlockId);
+            if live == self.in_lru[b] {
+                return fail(format!(
+                    "cached block {b}: live {live} but on LRU list: {}",
                     self.in_lru[b]
                 ));
+            }
+            if live && !self.is_root(parent) {
+                live_children[parent as usize] += 1;
+                if self.in_lru[parent as usize] {
+                    return fail(format!(
+                        "block {b} is in use but its parent {parent} is evictable"
+                    ));
+                }
             }
         }
         if cached != self.num_cached || self.edges.len() != cached {
@@ -474,6 +594,9 @@ impl PrefixCache {
         }
         if children != self.num_children {
             return fail("child counts disagree with the tree".to_owned());
+        }
+        if live_children != self.live_children {
+            return fail("live-child counts disagree with the tree".to_owned());
         }
         let order = self.lru_order();
         if order.len() != self.lru_len {
@@ -487,19 +610,26 @@ impl PrefixCache {
         for (i, &block) in order.iter().enumerate() {
             position[block as usize] = i;
         }
-        for b in (0..self.num_blocks).filter(|&b| self.cached[b]) {
+        for b in (0..self.num_blocks).filter(|&b| self.in_lru[b]) {
             let parent = self.parent[b];
-            if self.is_root(parent) || !self.in_lru[parent as usize] {
-                continue;
-            }
-            if !self.in_lru[b] {
-                return fail(format!(
-                    "block {b} is referenced but its parent {parent} is not"
-                ));
-            }
-            if position[parent as usize] < position[b] {
+            if !self.is_root(parent) && position[parent as usize] < position[b] {
                 return fail(format!("LRU lists parent {parent} before its child {b}"));
             }
+        }
+        if let Some(&front) = order.first() {
+            if self.num_children[front as usize] != 0 {
+                return fail(format!("LRU front {front} is not a leaf"));
+            }
+        }
+        for (idx, salt) in self.root_salt.iter().enumerate() {
+            let root = (self.num_blocks + idx) as NodeId;
+            let mapped = salt.as_ref().and_then(|s| self.salted_roots.get(s));
+            if salt.is_some() && mapped != Some(&root) {
+                return fail(format!("salted root {root} is not mapped from its salt"));
+            }
+        }
+        if self.salted_roots.len() != self.root_salt.iter().flatten().count() {
+            return fail("salt map and root salts disagree".to_owned());
         }
         Ok(())
     }
@@ -567,14 +697,14 @@ mod tests {
         cache.insert(1, &chunk(4, 4), 2);
         cache.insert(root, &chunk(100, 4), 3);
         // Released deepest first: 2, 1, then an unrelated 3.
-        cache.mark_evictable(2);
-        cache.mark_evictable(1);
-        cache.mark_evictable(3);
+        cache.on_unheld(2);
+        cache.on_unheld(1);
+        cache.on_unheld(3);
         cache.check_invariants(|_| 0).unwrap();
-        assert_eq!(cache.evict_one(), Some(2));
-        assert_eq!(cache.evict_one(), Some(1));
-        assert_eq!(cache.evict_one(), Some(3));
-        assert_eq!(cache.evict_one(), None);
+        assert_eq!(cache.evict_one(), Ok(Some(2)));
+        assert_eq!(cache.evict_one(), Ok(Some(1)));
+        assert_eq!(cache.evict_one(), Ok(Some(3)));
+        assert_eq!(cache.evict_one(), Ok(None));
         assert_eq!(cache.num_cached(), 0);
     }
 
@@ -590,5 +720,64 @@ mod tests {
             b,
             "but never shared by two live salts"
         );
+    }
+
+    #[test]
+    fn a_held_child_keeps_its_unheld_parent_alive() {
+        // Regression (issue 13): a parent whose holders are gone but whose
+        // child is still held must not be evictable, or its id could be
+        // recycled under the child and serve a wrong prefix.
+        let mut cache = PrefixCache::new(8, 4).unwrap();
+        let root = cache.acquire_root(None);
+        cache.insert(root, &chunk(0, 4), 0);
+        cache.insert(0, &chunk(4, 4), 2);
+        let mut refcount = [0u32; 8];
+        refcount[2] = 1;
+        cache.on_unheld(0);
+        cache.check_invariants(|b| refcount[b as usize]).unwrap();
+        assert_eq!(
+            cache.num_evictable(),
+            0,
+            "the parent lives through its child"
+        );
+        assert_eq!(cache.evict_one(), Ok(None));
+        refcount[2] = 0;
+        cache.on_unheld(2);
+        cache.check_invariants(|b| refcount[b as usize]).unwrap();
+        assert_eq!(
+            cache.lru_order(),
+            vec![2, 0],
+            "child dies first, then its parent"
+        );
+        cache.on_held(2);
+        refcount[2] = 1;
+        cache.check_invariants(|b| refcount[b as usize]).unwrap();
+        assert_eq!(
+            cache.num_evictable(),
+            0,
+            "holding the child revives the parent"
+        );
+    }
+
+    #[test]
+    fn dropping_a_salted_root_forgets_only_its_salt() {
+        let mut cache = PrefixCache::new(8, 4).unwrap();
+        let roots: Vec<NodeId> = (0..100)
+            .map(|i| cache.acquire_root(Some(&format!("t{i}"))))
+            .collect();
+        cache.insert(roots[7], &chunk(0, 4), 1);
+        cache.release_root(roots[7]);
+        cache.check_invariants(|_| 1).unwrap();
+        cache.on_unheld(1);
+        assert_eq!(cache.evict_one(), Ok(Some(1)));
+        cache.check_invariants(|_| 0).unwrap();
+        assert_eq!(
+            cache.acquire_root(Some("t8")),
+            roots[8],
+            "other salts keep their roots"
+        );
+        let reused = cache.acquire_root(Some("new"));
+        assert_eq!(reused, roots[7], "the dropped root id is recycled");
+        cache.check_invariants(|_| 0).unwrap();
     }
 }
