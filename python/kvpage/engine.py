@@ -29,6 +29,7 @@ from kvpage._core import Scheduler
 from kvpage.detokenizer import IncrementalDetokenizer
 from kvpage.engine_config import EngineConfig
 from kvpage.model.config import ModelConfig
+from kvpage.model.gguf_loader import is_gguf, load_gguf
 from kvpage.model.loader import load_model
 from kvpage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvpage.runner.model_runner import ModelRunner
@@ -147,6 +148,28 @@ def load_tokenizer(model_dir: str | Path) -> Any:
         raise ValueError(f"cannot load the tokenizer of {model_dir}: {err}") from None
 
 
+def load_model_and_tokenizer(
+    model: str | Path, dtype: str = "auto"
+) -> tuple[ModelConfig, Any, Any, Path | None]:
+    """``(model_config, params, tokenizer, model_dir)`` from an HF model directory or a
+    GGUF file (``model_dir`` is None for a GGUF file; ``tokenizer`` None if there is
+    none)."""
+    path = Path(model)
+    if is_gguf(path):
+        start = time.perf_counter()
+        model_config, params, tokenizer = load_gguf(path, dtype=dtype)
+        logger.info("loaded %s (%s) in %.1f s", path, model_config.dtype,
+                    time.perf_counter() - start)
+        return model_config, params, tokenizer, None
+    model_config, params = load_model(path, dtype=dtype)
+    tokenizer = (
+        load_tokenizer(path)
+        if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file()
+        else None
+    )
+    return model_config, params, tokenizer, path
+
+
 class LLMEngine:
     """Continuous batching over one model: add requests, call ``step``."""
 
@@ -222,14 +245,9 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         if config.model is None:
-            raise ValueError("EngineConfig.model must name an HF model directory")
-        model_dir = Path(config.model)
-        model_config, params = load_model(model_dir, dtype=config.dtype)
-        tokenizer = (
-            load_tokenizer(model_dir)
-            if (model_dir / "tokenizer_config.json").is_file()
-            or (model_dir / "tokenizer.json").is_file()
-            else None
+            raise ValueError("EngineConfig.model must name an HF model directory or a .gguf file")
+        model_config, params, tokenizer, model_dir = load_model_and_tokenizer(
+            config.model, dtype=config.dtype
         )
         return cls(config, model_config, params, tokenizer, model_dir)
 

@@ -1,0 +1,467 @@
+"""Reading a GGUF file (llama.cpp's format) into kvpage's config, params and tokenizer.
+
+This file owns GGUF: :func:`read_gguf_config` turns the file's metadata into a
+:class:`ModelConfig`, :func:`load_gguf` also dequantizes every tensor (through the
+``gguf`` package's ``GGUFReader`` and ``gguf.quants.dequantize``) into the
+:mod:`kvpage.model.params` pytree under HF names, and :func:`load_gguf_tokenizer` builds
+the Hugging Face tokenizer (with the chat template) that the file's metadata describes.
+
+Supported: ``general.architecture`` ``llama`` (also Mistral and SmolLM files, which
+llama.cpp writes as llama), ``qwen2`` and ``qwen3``; tensor types F32, F16, BF16,
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K. Anything else, a file that
+is not GGUF, or a truncated one raises :class:`CheckpointError` naming the problem.
+
+llama.cpp's converter permutes the rows of Llama's q/k projections (per head, from HF's
+"rotate half" pairing to interleaved pairs); :func:`_unpermute_rope_rows` undoes that,
+as transformers' GGUF loader does. Quantized weights are dequantized once at load time:
+with ``dtype="auto"`` they become float32 on CPU and bfloat16 on accelerators.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from kvpage.model.config import ModelConfig, RopeConfig
+from kvpage.model.errors import CheckpointError
+from kvpage.model.params import Params, jnp_dtype, param_spec, tree_from_flat
+from kvpage.model.rope import inverse_frequencies
+
+GGUF_SUFFIX = ".gguf"
+_MAGIC = b"GGUF"
+
+# general.architecture -> (kvpage architecture, q/k rows permuted by llama.cpp).
+_ARCHITECTURES: dict[str, tuple[str, bool]] = {
+    "llama": ("LlamaForCausalLM", True),
+    "qwen2": ("Qwen2ForCausalLM", False),
+    "qwen3": ("Qwen3ForCausalLM", False),
+}
+SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = tuple(_ARCHITECTURES)
+
+# The tensor types gguf.quants dequantizes that this loader accepts (names of
+# gguf.GGMLQuantizationType members).
+SUPPORTED_TENSOR_TYPES: tuple[str, ...] = (
+    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+)
+
+_TOP_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_ROPE_FREQS = "rope_freqs.weight"
+# Llama 3.1's rope_scaling, which llama.cpp bakes into ``rope_freqs.weight``.
+_LLAMA3_LOW_FREQ, _LLAMA3_HIGH_FREQ, _LLAMA3_ORIGINAL_CONTEXT = 1.0, 4.0, 8192
+
+
+def is_gguf(path: str | Path) -> bool:
+    """Whether ``path`` names a GGUF file (by its ``.gguf`` suffix or its magic bytes)."""
+    path = Path(path)
+    if path.is_dir():
+        return False
+    if path.suffix.lower() == GGUF_SUFFIX or not path.is_file():
+        return path.suffix.lower() == GGUF_SUFFIX
+    with path.open("rb") as f:
+        return f.read(4) == _MAGIC
+
+
+def _open(path: str | Path) -> Any:
+    """A ``gguf.GGUFReader`` over ``path``; every way the file can be unreadable is a
+    :class:`CheckpointError` naming it."""
+    import gguf
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"GGUF file not found: {path}")
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != _MAGIC:
+        raise CheckpointError(
+            f"{path} is not a GGUF file (it starts with {magic!r}, not {_MAGIC!r})"
+        )
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, IndexError, KeyError, TypeError, OverflowError, UnicodeDecodeError) as exc:
+        raise CheckpointError(
+            f"cannot read GGUF file {path} ({size} bytes; truncated or corrupt?): {exc}"
+        ) from None
+    for tensor in reader.tensors:
+        end = int(tensor.data_offset) + int(tensor.n_bytes)
+        if end > size or tensor.data.nbytes != int(tensor.n_bytes):
+            raise CheckpointError(
+                f"GGUF file {path} is truncated: tensor {tensor.name!r} needs bytes up to "
+                f"{end}, the file has {size}"
+            )
+    return reader
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    """One metadata value as a Python scalar, string or list (``default`` if absent)."""
+    import gguf
+
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+
+    def scalar(part: np.ndarray, kind: Any) -> Any:
+        if kind == gguf.GGUFValueType.STRING:
+            return bytes(part).decode("utf-8")
+        return part.tolist()[0]
+
+    if field.types[0] == gguf.GGUFValueType.ARRAY:
+        return [scalar(field.parts[i], field.types[-1]) for i in field.data]
+    return scalar(field.parts[field.data[0]], field.types[0])
+
+
+def _architecture(reader: Any, path: Path) -> str:
+    arch = _field(reader, "general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise CheckpointError(
+            f"GGUF file {path} has architecture {arch!r}; supported: "
+            f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
+        )
+    return str(arch)
+
+
+def _required_int(reader: Any, key: str, path: Path) -> int:
+    value = _field(reader, key)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise CheckpointError(f"GGUF file {path} lacks the integer metadata {key!r}")
+    return value
+
+
+def _tensor_shape(tensor: Any) -> tuple[int, ...]:
+    """The HF/numpy shape (GGUF lists dimensions fastest-varying first)."""
+    return tuple(int(d) for d in reversed(tensor.shape.tolist()))
+
+
+def _rope(reader: Any, arch: str, head_dim: int, context: int, path: Path) -> RopeConfig:
+    theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
+    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
+    factor = float(_field(reader, f"{arch}.rope.scaling.factor", 1.0) or 1.0)
+    freqs = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
+    if freqs is not None:
+        return _llama3_rope(reader, arch, freqs, theta, head_dim, context, path)
+    if scaling in ("none", "") or (scaling == "linear" and factor == 1.0):
+        return RopeConfig(theta=theta)
+    if scaling == "linear":
+        return RopeConfig(theta=theta, rope_type="linear", factor=factor)
+    raise CheckpointError(
+        f"GGUF file {path} uses rope scaling {scaling!r}; supported: none, linear, "
+        "and Llama 3 frequency factors (rope_freqs.weight)"
+    )
+
+
+def _llama3_rope(
+    reader: Any, arch: str, tensor: Any, theta: float, head_dim: int, context: int, path: Path
+) -> RopeConfig:
+    """Recover Llama 3.1's rope_scaling from the per-frequency divisors llama.cpp stores,
+    and check that it reproduces them exactly."""
+    divisors = _dequantize(tensor, path).reshape(-1).astype(np.float64)
+    if divisors.shape != (head_dim // 2,):
+        raise CheckpointError(
+            f"tensor {_ROPE_FREQS!r} in {path} has {divisors.size} values, "
+            f"expected head_dim / 2 = {head_dim // 2}"
+        )
+    original = int(
+        _field(reader, f"{arch}.rope.scaling.original_context_length", 0)
+        or _LLAMA3_ORIGINAL_CONTEXT
+    )
+    rope = RopeConfig(
+        theta=theta,
+        rope_type="llama3",
+        factor=float(divisors.max()),
+        low_freq_factor=_LLAMA3_LOW_FREQ,
+        high_freq_factor=_LLAMA3_HIGH_FREQ,
+        original_max_position_embeddings=original,
+    )
+    plain = inverse_frequencies(head_dim, RopeConfig(theta=theta), context)
+    scaled = inverse_frequencies(head_dim, rope, context)
+    if not np.allclose(plain / divisors, scaled, rtol=1e-4, atol=0):
+        raise CheckpointError(
+            f"tensor {_ROPE_FREQS!r} in {path} is not Llama 3 rope scaling "
+            f"(low_freq_factor {_LLAMA3_LOW_FREQ}, high_freq_factor {_LLAMA3_HIGH_FREQ}, "
+            f"original context {original}); other per-frequency factors are not supported"
+        )
+    return rope
+
+
+def _auto_dtype(reader: Any, device: jax.Device | None) -> str:
+    """float32 on CPU; elsewhere the file's float type, bfloat16 for quantized weights."""
+    platform = device.platform if device is not None else jax.default_backend()
+    if platform == "cpu":
+        return "float32"
+    kinds = {t.tensor_type.name for t in reader.tensors if len(t.shape) > 1}
+    if kinds == {"F32"}:
+        return "float32"
+    if kinds == {"F16"}:
+        return "float16"
+    return "bfloat16"
+
+
+def _config_from_reader(reader: Any, path: Path, dtype: str, device: jax.Device | None
+                        ) -> ModelConfig:
+    gguf_arch = _architecture(reader, path)
+    architecture, _ = _ARCHITECTURES[gguf_arch]
+    shapes = {t.name: _tensor_shape(t) for t in reader.tensors}
+    if "token_embd.weight" not in shapes:
+        raise CheckpointError(f"GGUF file {path} lacks the tensor 'token_embd.weight'")
+    vocab, hidden = shapes["token_embd.weight"]
+    heads = _required_int(reader, f"{gguf_arch}.attention.head_count", path)
+    kv_heads = int(_field(reader, f"{gguf_arch}.attention.head_count_kv", heads))
+    head_dim = int(_field(reader, f"{gguf_arch}.attention.key_length", 0) or hidden // heads)
+    rotary = int(_field(reader, f"{gguf_arch}.rope.dimension_count", head_dim))
+    if rotary != head_dim:
+        raise CheckpointError(
+            f"GGUF file {path} rotates {rotary} of {head_dim} head features; "
+            "partial rotary embeddings are not supported"
+        )
+    context = _required_int(reader, f"{gguf_arch}.context_length", path)
+    eos = [
+        _field(reader, f"tokenizer.ggml.{key}")
+        for key in ("eos_token_id", "eot_token_id", "eom_token_id")
+    ]
+    if dtype == "auto":
+        dtype = _auto_dtype(reader, device)
+    jnp_dtype(dtype)
+    try:
+        return ModelConfig(
+            architecture=architecture,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=_required_int(reader, f"{gguf_arch}.feed_forward_length", path),
+            num_layers=_required_int(reader, f"{gguf_arch}.block_count", path),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(
+                _field(reader, f"{gguf_arch}.attention.layer_norm_rms_epsilon", 1e-6)
+            ),
+            rope=_rope(reader, gguf_arch, head_dim, context, path),
+            max_position_embeddings=context,
+            tie_word_embeddings="output.weight" not in shapes,
+            qkv_bias="blk.0.attn_q.bias" in shapes,
+            o_proj_bias="blk.0.attn_output.bias" in shapes,
+            mlp_bias="blk.0.ffn_gate.bias" in shapes,
+            qk_norm="blk.0.attn_q_norm.weight" in shapes,
+            dtype=dtype,
+            eos_token_ids=tuple(sorted({int(e) for e in eos if isinstance(e, int)})),
+        )
+    except ValueError as exc:
+        raise CheckpointError(f"GGUF file {path} describes an invalid model: {exc}") from None
+
+
+def read_gguf_config(
+    path: str | Path, dtype: str = "auto", device: jax.Device | None = None
+) -> ModelConfig:
+    """The :class:`ModelConfig` a GGUF file describes (reads metadata only).
+
+    ``dtype="auto"`` is float32 on CPU; elsewhere the file's float type, and bfloat16
+    for quantized weights. EOS ids are the file's eos / eot / eom token ids.
+    """
+    path = Path(path)
+    return _config_from_reader(_open(path), path, dtype, device)
+
+
+def _dequantize(tensor: Any, path: Path) -> np.ndarray:
+    """float32 values of one tensor, in the HF/numpy shape."""
+    from gguf.quants import dequantize
+
+    kind = tensor.tensor_type.name
+    if kind not in SUPPORTED_TENSOR_TYPES:
+        raise CheckpointError(
+            f"tensor {tensor.name!r} in {path} has type {kind}, which kvpage does not "
+            f"load; supported: {', '.join(SUPPORTED_TENSOR_TYPES)}"
+        )
+    values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+    return values.reshape(_tensor_shape(tensor))
+
+
+def _unpermute_rope_rows(weight: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head row permutation of a q/k weight or bias.
+
+    The converter reshapes each head's rows to ``[2, head_dim/2]`` and transposes them
+    to ``[head_dim/2, 2]``; this reshapes to ``[heads, head_dim/2, 2]`` and swaps back.
+    """
+    half = weight.shape[0] // heads // 2
+    rows = weight.reshape(heads, half, 2, *weight.shape[1:])
+    return rows.swapaxes(1, 2).reshape(weight.shape)
+
+
+def _hf_name(gguf_name: str, num_layers: int) -> str | None:
+    """The HF tensor name for a GGUF tensor name, or None if it is not a model weight."""
+    if gguf_name.count(".") == 1:
+        stem, kind = gguf_name.split(".")
+        if stem in _TOP_TENSORS and kind == "weight":
+            return f"{_TOP_TENSORS[stem]}.{kind}"
+        return None
+    match = _LAYER_NAME.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _LAYER_TENSORS:
+        return None
+    layer = int(match.group(1))
+    if layer >= num_layers:
+        return None
+    return f"model.layers.{layer}.{_LAYER_TENSORS[match.group(2)]}.{match.group(3)}"
+
+
+class GGUFModel(NamedTuple):
+    """What a GGUF file holds: the config, the dequantized params and the tokenizer
+    (None if the file carries no vocabulary)."""
+
+    config: ModelConfig
+    params: Params
+    tokenizer: Any
+
+
+def load_gguf(
+    path: str | Path,
+    dtype: str = "auto",
+    device: jax.Device | None = None,
+    tokenizer: bool = True,
+    progress: Callable[[int, int], None] | None = None,
+) -> GGUFModel:
+    """Read and dequantize a GGUF file into ``(config, params, tokenizer)``.
+
+    Every tensor of :func:`kvpage.model.params.param_spec` must be present with its
+    exact shape; an unknown tensor, a missing one or an unsupported tensor type raises
+    :class:`CheckpointError`. ``tokenizer=False`` skips building the tokenizer.
+    ``progress(done, total)`` is called after each tensor.
+    """
+    path = Path(path)
+    reader = _open(path)
+    config = _config_from_reader(reader, path, dtype, device)
+    params = _params_from_reader(reader, path, config, device, progress)
+    return GGUFModel(config, params, _tokenizer(reader, path) if tokenizer else None)
+
+
+def _params_from_reader(
+    reader: Any,
+    path: Path,
+    config: ModelConfig,
+    device: jax.Device | None,
+    progress: Callable[[int, int], None] | None,
+) -> Params:
+    gguf_arch = _architecture(reader, path)
+    permuted = _ARCHITECTURES[gguf_arch][1]
+    target = jnp_dtype(config.dtype)
+    spec = param_spec(config)
+    flat: dict[str, jax.Array] = {}
+    tensors = [t for t in reader.tensors if t.name != _ROPE_FREQS]
+    for done, tensor in enumerate(tensors, start=1):
+        name = _hf_name(tensor.name, config.num_layers)
+        if name is None or name not in spec:
+            raise CheckpointError(
+                f"GGUF file {path} holds tensor {tensor.name!r} of shape "
+                f"{_tensor_shape(tensor)}, which a {gguf_arch} model does not use"
+            )
+        if _tensor_shape(tensor) != spec[name]:
+            raise CheckpointError(
+                f"tensor {tensor.name!r} ({name}) in {path} has shape "
+                f"{_tensor_shape(tensor)}, expected {spec[name]}"
+            )
+        values = _dequantize(tensor, path)
+        if permuted and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
+            heads = config.num_heads if ".attn_q." in tensor.name else config.num_kv_heads
+            values = _unpermute_rope_rows(values, heads)
+        array = jax.device_put(values, device)
+        flat[name] = array if array.dtype == target else array.astype(target)
+        if progress is not None:
+            progress(done, len(tensors))
+    missing = [name for name in spec if name not in flat]
+    if missing:
+        more = f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""
+        raise CheckpointError(f"GGUF file {path} lacks tensors: {', '.join(missing[:8])}{more}")
+    return tree_from_flat(config, flat)
+
+
+def load_gguf_tokenizer(path: str | Path) -> Any:
+    """The Hugging Face tokenizer the file's ``tokenizer.*`` metadata describes, with its
+    chat template (``tokenizer.chat_template``), or None if the file carries no
+    vocabulary. Built by transformers' GGUF conversion, from the file alone."""
+    path = Path(path)
+    return _tokenizer(_open(path), path)
+
+
+def _tokenizer(reader: Any, path: Path) -> Any:
+    if "tokenizer.ggml.tokens" not in reader.fields:
+        return None
+    try:
+        tokenizer = _tokenizer_from_metadata(reader)
+        if tokenizer is None:
+            tokenizer = _tokenizer_through_auto(path)
+    except ImportError as err:
+        raise ValueError(
+            f"reading the tokenizer of {path} needs transformers' GGUF support: {err}"
+        ) from None
+    except Exception as err:  # transformers raises many types; name the file
+        raise ValueError(f"cannot build the tokenizer of {path}: {err}") from None
+    template = _field(reader, "tokenizer.chat_template")
+    if template and not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = template
+    return tokenizer
+
+
+_SPECIAL_TOKEN_IDS = {
+    "bos_token": "bos_token_id",
+    "eos_token": "eos_token_id",
+    "unk_token": "unknown_token_id",
+    "pad_token": "padding_token_id",
+}
+
+
+def _tokenizer_from_metadata(reader: Any) -> Any:
+    """transformers' own GGUF tokenizer conversion fed from the already parsed metadata
+    (transformers >= 5; None on older versions). Same result as
+    ``AutoTokenizer.from_pretrained(dir, gguf_file=...)`` without re-reading the file or
+    importing torch."""
+    try:
+        from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+    except ImportError:
+        return None
+    from transformers import PreTrainedTokenizerFast
+
+    groups = {
+        group: {
+            name: _field(reader, f"tokenizer.{key}")
+            for key, name in renames.items()
+            if f"tokenizer.{key}" in reader.fields
+        }
+        for group, renames in GGUF_TOKENIZER_MAPPING.items()
+    }
+    vocabulary, init = groups["tokenizer"], groups["tokenizer_config"]
+    if vocabulary.get("tokenizer_type") == "llama":
+        init.setdefault("add_bos_token", True)  # llama.cpp's default for sentencepiece
+    for name, key in _SPECIAL_TOKEN_IDS.items():
+        token_id = _field(reader, f"tokenizer.ggml.{key}")
+        init[name] = vocabulary["tokens"][token_id] if token_id is not None else None
+    backend, extra = convert_gguf_tokenizer(_field(reader, "general.architecture"), vocabulary)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **init, **extra)
+
+
+def _tokenizer_through_auto(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(
+        str(path.parent), gguf_file=path.name, local_files_only=True
+    )

@@ -1,0 +1,240 @@
+"""GGUF loading: tiny GGUF files written in the test (llama.cpp's layout, some tensors
+quantized) must give the logits of the HF model they came from (F32) or of transformers'
+own GGUF loading (quantized), with the tokenizer and chat template taken from the file;
+bad files raise CheckpointError naming the problem. One opt-in test runs the real
+SmolLM2 GGUF against transformers (KVPAGE_REAL_MODEL=1, or the file already fetched)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import model_fixtures  # noqa: F401  (sys.path / import setup, before kvpage)
+import numpy as np
+import pytest
+from gguf_fixtures import BOS_ID, CHAT_TEMPLATE, EOS_ID, TOKENIZER_VOCAB, write_gguf
+from kvpage.model import CheckpointError, RopeConfig
+from kvpage.model.gguf_loader import (
+    _tokenizer_through_auto,
+    is_gguf,
+    load_gguf,
+    load_gguf_tokenizer,
+    read_gguf_config,
+)
+from kvpage.model.rope import inverse_frequencies
+from model_fixtures import build_hf_model, hf_greedy, hf_logits, prefill_logits
+
+PROMPT = [1, 5, 9, 200, 3, 7, 7, 7, 11, 13, 250, 17]
+LLAMA3_ROPE = {
+    "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+    "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
+}
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("llama", {}),
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    "llama-llama3-rope": ("llama", {"rope_parameters": LLAMA3_ROPE}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {"head_dim": 32}),
+}
+# Every type gguf-py can write, on tensors whose rows are whole blocks; the K-quants
+# (256-value blocks, random bytes) on the 256-wide down projections.
+QUANT = {
+    "token_embd.weight": "Q8_0",
+    "attn_q.weight": "Q8_0",
+    "attn_k.weight": "Q4_1",
+    "attn_v.weight": "Q4_0",
+    "attn_output.weight": "Q5_0",
+    "ffn_gate.weight": "Q5_1",
+    "ffn_up.weight": "F16",
+    "blk.0.ffn_down.weight": "Q4_K",
+    "blk.1.ffn_down.weight": "Q6_K",
+    "output.weight": "BF16",
+}
+
+
+def tiny_model(arch: str, seed: int = 0, **overrides: Any) -> Any:
+    return build_hf_model(arch, seed=seed, vocab_size=TOKENIZER_VOCAB, **overrides)
+
+
+def llama3_rope_freqs() -> np.ndarray:
+    """The per-frequency divisors llama.cpp stores for LLAMA3_ROPE."""
+    rope = RopeConfig(theta=10000.0, rope_type="llama3", factor=8.0,
+                      original_max_position_embeddings=32)
+    plain = inverse_frequencies(16, RopeConfig(theta=10000.0), 512)
+    return plain / inverse_frequencies(16, rope, 512)
+
+
+@pytest.fixture(scope="module")
+def llama_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    model = tiny_model("llama", seed=3)
+    path = write_gguf(tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf", model, "llama")
+    return model, path
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_f32_gguf_logits_match_the_hf_model(name: str, tmp_path: Path) -> None:
+    arch, overrides = VARIANTS[name]
+    model = tiny_model(arch, seed=len(name), **overrides)
+    llama3 = "llama3" in name
+    path = write_gguf(tmp_path / f"{name}.gguf", model, arch,
+                      rope_freqs=llama3_rope_freqs() if llama3 else None,
+                      orig_ctx=32 if llama3 else None)
+    config, params, _ = load_gguf(path)
+    assert config.model_type == arch
+    assert config.tie_word_embeddings == ("tied" in name)
+    assert ("lm_head" in params) != config.tie_word_embeddings
+    assert config.qkv_bias == (arch == "qwen2") and config.qk_norm == (arch == "qwen3")
+    assert config.rope.rope_type == ("llama3" if llama3 else "default")
+    np.testing.assert_allclose(
+        prefill_logits(config, params, PROMPT), hf_logits(model, PROMPT), rtol=1e-4, atol=1e-4
+    )
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_quantized_gguf_matches_transformers_gguf_loading(arch: str, tmp_path: Path) -> None:
+    import transformers
+
+    model = tiny_model(arch, seed=11, intermediate_size=256)
+    path = write_gguf(tmp_path / "quantized.gguf", model, arch, quant=QUANT)
+    config, params, _ = load_gguf(path)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.name, local_files_only=True
+    ).eval()
+    got = prefill_logits(config, params, PROMPT)
+    np.testing.assert_allclose(got, hf_logits(reference, PROMPT), rtol=1e-4, atol=1e-4)
+    # The quantization did change the model (the check above is not vacuous).
+    assert np.abs(got - hf_logits(model, PROMPT)).max() > 1e-2
+
+
+def test_config_dtype_and_eos_come_from_the_file(llama_gguf: tuple[Any, Path]) -> None:
+    _, path = llama_gguf
+    assert is_gguf(path) and not is_gguf(path.parent)
+    config = read_gguf_config(path)
+    assert config.dtype == "float32"  # "auto" on CPU
+    assert config.eos_token_ids == (EOS_ID,)
+    assert (config.num_layers, config.num_heads, config.num_kv_heads) == (2, 4, 2)
+    assert config.max_position_embeddings == 512
+    config, params, tokenizer = load_gguf(path, dtype="bfloat16", tokenizer=False)
+    assert config.dtype == "bfloat16" and tokenizer is None
+    assert params["layers"][0]["self_attn"]["q_proj"]["weight"].dtype.name == "bfloat16"
+
+
+def test_tokenizer_and_chat_template_come_from_the_file(llama_gguf: tuple[Any, Path]) -> None:
+    _, path = llama_gguf
+    tokenizer = load_gguf_tokenizer(path)
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (BOS_ID, EOS_ID)
+    assert tokenizer.chat_template == CHAT_TEMPLATE
+    text = "the theme <|im_start|>user\nhi there<|im_end|>"
+    ids = tokenizer(text)["input_ids"]
+    assert tokenizer.decode(ids) == text
+    assert ids == _tokenizer_through_auto(path)(text)["input_ids"]
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                         add_generation_prompt=True)
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_file_without_vocabulary_has_no_tokenizer(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "bare.gguf", tiny_model("llama"), "llama", tokenizer=False)
+    assert load_gguf_tokenizer(path) is None
+    assert read_gguf_config(path).eos_token_ids == ()
+
+
+def test_llm_and_engine_accept_a_gguf_file(llama_gguf: tuple[Any, Path]) -> None:
+    from kvpage import LLM, SamplingParams
+
+    model, path = llama_gguf
+    llm = LLM(str(path), max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
+              block_size=8, compilation_cache_dir=None)
+    assert EOS_ID in llm.engine.eos_token_ids
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": PROMPT}, "the theme"], greedy, use_tqdm=False)
+    assert list(out[0].outputs[0].token_ids) == hf_greedy(model, PROMPT, 16)
+    assert len(out[1].outputs[0].token_ids) == 16
+    reply = llm.chat([{"role": "user", "content": "hi"}], greedy, use_tqdm=False)
+    assert reply[0].prompt.startswith("<|im_start|>user\nhi<|im_end|>")
+
+
+# ---------------------------------------------------------------- bad files
+
+
+def test_not_a_gguf_file(tmp_path: Path) -> None:
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"PK\x03\x04" + bytes(100))
+    with pytest.raises(CheckpointError, match="is not a GGUF file"):
+        load_gguf(path)
+    with pytest.raises(CheckpointError, match="not found"):
+        load_gguf(tmp_path / "missing.gguf")
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.999, 0.01])
+def test_truncated_file(llama_gguf: tuple[Any, Path], tmp_path: Path, keep: float) -> None:
+    _, path = llama_gguf
+    data = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: int(len(data) * keep)])
+    with pytest.raises(CheckpointError, match=r"cut\.gguf.*truncated"):
+        load_gguf(cut)
+
+
+def test_unsupported_architecture(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "falcon.gguf", tiny_model("llama"), "falcon")
+    with pytest.raises(CheckpointError, match="architecture 'falcon'.*supported: llama"):
+        load_gguf(path)
+
+
+def test_unsupported_tensor_type(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "iq.gguf", tiny_model("llama"), "llama",
+                      quant={"blk.1.ffn_up.weight": "IQ4_NL"})
+    with pytest.raises(CheckpointError, match="'blk.1.ffn_up.weight'.*type IQ4_NL"):
+        load_gguf(path)
+
+
+def test_missing_and_unknown_tensors(tmp_path: Path) -> None:
+    model = tiny_model("llama")
+    path = write_gguf(tmp_path / "missing.gguf", model, "llama", skip=("blk.1.ffn_norm.weight",))
+    with pytest.raises(CheckpointError, match="lacks tensors: model.layers.1.post_attention"):
+        load_gguf(path)
+    path = write_gguf(tmp_path / "extra.gguf", model, "llama",
+                      extra={"blk.0.attn_gate.weight": np.zeros((4, 64))})
+    with pytest.raises(CheckpointError, match="'blk.0.attn_gate.weight'.*does not use"):
+        load_gguf(path)
+
+
+# ---------------------------------------------------------------- the real model
+
+
+def _real_model() -> Path:
+    from kvpage.model.real_models import find_or_fetch_smollm2, find_smollm2
+
+    if os.environ.get("KVPAGE_REAL_MODEL") == "1":
+        return find_or_fetch_smollm2()
+    found = find_smollm2()
+    if found is None:
+        pytest.skip("SmolLM2 GGUF not fetched (set KVPAGE_REAL_MODEL=1 to fetch it)")
+    return found
+
+
+def test_real_smollm2_greedy_matches_transformers() -> None:
+    import torch
+    import transformers
+    from kvpage import LLM, SamplingParams
+
+    path = _real_model()
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, local_files_only=True,
+        dtype=torch.float32,
+    ).eval()
+    reference.generation_config.eos_token_id = None  # 32 tokens, as ignore_eos below
+    llm = LLM(str(path), max_num_seqs=2, max_model_len=256, compilation_cache_dir=None)
+    tokenizer = llm.engine.tokenizer
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        tokenize=False, add_generation_prompt=True,
+    )
+    ids = tokenizer(prompt)["input_ids"]
+    want = hf_greedy(reference, ids, 32)
+    out = llm.generate([{"prompt_token_ids": ids}],
+                       SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True),
+                       use_tqdm=False)
+    assert list(out[0].outputs[0].token_ids) == want, tokenizer.decode(want)
