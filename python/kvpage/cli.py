@@ -1,7 +1,7 @@
 """The ``kvpage`` command: generate, serve, bench, make-tiny-model.
 
-    kvpage generate [MODEL_DIR] --prompt "Hello" [--max-tokens 32]
-    kvpage serve MODEL_DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+    kvpage generate [MODEL_DIR | MODEL.gguf] --prompt "Hello" [--max-tokens 32]
+    kvpage serve MODEL_DIR|MODEL.gguf [--host 127.0.0.1] [--port 8000] [--api-key KEY]
     kvpage make-tiny-model PATH
 
 Engine flags are spelled as vLLM spells them. Without MODEL_DIR, ``generate``
@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
         "model",
         nargs="?",
         default=None,
-        help="HF model directory (default: the tiny model shipped with kvpage)",
+        help="HF model directory or .gguf file (default: the tiny model shipped with kvpage)",
     )
     gen.add_argument("--prompt", action="append", help="a prompt; repeat for several")
     gen.add_argument("--prompts-file", help="a file with one prompt per line")
@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate, max_model_len=None)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    serve.add_argument("model", help="HF model directory")
+    serve.add_argument("model", help="HF model directory or .gguf file")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000, help="port")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
