@@ -269,6 +269,24 @@ impl KvCacheManager {
         Ok(num_found * block_size)
     }
 
+    /// What `match_prefix` would find for `tokens` in a new sequence of
+    /// `salt`, without changing anything: (tokens matched, evictable blocks
+    /// among them, which matching would take from the available ones).
+    pub fn peek_prefix(&self, salt: Option<&str>, tokens: &[u32]) -> (usize, usize) {
+        if !self.enable_prefix_caching {
+            return (0, 0);
+        }
+        let Some(root) = self.cache.find_root(salt) else {
+            return (0, 0);
+        };
+        let (mut matched, mut evictable) = (0, 0);
+        for block in self.cache.walk(root, tokens) {
+            matched += 1;
+            evictable += usize::from(self.cache.is_evictable(block));
+        }
+        (matched * self.block_size(), evictable)
+    }
+
     /// Blocks `allocate_slots(seq, num_new_tokens)` would take from the pool
     /// (new blocks plus a copy-on-write copy), without changing anything.
     pub fn blocks_needed(&self, seq: SeqId, num_new_tokens: usize) -> KvResult<usize> {

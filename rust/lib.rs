@@ -12,6 +12,8 @@ pub mod block_pool;
 pub mod error;
 pub mod kv_cache;
 pub mod prefix_cache;
+#[cfg(test)]
+mod reference_model_tests;
 
 #[cfg(feature = "python")]
 mod python;
@@ -25,6 +27,8 @@ pub use prefix_cache::{PrefixCache, PrefixCacheStats};
 mod kv_cache_tests;
 pub mod request;
 pub mod scheduler;
+#[cfg(test)]
+mod scheduler_regression_tests;
 #[cfg(test)]
 mod scheduler_tests;
 pub mod step_plan;

@@ -304,6 +304,31 @@ impl PrefixCache {
         &self.tokens[start..start + self.block_size]
     }
 
+    /// The root of a salt if it exists (no sequence becomes its user).
+    pub fn find_root(&self, salt: Option<&str>) -> Option<NodeId> {
+        match salt {
+            None => Some(self.unsalted_root()),
+            Some(salt) => self.salted_roots.get(salt).copied(),
+        }
+    }
+
+    /// Cached blocks of the longest cached prefix of `tokens` under `root`,
+    /// without counting a query: the read-only walk of `longest_prefix`.
+    pub fn walk<'a>(
+        &'a self,
+        root: NodeId,
+        tokens: &'a [u32],
+    ) -> impl Iterator<Item = BlockId> + 'a {
+        let mut parent = root;
+        tokens
+            .chunks_exact(self.block_size)
+            .map_while(move |chunk| {
+                let block = self.child(parent, chunk)?;
+                parent = block;
+                Some(block)
+            })
+    }
+
     /// Longest cached prefix of `tokens` (whole blocks only) under `root`:
     /// pushes the blocks to `out`, returns how many. Never changes the tree;
     /// the caller pins the blocks (see `KvCacheManager::match_prefix`).

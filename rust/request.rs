@@ -89,8 +89,9 @@ pub struct Sequence {
     pub forks_pending: u32,
     /// Prompt tokens found in the prefix cache at first admission.
     pub num_cached_tokens: usize,
-    /// Static policy: the batch this sequence belongs to.
-    pub batch: u64,
+    /// Admitted (given KV) at least once: a re-admission after preemption
+    /// must not report its own recomputed blocks as cache hits.
+    pub admitted: bool,
 }
 
 impl Sequence {

@@ -14,16 +14,17 @@
 //! 4. `build_plan`: flatten the scheduled rows into the step plan, fork
 //!    n > 1 requests whose prompt completes, cache newly full blocks.
 //!
-//! The `static` policy is the measurable baseline: fixed batches that start
-//! together and end together; each sequence reserves its maximum length of
-//! KV up front; finished sequences keep their seat (a "ghost" row that
-//! recomputes its last position, as padded static batching does) until the
-//! whole batch is done.
+//! The `static` policy is the measurable baseline (`static_batching.rs`):
+//! fixed batches that start together and end together; each sample reserves
+//! its maximum length of KV up front; finished sequences keep their seat (a
+//! "ghost" row that recomputes its last position, as padded static batching
+//! does) until the whole batch is done.
 //!
 //! Invariants (see `check_invariants`):
 //! - every live sequence is in exactly one of waiting, running or (static)
 //!   the ghost set; running ones hold a page table covering `num_computed`
-//!   tokens, waiting ones hold none and have `num_computed == 0`;
+//!   tokens, waiting ones hold none and have `num_computed == 0` (sizing a
+//!   waiting candidate never attaches KV to it);
 //! - `running` is sorted by (priority, arrival, seq) and never exceeds
 //!   `max_num_seqs`;
 //! - every block is accounted for by the KV manager's invariants, and when
@@ -38,6 +39,9 @@ use crate::error::{KvError, KvResult};
 use crate::kv_cache::{BlockCopy, KvCacheManager};
 use crate::request::{FinishReason, Request, RequestParams, SeqState, Sequence};
 use crate::step_plan::StepPlan;
+
+#[path = "static_batching.rs"]
+mod static_batching;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Policy {
@@ -283,7 +287,7 @@ impl Scheduler {
             state: SeqState::Waiting,
             forks_pending: params.n - 1,
             num_cached_tokens: 0,
-            batch: 0,
+            admitted: false,
         });
         self.requests[index as usize] = Some(Request {
             handle,
@@ -339,10 +343,6 @@ impl Scheduler {
             }
         }
         Ok(())
-    }
-
-    fn static_reservation(&self, prompt_len: usize, params: &RequestParams) -> usize {
-        (prompt_len + params.max_tokens as usize).min(self.config.max_model_len)
     }
 
     fn new_seq(&mut self, seq: Sequence) -> u32 {
@@ -463,20 +463,6 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Static policy: once no seat of the batch is still generating, the
-    /// ghosts' reserved KV goes back and their records are dropped.
-    fn end_static_batch_if_done(&mut self) -> KvResult<()> {
-        if !self.running.is_empty() {
-            return Ok(());
-        }
-        for seq in std::mem::take(&mut self.ghosts) {
-            self.release_kv(seq)?;
-            let request = self.seq(seq).request;
-            self.maybe_release_request(request);
-        }
-        Ok(())
-    }
-
     fn release_kv(&mut self, seq: u32) -> KvResult<()> {
         if let Some(kv) = self.seq_mut(seq).kv.take() {
             self.kv.free_sequence(kv)?;
@@ -536,7 +522,10 @@ impl Scheduler {
     /// Tokens the next chunk of `seq` may take under the budget.
     fn chunk_len(&self, seq: u32, budget: usize) -> usize {
         let s = self.seq(seq);
-        let remaining = s.tokens.len() - s.num_computed;
+        self.chunk_len_from(s.tokens.len() - s.num_computed, budget)
+    }
+
+    fn chunk_len_from(&self, remaining: usize, budget: usize) -> usize {
         let mut len = remaining.min(budget);
         let threshold = self.config.long_prefill_token_threshold;
         if remaining > 1 && threshold > 0 {
@@ -599,19 +588,36 @@ impl Scheduler {
         } else {
             0
         };
-        let first_admission = self.seq(seq).sample_index == 0
-            && self.seq(seq).tokens.len() == self.request_of(seq).prompt_len;
         let s = self.seq_mut(seq);
         s.kv = Some(kv);
         s.num_computed = matched;
-        if first_admission {
+        if !s.admitted {
             s.num_cached_tokens = matched;
         }
         Ok(())
     }
 
+    /// Detach the KV of a candidate that was not admitted after all; it
+    /// stays a first admission.
     fn detach_kv(&mut self, seq: u32) -> KvResult<()> {
         self.release_kv(seq)
+    }
+
+    /// Blocks admitting waiting `seq` would take from what is available
+    /// now: its first chunk beyond the cached prefix, plus the evictable
+    /// cached blocks that prefix would pin. Changes nothing.
+    fn admission_blocks(&self, seq: u32) -> usize {
+        let s = self.seq(seq);
+        let salt = self.request_of(seq).salt.as_deref();
+        let reusable = &s.tokens[..s.tokens.len() - 1];
+        let (matched, pinned_evictable) = if self.config.enable_prefix_caching {
+            self.kv.peek_prefix(salt, reusable)
+        } else {
+            (0, 0)
+        };
+        let len = self.chunk_len_from(s.tokens.len() - matched, self.config.max_num_batched_tokens);
+        let bs = self.config.block_size;
+        (matched + len).div_ceil(bs) - matched / bs + pinned_evictable
     }
 
     /// Seats a waiting sequence takes once running: itself plus the samples
@@ -644,7 +650,9 @@ impl Scheduler {
                 Ok(()) => {
                     let start = self.seq(seq).num_computed;
                     self.waiting.remove(&key);
-                    self.seq_mut(seq).state = SeqState::Running;
+                    let s = self.seq_mut(seq);
+                    s.state = SeqState::Running;
+                    s.admitted = true;
                     self.insert_running(seq);
                     self.scheduled.push(Scheduled {
                         seq,
@@ -679,10 +687,7 @@ impl Scheduler {
             }
             let seats_full = self.occupied_seats() + self.seats(best.2) > self.config.max_num_seqs;
             let memory_short = !seats_full && {
-                self.attach_kv(best.2)?;
-                let len = self.chunk_len(best.2, self.config.max_num_batched_tokens);
-                let kv = self.seq(best.2).kv.expect("attached");
-                let wanted = self.kv.blocks_needed(kv, len)?;
+                let wanted = self.admission_blocks(best.2);
                 let mut growth = 0;
                 for &seq in &self.running {
                     let s = self.seq(seq);
@@ -733,71 +738,6 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Static batching: when the previous batch is completely done, seat a
-    /// new batch, each sequence reserving its maximum length of KV up front;
-    /// then every seat runs, finished ones as ghosts.
-    fn schedule_static(&mut self) -> KvResult<()> {
-        if self.running.is_empty() {
-            while let Some(&key) = self.waiting.first() {
-                let seq = key.2;
-                if self.occupied_seats() + self.seats(seq) > self.config.max_num_seqs {
-                    break;
-                }
-                let reserve = {
-                    let request = self.request_of(seq);
-                    self.static_reservation(request.prompt_len, &request.params)
-                };
-                let salt = self.request_of(seq).salt.clone();
-                let kv = self.kv.create_sequence(salt.as_deref());
-                if self
-                    .kv
-                    .allocate_slots(kv, reserve, &mut self.copies)
-                    .is_err()
-                {
-                    self.kv.free_sequence(kv)?;
-                    break;
-                }
-                self.waiting.remove(&key);
-                let s = self.seq_mut(seq);
-                s.kv = Some(kv);
-                s.num_computed = 0;
-                s.state = SeqState::Running;
-                self.running.push(seq);
-                self.pending_fork_seats += self.seq(seq).forks_pending as usize;
-            }
-        }
-        // The batch shares the step's token budget: long prompts prefill
-        // over several steps (in chunks), as the continuous policy's do.
-        let mut budget = self.config.max_num_batched_tokens;
-        for &seq in &self.running {
-            let s = self.seq(seq);
-            let len = (s.tokens.len() - s.num_computed).min(budget);
-            if len > 0 {
-                budget -= len;
-                self.scheduled.push(Scheduled {
-                    seq,
-                    start: s.num_computed,
-                    len,
-                    ghost: false,
-                });
-            }
-        }
-        for &seq in &self.ghosts {
-            if budget == 0 {
-                break;
-            }
-            budget -= 1;
-            let start = self.seq(seq).num_computed - 1;
-            self.scheduled.push(Scheduled {
-                seq,
-                start,
-                len: 1,
-                ghost: true,
-            });
-        }
-        Ok(())
-    }
-
     fn build_plan(&mut self) -> KvResult<()> {
         let scratch_block = self.config.num_blocks as i32;
         let scratch_slot = scratch_block * self.config.block_size as i32;
@@ -831,6 +771,7 @@ impl Scheduler {
             seq.num_computed = row.start + row.len;
             let done = seq.num_computed == seq.tokens.len();
             let kv = seq.kv.expect("scheduled");
+            self.kv.record_written(kv, row.start, seq.num_computed)?;
             if self.config.enable_prefix_caching && row.start / bs != seq.num_computed / bs {
                 self.kv.cache_blocks(kv, &seq.tokens[..seq.num_computed])?;
             }
@@ -924,7 +865,7 @@ impl Scheduler {
             state: SeqState::Running,
             forks_pending: 0,
             num_cached_tokens: p.num_cached_tokens,
-            batch: p.batch,
+            admitted: true,
         };
         let child = self.new_seq(child);
         self.requests[request as usize]
@@ -1049,22 +990,15 @@ impl Scheduler {
         Some(self.seq(request.seqs[0]).num_cached_tokens)
     }
 
-    /// KV slots reserved by live sequences (distinct blocks x block size)
-    /// and the slots holding computed tokens; a block shared by several
-    /// sequences counts once. O(total table length): for stats, not steps.
+    /// KV slots reserved by live sequences (blocks in use x block size)
+    /// and the slots of those blocks holding computed tokens (scheduled in
+    /// an issued step); a block shared by several sequences counts once.
+    /// O(1): both are counters the KV manager maintains.
     pub fn kv_slot_usage(&self) -> (usize, usize) {
-        let bs = self.config.block_size;
-        let mut filled: FxHashMap<u32, usize> = FxHashMap::default();
-        for seq in self.seqs.iter().flatten() {
-            let Some(kv) = seq.kv else { continue };
-            let table = self.kv.block_table(kv).unwrap_or(&[]);
-            for (i, &block) in table.iter().enumerate() {
-                let in_block = seq.num_computed.saturating_sub(i * bs).min(bs);
-                let entry = filled.entry(block).or_insert(0);
-                *entry = (*entry).max(in_block);
-            }
-        }
-        (filled.len() * bs, filled.values().sum())
+        (
+            self.kv.num_referenced_blocks() * self.config.block_size,
+            self.kv.num_written_slots(),
+        )
     }
 
     /// Full consistency check of the scheduler and the KV manager.
@@ -1107,6 +1041,9 @@ impl Scheduler {
                 SeqState::Waiting => {
                     if !in_waiting || in_running || in_ghosts {
                         return fail(format!("waiting sequence {index} is misplaced"));
+                    }
+                    if seq.kv.is_some() || seq.num_computed != 0 {
+                        return fail(format!("waiting sequence {index} holds KV"));
                     }
                 }
                 SeqState::Running => {
