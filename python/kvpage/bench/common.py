@@ -147,24 +147,20 @@ class LoadedModel:
 
 def load(model: str | None, random_weights: str | None = None, dtype: str = "auto",
          seed: int = 0) -> LoadedModel:
-    """Load ``model`` (default: the tiny model) or random weights at the shape
-    named by ``random_weights`` (no tokenizer then: prompts are token ids)."""
+    """Load ``model`` (an HF directory or a .gguf file; default: the tiny model) or
+    random weights at the shape named by ``random_weights`` (no tokenizer then:
+    prompts are token ids)."""
     if random_weights:
         from kvpage.model.loader import random_params
 
         config = random_weights_config(random_weights)
         params = random_params(config, seed=seed, dtype=dtype)
         return LoadedModel(config, params, None, None, f"random weights: {random_weights}")
-    from kvpage.engine import load_tokenizer
-    from kvpage.model.loader import load_model
+    from kvpage.engine import load_model_and_tokenizer
 
-    model_dir = Path(model or default_model_dir())
-    config, params = load_model(model_dir, dtype=dtype)
-    has_tokenizer = (model_dir / "tokenizer_config.json").is_file() or (
-        model_dir / "tokenizer.json"
-    ).is_file()
-    tokenizer = load_tokenizer(model_dir) if has_tokenizer else None
-    return LoadedModel(config, params, tokenizer, model_dir, str(model_dir))
+    source = model or default_model_dir()
+    config, params, tokenizer, model_dir = load_model_and_tokenizer(source, dtype=dtype)
+    return LoadedModel(config, params, tokenizer, model_dir, str(source))
 
 
 def build_engine(loaded: LoadedModel, config: EngineConfig, warmup: bool = True) -> LLMEngine:

@@ -4,6 +4,8 @@
 * :mod:`~kvpage.model.presets`  -- well-known shapes for random-weight benchmarks.
 * :mod:`~kvpage.model.params`   -- the documented parameter pytree layout.
 * :mod:`~kvpage.model.loader`   -- safetensors loading, random params, in-memory params.
+* :mod:`~kvpage.model.gguf_loader` -- GGUF files: config, dequantized params, tokenizer.
+* :mod:`~kvpage.model.real_models` -- finding or fetching the SmolLM2 GGUF of the benchmarks.
 * :mod:`~kvpage.model.llama`    -- the forward pass over a ragged batch and paged KV.
 * :mod:`~kvpage.model.dense`    -- the same decoder, dense and causal, for training.
 * :mod:`~kvpage.model.attention` -- which paged-attention kernel the forward pass calls.
@@ -15,6 +17,7 @@
 from kvpage.model.attention import AttentionBackend, get_attention_backend
 from kvpage.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeConfig
 from kvpage.model.errors import CheckpointError
+from kvpage.model.gguf_loader import load_gguf, read_gguf_config
 from kvpage.model.llama import AttentionMetadata, compute_logits, forward
 from kvpage.model.loader import (
     load_model,
@@ -38,6 +41,7 @@ __all__ = [
     "compute_logits",
     "forward",
     "get_attention_backend",
+    "load_gguf",
     "load_model",
     "load_params",
     "param_spec",
@@ -45,5 +49,6 @@ __all__ = [
     "params_from_pytree",
     "preset",
     "random_params",
+    "read_gguf_config",
     "validate_params",
 ]
