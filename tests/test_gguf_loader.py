@@ -155,6 +155,30 @@ def test_llm_and_engine_accept_a_gguf_file(llama_gguf: tuple[Any, Path]) -> None
     assert reply[0].prompt.startswith("<|im_start|>user\nhi<|im_end|>")
 
 
+def test_server_chat_on_a_gguf_file(llama_gguf: tuple[Any, Path]) -> None:
+    from fastapi.testclient import TestClient
+    from kvpage.async_engine import AsyncLLMEngine
+    from kvpage.engine_config import EngineConfig
+    from kvpage.server import build_app
+
+    _, path = llama_gguf
+    config = EngineConfig(model=str(path), max_num_seqs=2, max_num_batched_tokens=32,
+                          max_model_len=64, block_size=8, compilation_cache_dir=None)
+    engine = AsyncLLMEngine.from_config(config, model_name="tiny", log_stats=False)
+    try:
+        with TestClient(build_app(engine, served_model_name="tiny")) as client:
+            response = client.post("/v1/chat/completions", json={
+                "model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            })
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert body["usage"]["completion_tokens"] == 4
+        assert isinstance(body["choices"][0]["message"]["content"], str)
+    finally:
+        engine.shutdown(5)
+
+
 # ---------------------------------------------------------------- bad files
 
 

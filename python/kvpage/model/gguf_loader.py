@@ -104,7 +104,8 @@ def _open(path: str | Path) -> Any:
         reader = gguf.GGUFReader(path)
     except (ValueError, IndexError, KeyError, TypeError, OverflowError, UnicodeDecodeError) as exc:
         raise CheckpointError(
-            f"cannot read GGUF file {path} ({size} bytes; truncated or corrupt?): {exc}"
+            f"cannot read GGUF file {path} ({size} bytes; truncated, corrupt, or newer "
+            f"than the installed gguf package?): {exc}"
         ) from None
     for tensor in reader.tensors:
         end = int(tensor.data_offset) + int(tensor.n_bytes)
