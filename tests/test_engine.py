@@ -90,6 +90,40 @@ def test_parallel_samples_share_the_prompt_and_are_seeded(llm: LLM) -> None:
     assert_all_blocks_back(llm.engine)
 
 
+def test_static_policy_samples_match_continuous_ones(tiny_model_dir: Path, llm: LLM) -> None:
+    # Static batching gives every sample its own KV reservation: seeded samples read their
+    # own context and equal those of continuous batching (forks sharing the prompt).
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)
+    static = make_llm(tiny_model_dir, scheduling_policy="static")
+    got = static.generate(PROMPTS[:2], params, use_tqdm=False)
+    want = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in got] == [
+        [c.token_ids for c in o.outputs] for o in want
+    ]
+    assert_all_blocks_back(static.engine)
+
+
+def test_min_tokens_masks_stop_tokens_and_eos_on_the_device(llm: LLM) -> None:
+    prompt = PROMPTS[0]
+    first = tokens(llm.generate([prompt], GREEDY, use_tqdm=False))[0][0]
+    greedy = dict(temperature=0.0, max_tokens=6, ignore_eos=True, stop_token_ids=[first])
+    stopped = llm.generate([prompt], SamplingParams(**greedy), use_tqdm=False)[0].outputs[0]
+    assert stopped.finish_reason == "stop" and len(stopped.token_ids) <= 1
+    held = llm.generate([prompt], SamplingParams(**greedy, min_tokens=3), use_tqdm=False)
+    out = held[0].outputs[0].token_ids
+    assert len(out) >= 3 and first not in out[:3], "a stop token was sampled before min_tokens"
+    # EOS is masked too (unless ignore_eos): leave one token besides EOS unmasked.
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    eos = set(engine.eos_token_ids)
+    free = next(t for t in range(vocab) if t not in eos and t != first)
+    others = [t for t in range(vocab) if t not in eos and t != free]
+    params = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=4, stop_token_ids=others)
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert out[:4] == [free] * 4, out
+    assert_all_blocks_back(engine)
+
+
 def test_abort_frees_every_block(llm: LLM) -> None:
     engine = llm.engine
     engine.add_request("long", PROMPTS[2], SamplingParams(max_tokens=100, ignore_eos=True))

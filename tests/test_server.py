@@ -167,6 +167,18 @@ def test_stop_string_and_min_tokens(served: Served) -> None:
                                     temperature=0, extra_body=NO_EOS, stop=[stop])
     assert out.choices[0].finish_reason == "stop"
     assert stop not in out.choices[0].text and base.startswith(out.choices[0].text)
+    # min_tokens: every ordinary token is a stop token here, so without min_tokens the
+    # first one stops the sample; with min_tokens=3 the device may not sample any of them
+    # (nor EOS) for the first three tokens, and the sample stops only after those.
+    vocab = served.call(lambda e: e.model_config.vocab_size)
+    special = set(range(4)) | set(served.call(lambda e: e.eos_token_ids))
+    stop_ids = [t for t in range(vocab) if t not in special]
+    args = dict(model=MODEL, prompt="The sea and the", max_tokens=8, temperature=0)
+    free = client.completions.create(**args, extra_body={"stop_token_ids": stop_ids})
+    assert free.usage.completion_tokens == 1 and free.choices[0].finish_reason == "stop"
+    held = client.completions.create(**args, extra_body={"stop_token_ids": stop_ids,
+                                                         "min_tokens": 3})
+    assert held.usage.completion_tokens > 3, "a stop token was sampled before min_tokens"
 
 
 def test_cached_tokens_on_repeated_prompt(served: Served) -> None:

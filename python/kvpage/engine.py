@@ -516,7 +516,7 @@ class LLMEngine:
         slot = self._free_slots.pop()
         self._slot_owner[(handle, index)] = slot
         sample.slot = slot
-        device_params = request.params.device_params()
+        device_params = request.params.device_params(self.eos_token_ids)
         if device_params.seed is not None and index > 0:
             # Seeded samples of one request differ from each other but replay exactly.
             device_params.seed = (device_params.seed * 0x9E3779B97F4A7C15 + index) % (1 << 63)

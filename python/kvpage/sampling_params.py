@@ -8,6 +8,7 @@ device sampler's knobs (``kvpage.runner.sampling_params``).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvpage.runner.sampling_params import SamplingParams as DeviceSamplingParams
@@ -137,8 +138,15 @@ class SamplingParams:
             or self.repetition_penalty != 1
         )
 
-    def device_params(self) -> DeviceSamplingParams:
-        """The knobs the device sampler needs for this request."""
+    def device_params(self, eos_token_ids: Sequence[int] = ()) -> DeviceSamplingParams:
+        """The knobs the device sampler needs for this request. Before ``min_tokens``
+        tokens, the device masks the stop tokens: ``stop_token_ids`` and, unless
+        ``ignore_eos``, ``eos_token_ids``."""
+        stop: set[int] = set()
+        if self.min_tokens > 0:
+            stop.update(self.stop_token_ids)
+            if not self.ignore_eos:
+                stop.update(eos_token_ids)
         return DeviceSamplingParams(
             temperature=self.temperature,
             top_k=self.top_k,
@@ -149,4 +157,6 @@ class SamplingParams:
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logprobs=self.logprobs,
+            min_tokens=self.min_tokens,
+            stop_token_ids=tuple(sorted(stop)),
         )

@@ -67,6 +67,7 @@ from kvpage.runner.sampling_table import (
     init_sampling_table,
     params_to_rows,
     record_sampled,
+    stop_mask_row,
     write_slot,
 )
 from kvpage.runner.step_inputs import PackedLayout, PaddingValues
@@ -401,8 +402,9 @@ class ModelRunner:
                 jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep),
                 ids,
                 ids,
+                jax.ShapeDtypeStruct((self.config.vocab_size,), jnp.bool_, sharding=rep),
             )
-            lowered = self._jit(write_slot, (0,), args, (table,) + (rep,) * 6, table)
+            lowered = self._jit(write_slot, (0,), args, (table,) + (rep,) * 7, table)
             self._write_slot_executable = lowered.compile()
             self._num_compilations += 1
         return self._write_slot_executable
@@ -497,6 +499,7 @@ class ModelRunner:
             host(seed),
             host(prompt_buf),
             host(output_buf),
+            host(stop_mask_row(params, self.config.vocab_size)),
         )
         self._slot_logprobs[slot] = params.logprobs or 0
 

@@ -6,6 +6,9 @@ function serves any mix of greedy and random rows and any parameter values:
 1. raw log-probabilities (``log_softmax`` of the model logits) -- what logprobs report;
 2. penalties (vLLM semantics): repetition over prompt + output tokens, then frequency and
    presence over output tokens;
+2b. min_tokens (vLLM semantics): while a row has generated fewer than ``min_tokens`` tokens,
+   its stop tokens (EOS unless ``ignore_eos``, and ``stop_token_ids``) are masked, so
+   neither greedy nor random sampling can pick them;
 3. greedy rows (temperature 0) take the argmax of the penalised logits;
 4. other rows: divide by temperature, apply min-p, then top-k and top-p, then draw with the
    Gumbel-max trick using a per-row key. A seeded row's key depends only on
@@ -40,6 +43,8 @@ class SamplingInputs(NamedTuple):
     step: jax.Array  # i32: index of the token being generated within its request
     output_counts: jax.Array | None  # i32 [N, V]: occurrences in the generated output
     prompt_mask: jax.Array | None  # bool [N, V]: token appears in the prompt
+    min_tokens: jax.Array | None = None  # i32: stop tokens are masked while step < min_tokens
+    stop_mask: jax.Array | None = None  # bool [N, V]: the row's stop tokens
 
 
 class SamplerOutput(NamedTuple):
@@ -65,6 +70,14 @@ def apply_penalties(
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     logits = logits - frequency_penalty[:, None] * output_counts.astype(logits.dtype)
     return logits - presence_penalty[:, None] * generated.astype(logits.dtype)
+
+
+def apply_min_tokens(
+    logits: jax.Array, step: jax.Array, min_tokens: jax.Array, stop_mask: jax.Array
+) -> jax.Array:
+    """Mask each row's stop tokens while it has generated fewer than ``min_tokens``."""
+    suppress = (step < min_tokens)[:, None] & stop_mask
+    return jnp.where(suppress, -jnp.inf, logits)
 
 
 def apply_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
@@ -171,6 +184,13 @@ def sample(
                 inputs.frequency_penalty,
                 inputs.repetition_penalty,
             ),
+            lambda x: x,
+            logits,
+        )
+    if inputs.min_tokens is not None and inputs.stop_mask is not None:
+        logits = jax.lax.cond(
+            jnp.any(inputs.step < inputs.min_tokens),
+            lambda x: apply_min_tokens(x, inputs.step, inputs.min_tokens, inputs.stop_mask),
             lambda x: x,
             logits,
         )

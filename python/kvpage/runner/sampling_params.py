@@ -30,6 +30,9 @@ class SamplingParams:
     * ``logprobs``: None = no top list; ``n`` = also return the ``n`` most likely tokens
       with their log-probabilities. The sampled token's log-probability is always returned.
       Log-probabilities are those of the raw model logits (before penalties/temperature).
+    * ``min_tokens`` / ``stop_token_ids``: while fewer than ``min_tokens`` tokens have been
+      generated, the tokens in ``stop_token_ids`` (the caller includes EOS unless it ignores
+      it) cannot be sampled.
     """
 
     temperature: float = 1.0
@@ -41,6 +44,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -61,6 +66,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
 
     @property
     def greedy(self) -> bool:

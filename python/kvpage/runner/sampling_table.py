@@ -2,8 +2,9 @@
 
 This file owns :class:`SamplingTable`: one row per request slot (``max_num_seqs`` of them,
 plus a dummy last row that padded sample rows point at) holding the request's sampling
-parameters, the index of its next generated token (for seeded keys) and -- when penalties
-are enabled -- its output token counts and prompt-token mask over the vocabulary.
+parameters, the index of its next generated token (for seeded keys and min_tokens), its
+stop-token mask over the vocabulary (masked until min_tokens) and -- when penalties are
+enabled -- its output token counts and prompt-token mask over the vocabulary.
 
 Because the table lives on device and is indexed by ``plan.sample_rows`` inside the
 jitted step, a step sends no per-row sampling data from the host, and updating a row
@@ -25,16 +26,17 @@ from kvpage.runner.sampling_params import SamplingParams
 TEMPERATURE, TOP_P, MIN_P, PRESENCE, FREQUENCY, REPETITION = range(6)
 NUM_FLOAT_COLUMNS = 6
 # Columns of SamplingTable.ints
-TOP_K, HAS_SEED, STEP = range(3)
-NUM_INT_COLUMNS = 3
+TOP_K, HAS_SEED, STEP, MIN_TOKENS = range(4)
+NUM_INT_COLUMNS = 4
 
 
 class SamplingTable(NamedTuple):
     floats: jax.Array  # f32 [R + 1, 6]
-    ints: jax.Array  # i32 [R + 1, 3]
+    ints: jax.Array  # i32 [R + 1, 4]
     seeds: jax.Array  # u32 [R + 1, 2]: low and high words of each request's seed
     output_counts: jax.Array | None  # i32 [R + 1, V]
     prompt_mask: jax.Array | None  # bool [R + 1, V]
+    stop_mask: jax.Array  # bool [R + 1, V]: stop tokens, masked while STEP < MIN_TOKENS
 
 
 def params_to_rows(
@@ -52,9 +54,20 @@ def params_to_rows(
     ints[TOP_K] = max(params.top_k, 0)
     ints[HAS_SEED] = params.seed is not None
     ints[STEP] = num_generated
+    ints[MIN_TOKENS] = params.min_tokens
     seed_value = params.seed or 0
     seed = np.asarray([seed_value & 0xFFFFFFFF, (seed_value >> 32) & 0xFFFFFFFF], np.uint32)
     return floats, ints, seed
+
+
+def stop_mask_row(params: SamplingParams, vocab_size: int) -> np.ndarray:
+    """The ``bool [vocab]`` stop-token row :func:`write_slot` stores for ``params`` (empty
+    when ``min_tokens`` is 0: nothing is ever masked then)."""
+    row = np.zeros(vocab_size, np.bool_)
+    if params.min_tokens > 0:
+        ids = np.asarray(params.stop_token_ids, np.int64)
+        row[ids[(ids >= 0) & (ids < vocab_size)]] = True
+    return row
 
 
 def init_sampling_table(
@@ -69,6 +82,7 @@ def init_sampling_table(
         seeds=jnp.tile(jnp.asarray(seed), (rows, 1)),
         output_counts=jnp.zeros((rows, vocab_size), jnp.int32) if enable_penalties else None,
         prompt_mask=jnp.zeros((rows, vocab_size), jnp.bool_) if enable_penalties else None,
+        stop_mask=jnp.zeros((rows, vocab_size), jnp.bool_),
     )
     return jax.device_put(table, device) if device is not None else table
 
@@ -81,12 +95,15 @@ def write_slot(
     seed: jax.Array,
     prompt_ids: jax.Array,
     output_ids: jax.Array,
+    stop_mask: jax.Array,
 ) -> SamplingTable:
-    """Replace row ``slot``; token histories come as fixed-length id arrays padded with -1."""
+    """Replace row ``slot``; token histories come as fixed-length id arrays padded with -1,
+    the stop tokens as a ``bool [vocab]`` row (:func:`stop_mask_row`)."""
     new = table._replace(
         floats=table.floats.at[slot].set(floats),
         ints=table.ints.at[slot].set(ints),
         seeds=table.seeds.at[slot].set(seed),
+        stop_mask=table.stop_mask.at[slot].set(stop_mask),
     )
     if table.output_counts is None or table.prompt_mask is None:
         return new
@@ -118,6 +135,8 @@ def gather_inputs(table: SamplingTable, rows: jax.Array) -> SamplingInputs:
         step=ints[:, STEP],
         output_counts=None if table.output_counts is None else table.output_counts[rows],
         prompt_mask=None if table.prompt_mask is None else table.prompt_mask[rows],
+        min_tokens=ints[:, MIN_TOKENS],
+        stop_mask=table.stop_mask[rows],
     )
 
 
