@@ -1,10 +1,25 @@
-"""Shared fixtures: a tiny random Llama HF directory built once per session."""
+"""Shared fixtures: a tiny random Llama HF directory built once per session, and a
+hermetic JAX compilation cache (a session temp dir, never the user's home)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
+import jax
 import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def hermetic_compilation_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Point JAX's persistent compilation cache at a session temp dir. The engine only
+    sets its default (``EngineConfig.compilation_cache_dir``, under ``~``) when none is
+    configured, so no test writes compiled executables into the user's home."""
+    previous = jax.config.jax_compilation_cache_dir
+    cache_dir = tmp_path_factory.mktemp("xla-compilation-cache")
+    jax.config.update("jax_compilation_cache_dir", str(cache_dir))
+    yield cache_dir
+    jax.config.update("jax_compilation_cache_dir", previous)
 
 
 @pytest.fixture(scope="session")

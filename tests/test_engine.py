@@ -124,6 +124,14 @@ def test_min_tokens_masks_stop_tokens_and_eos_on_the_device(llm: LLM) -> None:
     assert_all_blocks_back(engine)
 
 
+def test_compilation_cache_stays_out_of_the_home_directory(
+    llm: LLM, hermetic_compilation_cache: Path
+) -> None:
+    cache = Path(jax.config.jax_compilation_cache_dir).resolve()
+    assert cache == hermetic_compilation_cache.resolve()
+    assert not cache.is_relative_to(Path("~/.cache/kvpage").expanduser().resolve())
+
+
 def test_abort_frees_every_block(llm: LLM) -> None:
     engine = llm.engine
     engine.add_request("long", PROMPTS[2], SamplingParams(max_tokens=100, ignore_eos=True))

@@ -509,14 +509,24 @@ def mixed_case() -> Case:
     return make_case(10, [3, 1], [11, 8], num_kv_heads=1, group=4, head_dim=64, block_size=8)
 
 
-def test_dispatch_reference_backend_is_the_reference(mixed_case: Case) -> None:
+def test_dispatch_reference_backend_is_the_reference(
+    mixed_case: Case, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Checked against the independent float64 attention, not against the function the
+    # dispatcher calls; and no other kernel may serve the "reference" route.
+    def not_this_one(*args: object, **kwargs: object) -> None:
+        raise AssertionError("backend='reference' ran another kernel")
+
+    for name in ("ragged_paged_attention", "paged_decode_attention", "xla_paged_attention"):
+        if hasattr(dispatch, name):
+            monkeypatch.setattr(dispatch, name, not_this_one)
     out = pallas_kernels.paged_attention(*mixed_case.args, sm_scale=0.2, backend="reference")
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(_reference(mixed_case, 0.2)))
+    assert_close(out, naive_attention(mixed_case, 0.2), F32_TOL)
 
 
 def test_dispatch_default_backend_follows_platform(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(dispatch, "on_gpu", lambda: False)
-    assert dispatch.resolve_backend(None) == "reference"
+    assert dispatch.resolve_backend(None) == "xla"
     monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
     assert dispatch.resolve_backend(None) == "pallas"
     assert dispatch.resolve_backend("reference") == "reference"
@@ -533,8 +543,9 @@ def _spy(calls: list[tuple[str, dict]], name: str) -> Callable[..., str]:
 @pytest.mark.parametrize(
     ("backend", "gpu", "decode_only", "expected", "interpret"),
     [
-        (None, False, False, "reference", None),
-        (None, False, True, "reference", None),
+        (None, False, False, "xla", None),
+        (None, False, True, "xla", None),
+        ("xla", True, True, "xla", None),
         (None, True, False, "ragged", False),
         (None, True, True, "decode", False),
         ("pallas", False, False, "ragged", True),
@@ -556,6 +567,7 @@ def test_dispatch_routes(
     monkeypatch.setattr(dispatch, "ragged_paged_attention", _spy(calls, "ragged"))
     monkeypatch.setattr(dispatch, "paged_decode_attention", _spy(calls, "decode"))
     monkeypatch.setattr(dispatch, "ragged_paged_attention_reference", _spy(calls, "reference"))
+    monkeypatch.setattr(dispatch, "xla_paged_attention", _spy(calls, "xla"))
     result = dispatch.paged_attention(
         *mixed_case.args, sm_scale=0.5, backend=backend, decode_only=decode_only
     )

@@ -10,17 +10,23 @@ from kvpage.model import get_attention_backend, load_model
 from kvpage.runner import ModelRunner
 from model_fixtures import build_hf_model, generate, hf_greedy, save_hf_model
 
-import pallas_kernels
-
-pytestmark = pytest.mark.skipif(
-    not hasattr(pallas_kernels, "paged_attention"), reason="pallas_kernels has no dispatcher"
-)
+from pallas_kernels import dispatch
 
 
-def test_backend_resolution() -> None:
-    assert get_attention_backend(None).name in ("reference", "pallas")
-    assert get_attention_backend("reference").decode_specialized is False
-    assert get_attention_backend("pallas").decode_specialized is True
+def test_backend_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The default follows the platform: the Pallas kernels (with their decode kernel) on
+    # GPU, never the slow interpreted Pallas kernels elsewhere.
+    monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+    on_gpu = get_attention_backend(None)
+    assert (on_gpu.name, on_gpu.decode_specialized) == ("pallas", True)
+    monkeypatch.setattr(dispatch, "on_gpu", lambda: False)
+    off_gpu = get_attention_backend(None)
+    assert off_gpu.name != "pallas" and not off_gpu.decode_specialized
+    # Explicit names are honoured on any platform.
+    reference = get_attention_backend("reference")
+    assert (reference.name, reference.decode_specialized) == ("reference", False)
+    pallas = get_attention_backend("pallas")
+    assert (pallas.name, pallas.decode_specialized) == ("pallas", True)
     with pytest.raises(ValueError, match="nope"):
         get_attention_backend("nope")
 
