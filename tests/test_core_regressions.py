@@ -119,3 +119,24 @@ def test_slot_usage_stats_are_counters() -> None:
     stats = sched.stats()
     assert (stats["kv_slots_reserved"], stats["kv_slots_used"]) == (16, 10)
     _run_to_end(sched)
+
+
+def test_invalid_call_orders_are_typed_errors_and_the_scheduler_stays_usable() -> None:
+    sched = Scheduler(32, block_size=4, max_model_len=64, scheduling_policy="static")
+    handle = sched.add_request([1, 2, 3], n=2, max_tokens=3, ignore_eos=True)
+    with pytest.raises(ValueError, match="without a scheduled step"):
+        sched.update(np.array([1], np.int64))
+    plan = sched.schedule()
+    with pytest.raises(ValueError, match="twice"):
+        sched.schedule()
+    with pytest.raises(ValueError, match="sampled"):
+        sched.update(np.ones(plan.num_sampled + 1, np.int64))
+    with pytest.raises(ValueError, match="no sample 5"):
+        sched.finish_sample(handle, 5, "stop")
+    with pytest.raises(ValueError, match="finish reason"):
+        sched.finish_request(handle, "bogus")
+    assert sched.finish_sample(handle, 1, "stop")  # between schedule and update
+    sched.update(np.full(plan.num_sampled, 7, np.int64))
+    sched.check_invariants()
+    assert not sched.abort_request(handle + (1 << 40))
+    _run_to_end(sched)
