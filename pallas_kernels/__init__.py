@@ -6,6 +6,8 @@ each attending causally to its own paged KV (``kv_lens``, ``block_tables``).
 
 * ``ragged_paged_attention.py``: the general Pallas kernel (prefill + decode).
 * ``paged_decode_attention.py``: split-K Pallas kernel for pure-decode steps.
+* ``xla_paged_attention.py``: flash attention in plain XLA, work and scratch
+  following the live KV lengths (the default off-GPU).
 * ``dispatch.py``: :func:`paged_attention`, which picks the backend.
 """
 
@@ -16,6 +18,7 @@ from pallas_kernels.reference import (
     ragged_paged_attention_reference,
     write_kv_pages,
 )
+from pallas_kernels.xla_paged_attention import xla_paged_attention
 
 __all__ = [
     "BACKENDS",
@@ -25,4 +28,5 @@ __all__ = [
     "ragged_paged_attention_reference",
     "resolve_backend",
     "write_kv_pages",
+    "xla_paged_attention",
 ]

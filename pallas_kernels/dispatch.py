@@ -4,11 +4,14 @@ Owns :func:`paged_attention`, the one entry point model code calls. It picks
 between the pure-jnp reference (``reference.py``) and the Pallas kernels
 (``ragged_paged_attention.py``, ``paged_decode_attention.py``):
 
-* ``backend="reference"``: the jnp reference, on any platform.
+* ``backend="reference"``: the jnp reference (the contract; its work follows the
+  padded table width, so it is for tests), on any platform.
+* ``backend="xla"``: flash attention in plain XLA with live-length loops
+  (``xla_paged_attention.py``); the default off-GPU.
 * ``backend="pallas"``: the Pallas kernels; compiled through Triton on GPU,
   run by the Pallas interpreter (``interpret=True``) anywhere else, which is
   exact but slow - meant for tests.
-* ``backend=None``: the Pallas kernels on GPU, the reference elsewhere.
+* ``backend=None``: the Pallas kernels on GPU, ``"xla"`` elsewhere.
 
 ``decode_only=True`` is the caller's promise that every live row has
 ``q_len == 1``; with the Pallas backend it routes to the split-K decode
@@ -24,14 +27,15 @@ from pallas_kernels._compat import on_gpu
 from pallas_kernels.paged_decode_attention import paged_decode_attention
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.reference import ragged_paged_attention_reference
+from pallas_kernels.xla_paged_attention import xla_paged_attention
 
-BACKENDS = ("reference", "pallas")
+BACKENDS = ("reference", "xla", "pallas")
 
 
 def resolve_backend(backend: str | None) -> str:
     """Concrete backend name for ``backend`` on this platform."""
     if backend is None:
-        return "pallas" if on_gpu() else "reference"
+        return "pallas" if on_gpu() else "xla"
     if backend not in BACKENDS:
         raise ValueError(
             f"unknown paged-attention backend {backend!r}; "
@@ -55,8 +59,11 @@ def paged_attention(
 ) -> jax.Array:
     """Ragged paged attention (contract: ``reference.py``) on the chosen backend."""
     args = (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
-    if resolve_backend(backend) == "reference":
+    resolved = resolve_backend(backend)
+    if resolved == "reference":
         return ragged_paged_attention_reference(*args, sm_scale=sm_scale)
+    if resolved == "xla":
+        return xla_paged_attention(*args, sm_scale=sm_scale, decode_only=decode_only)
     interpret = not on_gpu()
     if decode_only:
         return paged_decode_attention(*args, sm_scale=sm_scale, interpret=interpret)

@@ -585,7 +585,7 @@ def test_dispatch_pallas_runs_the_kernels(mixed_case: Case) -> None:
 
 @pytest.mark.parametrize("backend", ["triton", "Pallas", "", "gpu"])
 def test_dispatch_unknown_backend_raises(mixed_case: Case, backend: str) -> None:
-    with pytest.raises(ValueError, match="'reference', 'pallas'"):
+    with pytest.raises(ValueError, match="'reference', 'xla', 'pallas'"):
         pallas_kernels.paged_attention(*mixed_case.args, sm_scale=0.2, backend=backend)
 
 

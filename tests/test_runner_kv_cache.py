@@ -16,7 +16,8 @@ from kvpage.runner import (
     ModelRunner,
     StepPlan,
     allocate_kv_cache,
-    num_blocks_for_memory,
+    decide_num_blocks,
+    kv_cache_sizing,
 )
 from kvpage.runner.buckets import pick_bucket, power_of_two_buckets
 from kvpage.runner.kv_cache import copy_blocks
@@ -35,6 +36,8 @@ def test_spec_shapes_and_bytes() -> None:
 
 
 class FakeDevice:
+    platform = "gpu"
+
     def __init__(self, stats: dict[str, int] | None) -> None:
         self.stats = stats
 
@@ -42,18 +45,55 @@ class FakeDevice:
         return self.stats
 
 
-def test_num_blocks_from_memory_fraction() -> None:
-    gib = 1 << 30
-    device: Any = FakeDevice({"bytes_limit": 80 * gib, "bytes_in_use": 16 * gib})
-    per_block = KVCacheSpec.for_model(LLAMA_8B, 16, 1).bytes_per_block
-    blocks = num_blocks_for_memory(LLAMA_8B, 16, 0.9, device=device)
-    assert blocks == (int(80 * gib * 0.9) - 16 * gib) // per_block - 1
-    fewer = num_blocks_for_memory(LLAMA_8B, 16, 0.9, device=device, reserved_bytes=4 * gib)
-    assert fewer < blocks
-    with pytest.raises(ValueError, match="no room"):
-        num_blocks_for_memory(LLAMA_8B, 16, 0.1, device=device)
-    with pytest.raises(ValueError, match="num_blocks"):
-        num_blocks_for_memory(LLAMA_8B, 16, 0.9, device=FakeDevice(None))  # type: ignore[arg-type]
+GIB = 1 << 30
+PER_BLOCK = KVCacheSpec.for_model(LLAMA_8B, 16, 1).bytes_per_block
+
+
+def _decide(**kwargs: Any) -> Any:
+    args: dict[str, Any] = dict(
+        bytes_per_block=PER_BLOCK,
+        block_size=16,
+        max_model_len=8192,
+        max_num_seqs=256,
+        max_num_batched_tokens=2048,
+        itemsize=2,
+    )
+    return decide_num_blocks(LLAMA_8B, **(args | kwargs))
+
+
+def test_gpu_pool_from_memory_utilization_after_params_and_activations() -> None:
+    device: Any = FakeDevice({"bytes_limit": 80 * GIB, "bytes_in_use": 16 * GIB})
+    decision = _decide(memory_utilization=0.9, device=device)
+    activations = kv_cache_sizing.step_activation_bytes(LLAMA_8B, 2048, 256, 2)
+    assert 0 < activations < 8 * GIB
+    expected = (int(80 * GIB * 0.9) - 16 * GIB - activations) // PER_BLOCK - 1
+    assert decision.num_blocks == expected
+    assert "device memory" in decision.reason
+    with pytest.raises(ValueError, match="cannot hold one max_model_len=8192"):
+        _decide(memory_utilization=0.25, device=device)
+
+
+def test_cpu_pool_is_a_safe_share_of_available_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu: Any = type("Cpu", (), {"platform": "cpu"})()
+    monkeypatch.setattr(kv_cache_sizing, "host_available_bytes", lambda: 24 * GIB)
+    decision = _decide(device=cpu)
+    assert decision.total_bytes <= kv_cache_sizing.CPU_KV_MEMORY_FRACTION * 24 * GIB
+    assert "available host memory" in decision.reason
+    small = _decide(device=cpu, max_num_seqs=2, max_model_len=1024)
+    assert small.num_blocks == 2 * 1024 // 16  # what the configuration can use, no more
+    monkeypatch.setattr(kv_cache_sizing, "host_available_bytes", lambda: 1 * GIB)
+    with pytest.raises(ValueError, match="lower max_model_len"):
+        _decide(device=cpu)
+
+
+def test_explicit_sizes_win_and_are_checked() -> None:
+    assert _decide(num_blocks=600).num_blocks == 600
+    tenth = _decide(kv_cache_memory=10 * PER_BLOCK, max_model_len=64)
+    assert tenth.num_blocks == 9  # minus the scratch block
+    fits = _decide(kv_cache_memory=(8192 // 16 + 1) * PER_BLOCK)
+    assert fits.capacity_tokens == 8192
+    with pytest.raises(ValueError, match="needs 512 blocks"):
+        _decide(kv_cache_memory=100 * PER_BLOCK)
 
 
 def test_allocate_and_copy_blocks() -> None:
@@ -117,7 +157,7 @@ def test_every_step_size_lands_in_a_warmup_bucket() -> None:
         config, {name: np.zeros(shape, np.float32) for name, shape in param_spec(config).items()}
     )
     runner = ModelRunner(
-        config, params, num_blocks=8, block_size=4, max_model_len=64, max_num_seqs=64,
+        config, params, num_blocks=16, block_size=4, max_model_len=64, max_num_seqs=64,
         max_num_batched_tokens=512,
     )
     keys = set(runner.warmup_buckets())

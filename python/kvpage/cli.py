@@ -20,6 +20,20 @@ from kvpage.engine_config import DTYPES, POLICIES, EngineConfig
 DEFAULT_TINY_MODEL = Path.home() / ".cache" / "kvpage" / "tiny-llama"
 
 
+def _byte_size(text: str) -> int:
+    """``"4G"``, ``"512M"``, ``"1.5GiB"`` or plain bytes."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    value = text.strip().upper().removesuffix("IB").removesuffix("B")
+    suffix = value[-1:] if value[-1:] in units and value[-1:] else ""
+    try:
+        number = float(value[: len(value) - len(suffix)])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 4G, 512M)") from None
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"byte size must be positive, got {text!r}")
+    return int(number * units[suffix])
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The engine flags, with vLLM's spellings."""
     g = parser.add_argument_group("engine")
@@ -41,13 +55,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--num-gpu-blocks",
         type=int,
         default=None,
-        help="KV blocks in the pool (default: from --gpu-memory-utilization)",
+        help="KV blocks in the pool (default: from --kv-cache-memory, else from the memory "
+        "the device or host has)",
+    )
+    g.add_argument(
+        "--kv-cache-memory",
+        type=_byte_size,
+        default=None,
+        help="bytes for the KV cache, e.g. 4G or 512M (overrides the memory-based sizing)",
     )
     g.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=d.gpu_memory_utilization,
-        help="fraction of accelerator memory for the KV cache",
+        help="fraction of accelerator memory for params, activations and the KV cache",
     )
     g.add_argument(
         "--enable-prefix-caching",
@@ -83,7 +104,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--attention-backend",
         default=None,
-        help="reference or pallas (default: pallas on GPU, reference on CPU)",
+        help="xla, pallas or reference (default: pallas on GPU, xla elsewhere)",
     )
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="devices to shard over")
     g.add_argument(

@@ -38,7 +38,6 @@ from kvpage.sampling_params import SamplingParams
 
 FINISH_REASONS = {1: "stop", 2: "length", 3: "abort", 4: "error"}
 logger = logging.getLogger("kvpage.engine")
-_CPU_MAX_DEFAULT_BLOCKS = 16384
 
 PromptType = str | dict[str, Any] | Sequence[int]
 
@@ -191,12 +190,6 @@ class LLMEngine:
                 f"{model_config.max_position_embeddings}"
             )
         self.max_model_len = max_model_len
-        blocks_per_seq = math.ceil(max_model_len / config.block_size)
-        num_blocks = config.num_gpu_blocks
-        if num_blocks is None and jax.default_backend() == "cpu":
-            num_blocks = max(
-                blocks_per_seq, min(config.max_num_seqs * blocks_per_seq, _CPU_MAX_DEFAULT_BLOCKS)
-            )
         batched = max(config.max_num_batched_tokens, config.max_num_seqs)
         if not config.enable_chunked_prefill:
             batched = max(batched, max_model_len)
@@ -204,7 +197,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             model_config,
             params,
-            num_blocks,
+            config.num_gpu_blocks,
             config.block_size,
             max_model_len,
             config.attention_backend,
@@ -213,6 +206,8 @@ class LLMEngine:
             max_logprobs=config.max_logprobs,
             seed=config.seed,
             tensor_parallel_size=config.tensor_parallel_size,
+            kv_memory_fraction=config.gpu_memory_utilization,
+            kv_cache_memory=config.kv_cache_memory,
         )
         self.eos_token_ids = _merge_eos_ids(model_config, model_dir, tokenizer)
         self.scheduler = Scheduler(

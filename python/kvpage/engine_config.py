@@ -12,8 +12,10 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 class EngineConfig:
     """How to run the engine. ``None`` sizes are derived from the model and
     device: ``max_model_len`` from the model's ``max_position_embeddings``,
-    ``num_gpu_blocks`` from ``gpu_memory_utilization`` on an accelerator (on
-    CPU, enough for ``max_num_seqs`` sequences of ``max_model_len``, capped)."""
+    ``num_gpu_blocks`` from ``kv_cache_memory`` if given, else from
+    ``gpu_memory_utilization`` on an accelerator, else (CPU) enough for
+    ``max_num_seqs`` sequences of ``max_model_len`` within a safe share of the
+    available RAM (:mod:`kvpage.runner.kv_cache_sizing`)."""
 
     model: str | None = None
     max_num_seqs: int = 256
@@ -21,6 +23,8 @@ class EngineConfig:
     block_size: int = 16
     num_gpu_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None
+    """Bytes for the KV cache; overrides the memory-based sizing."""
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     max_model_len: int | None = None
@@ -56,6 +60,8 @@ class EngineConfig:
             positive("num_gpu_blocks", (1 << 31) - 2)
         if self.max_model_len is not None:
             positive("max_model_len")
+        if self.kv_cache_memory is not None:
+            positive("kv_cache_memory", 1 << 50)
         if self.max_num_waiting is not None:
             positive("max_num_waiting", 1 << 24)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -6,8 +6,10 @@ kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale, decode_only)`` and
 ``write_kv(k_pages, v_pages, k, v, slot_mapping)``.
 
 ``attention_backend`` is passed to ``pallas_kernels.paged_attention``'s dispatcher:
-``"reference"`` (pure jnp, any platform), ``"pallas"`` (the Pallas kernels), or ``None``
-(the dispatcher's default: Pallas on GPU, the reference elsewhere). ``decode_only=True``
+``"reference"`` (the pure-jnp contract, for tests: its work follows the padded
+table width), ``"xla"`` (plain XLA, work following the live KV), ``"pallas"`` (the
+Pallas kernels), or ``None`` (the dispatcher's default: Pallas on GPU, ``"xla"``
+elsewhere). ``decode_only=True``
 is the caller's promise that every live row has exactly one query token; backends with a
 decode-specialised kernel use it.
 """
@@ -61,9 +63,11 @@ def get_attention_backend(name: str | None = None) -> AttentionBackend:
             f"attention_backend {name!r} needs pallas_kernels.paged_attention, which this "
             "build of pallas_kernels does not provide; use attention_backend='reference'"
         )
+    # Only the Pallas backend has a separate decode kernel worth its own executables;
+    # the xla backend's prefill loop simply runs zero times in a decode-only step.
     return AttentionBackend(
         resolved,
         functools.partial(dispatcher, backend=resolved),
         pallas_kernels.write_kv_pages,
-        True,
+        resolved == "pallas",
     )

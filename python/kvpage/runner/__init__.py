@@ -2,8 +2,9 @@
 
 * :mod:`~kvpage.runner.step_plan`      -- the plan contract (+ a Python :class:`StepPlan`).
 * :mod:`~kvpage.runner.model_runner`   -- :class:`ModelRunner`: pad, run, sample.
-* :mod:`~kvpage.runner.kv_cache`       -- paged KV pool sizing and allocation (split by KV head
+* :mod:`~kvpage.runner.kv_cache`       -- paged KV pool shape and allocation (split by KV head
   under tensor parallelism, see :mod:`kvpage.parallel`).
+* :mod:`~kvpage.runner.kv_cache_sizing` -- how many blocks the pool gets, and why.
 * :mod:`~kvpage.runner.sampler`        -- batched device sampling.
 * :mod:`~kvpage.runner.sampling_params` -- per-request :class:`SamplingParams`.
 * :mod:`~kvpage.runner.sampling_table` -- per-slot sampling state on device.
@@ -11,13 +12,15 @@
 * :mod:`~kvpage.runner.buckets`        -- padded sizes.
 """
 
-from kvpage.runner.kv_cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_memory
+from kvpage.runner.kv_cache import KVCacheSpec, allocate_kv_cache
+from kvpage.runner.kv_cache_sizing import KVCacheDecision, decide_num_blocks
 from kvpage.runner.model_runner import ModelRunner
 from kvpage.runner.sampling_params import SamplingParams
 from kvpage.runner.step_output import StepOutput
 from kvpage.runner.step_plan import StepPlan, StepPlanLike
 
 __all__ = [
+    "KVCacheDecision",
     "KVCacheSpec",
     "ModelRunner",
     "SamplingParams",
@@ -25,5 +28,5 @@ __all__ = [
     "StepPlan",
     "StepPlanLike",
     "allocate_kv_cache",
-    "num_blocks_for_memory",
+    "decide_num_blocks",
 ]

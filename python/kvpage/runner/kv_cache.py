@@ -10,7 +10,6 @@ are split along the KV-head axis, so each device holds ``1 / tensor_parallel_siz
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -85,44 +84,6 @@ class KVCacheSpec:
     def bytes_per_device(self) -> int:
         """Device bytes of the whole cache on each device (its share of the KV heads)."""
         return self.total_bytes // self.tensor_parallel_size
-
-
-def num_blocks_for_memory(
-    config: ModelConfig,
-    block_size: int,
-    memory_fraction: float = 0.9,
-    dtype: str | None = None,
-    device: jax.Device | None = None,
-    reserved_bytes: int = 0,
-    tensor_parallel_size: int = 1,
-) -> int:
-    """How many blocks fit in ``memory_fraction`` of the device after what is already in use.
-
-    Call it after the params are on the device. ``reserved_bytes`` is left free for
-    activations of the step. With ``tensor_parallel_size`` N each device stores 1/N of a
-    block (its KV heads); ``device`` should then be the fullest device of the mesh.
-    Raises ValueError where the device reports no memory stats (CPU) -- pass an explicit
-    block count there.
-    """
-    if not 0.0 < memory_fraction <= 1.0:
-        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
-    device = device or jax.local_devices()[0]
-    stats: dict[str, Any] | None = device.memory_stats()
-    if not stats or "bytes_limit" not in stats:
-        raise ValueError(
-            f"device {device} reports no memory statistics; pass num_blocks explicitly"
-        )
-    budget = int(stats["bytes_limit"] * memory_fraction)
-    free = budget - int(stats.get("bytes_in_use", 0)) - reserved_bytes
-    per_block = KVCacheSpec.for_model(config, block_size, 1, dtype).bytes_per_block
-    per_block = max(per_block // tensor_parallel_size, 1)
-    blocks = free // per_block - 1  # minus the scratch block
-    if blocks <= 0:
-        raise ValueError(
-            f"no room for KV blocks: {free} bytes free within {memory_fraction:.0%} of the "
-            f"device, one block needs {per_block}"
-        )
-    return int(blocks)
 
 
 def allocate_kv_cache(

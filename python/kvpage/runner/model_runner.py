@@ -52,13 +52,8 @@ from kvpage.parallel import (
     shard_attention_backend,
 )
 from kvpage.runner.buckets import normalize_buckets, pick_bucket, power_of_two_buckets
-from kvpage.runner.kv_cache import (
-    KVCacheSpec,
-    KVPools,
-    allocate_kv_cache,
-    copy_blocks,
-    num_blocks_for_memory,
-)
+from kvpage.runner.kv_cache import KVCacheSpec, KVPools, allocate_kv_cache, copy_blocks
+from kvpage.runner.kv_cache_sizing import KVCacheDecision, decide_num_blocks
 from kvpage.runner.sampler import sample
 from kvpage.runner.sampling_params import SamplingParams
 from kvpage.runner.sampling_table import (
@@ -90,8 +85,9 @@ class ModelRunner:
             arrays of the right sharding, are adopted as they are (no copy). Swap later
             with :meth:`update_params`.
         num_blocks: KV blocks the Rust block pool manages (the device pool gets one more,
-            the scratch block). ``None``: as many as fit in ``kv_memory_fraction`` of the
-            device memory (GPU/TPU only).
+            the scratch block). ``None``: decided by
+            :func:`kvpage.runner.kv_cache_sizing.decide_num_blocks` from
+            ``kv_cache_memory`` or the device's (host's) memory.
         block_size: tokens per KV block.
         max_model_len: longest sequence (prompt + output); fixes the block-table width.
         attention_backend: ``None``/``"reference"`` or a ``pallas_kernels`` backend name.
@@ -105,6 +101,9 @@ class ModelRunner:
         max_fused_copies: CoW copies executed inside the step; plans with more run them
             in a separate call before the step.
         kv_cache_dtype: dtype of the pools; default the params' dtype.
+        kv_memory_fraction: share of an accelerator's memory for params + cache + steps
+            (``gpu_memory_utilization``).
+        kv_cache_memory: bytes for the KV cache (overrides the memory-based sizing).
         max_logprobs: width of the top-N logprob lists (0 disables them).
         enable_penalties: keep per-slot token histories ([slots, vocab] on device) so
             presence/frequency/repetition penalties work.
@@ -132,6 +131,7 @@ class ModelRunner:
         max_fused_copies: int = 8,
         kv_cache_dtype: str | None = None,
         kv_memory_fraction: float = 0.9,
+        kv_cache_memory: int | None = None,
         max_logprobs: int = 20,
         enable_penalties: bool = True,
         seed: int = 0,
@@ -180,15 +180,21 @@ class ModelRunner:
         self.params, self.last_update_copies = place(params, self._param_shardings)
         param_dtype = str(jnp.dtype(self.params["embed_tokens"]["weight"].dtype))
         kv_dtype = kv_cache_dtype or param_dtype
-        if num_blocks is None:
-            num_blocks = num_blocks_for_memory(
-                config,
-                block_size,
-                kv_memory_fraction,
-                kv_dtype,
-                self.device,
-                tensor_parallel_size=tp,
-            )
+        unit = KVCacheSpec.for_model(config, block_size, 1, kv_dtype, tp)
+        self.kv_cache_decision: KVCacheDecision = decide_num_blocks(
+            config,
+            bytes_per_block=unit.bytes_per_block // tp,  # this device's share of the heads
+            block_size=block_size,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            itemsize=jnp.dtype(param_dtype).itemsize,
+            num_blocks=num_blocks,
+            kv_cache_memory=kv_cache_memory,
+            memory_utilization=kv_memory_fraction,
+            device=self.device,
+        )
+        num_blocks = self.kv_cache_decision.num_blocks
         self.kv_spec = KVCacheSpec.for_model(config, block_size, num_blocks, kv_dtype, tp)
         self.block_size = block_size
         self.max_model_len = max_model_len

@@ -1,0 +1,166 @@
+"""How many KV blocks the pool gets: the one place that decides it, and says why.
+
+Policy, in order:
+
+1. ``num_blocks`` given (``num_gpu_blocks``): exactly that many.
+2. ``kv_cache_memory`` given (bytes, ``--kv-cache-memory``): as many blocks as fit in it.
+3. An accelerator that reports memory: ``memory_utilization`` of its memory, minus what
+   is already in use (the params), minus the largest step's activations
+   (:func:`step_activation_bytes`), as vLLM profiles before sizing its cache.
+4. CPU (or a device without memory statistics): enough for ``max_num_seqs`` sequences
+   of ``max_model_len`` tokens, but never more than :data:`CPU_KV_MEMORY_FRACTION` of
+   the memory the OS reports available after the params are loaded.
+
+Whatever the route, the pool must hold at least one ``max_model_len`` sequence, or the
+configuration is refused with a :class:`ValueError` that names the numbers and the way
+out. The decision is logged at startup (blocks, bytes, tokens of capacity).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from kvpage.model.config import ModelConfig
+
+logger = logging.getLogger("kvpage.kv_cache")
+
+CPU_KV_MEMORY_FRACTION = 0.25
+"""Most of the host's available memory a default CPU pool may take."""
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheDecision:
+    num_blocks: int
+    bytes_per_block: int
+    block_size: int
+    reason: str
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def describe(self) -> str:
+        return (
+            f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = "
+            f"{self.capacity_tokens} tokens, {self.total_bytes / GIB:.2f} GiB ({self.reason})"
+        )
+
+
+def host_available_bytes() -> int | None:
+    """``MemAvailable`` of /proc/meminfo (what the OS can hand out without swapping);
+    free physical pages elsewhere; None when neither is known."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def step_activation_bytes(
+    config: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int, itemsize: int
+) -> int:
+    """An upper estimate of one step's scratch: a few live ``[T, width]`` activations of
+    the widest layer (MLP), the attention tiles, and float32 logits plus the sampler's
+    copies at every sampled row. Attention scratch does not grow with ``max_model_len``
+    (the attention backends loop over live KV chunks)."""
+    tokens, seqs = max_num_batched_tokens, max_num_seqs
+    width = max(config.intermediate_size, config.q_size + 2 * config.kv_size, config.hidden_size)
+    per_token = (6 * config.hidden_size + 4 * width) * max(itemsize, 4)
+    attention = 4 * (seqs + 128) * 128 * config.num_heads * config.head_dim * 4
+    logits = 6 * seqs * config.vocab_size * 4
+    return tokens * per_token + attention + logits
+
+
+def decide_num_blocks(
+    config: ModelConfig,
+    *,
+    bytes_per_block: int,
+    block_size: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    itemsize: int,
+    num_blocks: int | None = None,
+    kv_cache_memory: int | None = None,
+    memory_utilization: float = 0.9,
+    device: Any = None,
+) -> KVCacheDecision:
+    """The pool size for this model and configuration (see the module docstring)."""
+    if not 0.0 < memory_utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {memory_utilization}")
+    per_seq = math.ceil(max_model_len / block_size)
+    wanted = max_num_seqs * per_seq
+    # The device pool holds one scratch block past the managed ones.
+    if num_blocks is not None:
+        decision = KVCacheDecision(num_blocks, bytes_per_block, block_size, "num_gpu_blocks")
+    elif kv_cache_memory is not None:
+        blocks = kv_cache_memory // bytes_per_block - 1
+        decision = KVCacheDecision(
+            max(blocks, 0),
+            bytes_per_block,
+            block_size,
+            f"kv_cache_memory={kv_cache_memory / GIB:.2f} GiB",
+        )
+    else:
+        device = device or jax.local_devices()[0]
+        on_cpu = getattr(device, "platform", "cpu") == "cpu"
+        stats = None if on_cpu else device.memory_stats()
+        if stats and "bytes_limit" in stats:
+            activations = step_activation_bytes(
+                config, max_num_batched_tokens, max_num_seqs, itemsize
+            )
+            budget = int(stats["bytes_limit"] * memory_utilization)
+            free = budget - int(stats.get("bytes_in_use", 0)) - activations
+            decision = KVCacheDecision(
+                max(free // bytes_per_block - 1, 0),
+                bytes_per_block,
+                block_size,
+                f"{memory_utilization:.0%} of {stats['bytes_limit'] / GIB:.1f} GiB device "
+                f"memory, after {int(stats.get('bytes_in_use', 0)) / GIB:.2f} GiB in use and "
+                f"{activations / GIB:.2f} GiB reserved for step activations",
+            )
+        else:
+            available = host_available_bytes()
+            if available is None:
+                cap, where = wanted, "host memory unknown"
+            else:
+                cap = int(available * CPU_KV_MEMORY_FRACTION) // bytes_per_block - 1
+                where = (
+                    f"at most {CPU_KV_MEMORY_FRACTION:.0%} of {available / GIB:.1f} GiB "
+                    "available host memory"
+                )
+            blocks = min(wanted, cap)
+            reason = (
+                f"max_num_seqs={max_num_seqs} x max_model_len={max_model_len}"
+                if blocks == wanted
+                else where
+            )
+            decision = KVCacheDecision(max(blocks, 0), bytes_per_block, block_size, reason)
+    if decision.num_blocks < per_seq:
+        raise ValueError(
+            f"the KV cache cannot hold one max_model_len={max_model_len} sequence: it needs "
+            f"{per_seq} blocks ({per_seq * bytes_per_block / GIB:.2f} GiB) but gets "
+            f"{decision.num_blocks} ({decision.reason}); lower max_model_len or give the "
+            "cache more memory (kv_cache_memory / --kv-cache-memory, num_gpu_blocks, "
+            "gpu_memory_utilization)"
+        )
+    logger.info(decision.describe())
+    return decision
