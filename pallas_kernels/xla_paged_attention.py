@@ -11,7 +11,8 @@ with ``lax`` loops whose trip counts are read from the step's live lengths:
   iteration gathers ``[S, chunk]`` K/V and updates an online softmax per row.
 * Rows with ``q_len > 1`` (prefill chunks) are looped over one at a time (trip count:
   how many there are), their queries in tiles of ``q_tile`` tokens, and each tile
-  over the KV chunks (``kv_chunk_blocks`` blocks) its causal window reaches (``ceil(last visible position / chunk)``).
+  over the KV chunks (``kv_chunk_blocks`` blocks) its causal window reaches
+  (``ceil(last visible position / chunk)``).
 
 So a step reads and computes ``O(sum over rows of q_len x kv_len)`` (at chunk
 granularity) and its scratch is ``O(S x chunk + q_tile x chunk)``, whatever
