@@ -530,6 +530,29 @@ fn a_fork_keeps_the_parent_its_sibling_cached_under_alive() {
 }
 
 #[test]
+fn reset_prefix_cache_frees_a_parent_kept_alive_by_a_child() {
+    // Found by the soak run: a cached block with no holder but a held child
+    // is neither free nor evictable; a reset must still return it.
+    let mut kv = KvCacheManager::new(8, 4, true).unwrap();
+    let tokens: Vec<u32> = (0..8).collect();
+    let a = kv.create_sequence(None);
+    append(&mut kv, a, 4);
+    kv.cache_blocks(a, &tokens[..4]).unwrap();
+    let p = kv.create_sequence(None);
+    append(&mut kv, p, 8);
+    let c = kv.fork(p).unwrap();
+    kv.cache_blocks(p, &tokens).unwrap();
+    kv.free_sequence(a).unwrap();
+    kv.free_sequence(p).unwrap();
+    kv.reset_prefix_cache().unwrap();
+    kv.check_invariants().unwrap();
+    assert_eq!(kv.num_free_blocks(), 8 - 2, "only c's two blocks are held");
+    kv.free_sequence(c).unwrap();
+    kv.check_invariants().unwrap();
+    assert_eq!(kv.num_free_blocks(), 8);
+}
+
+#[test]
 fn zero_token_growth_of_a_fork_is_a_no_op() {
     let mut kv = KvCacheManager::new(8, 4, false).unwrap();
     let parent = kv.create_sequence(None);

@@ -520,16 +520,18 @@ impl PrefixCache {
         }
     }
 
-    /// Forget every cached block. Evictable ones are pushed to `freed` (the
-    /// caller returns them to the pool); referenced ones stay with their
-    /// holders as plain, uncached blocks.
+    /// Forget every cached block. Unheld ones (evictable, or kept alive by a
+    /// held child) are pushed to `freed` (the caller returns them to the
+    /// pool); held ones stay with their holders as plain, uncached blocks.
     pub fn clear(&mut self, freed: &mut Vec<BlockId>) {
         while let Some(block) = self.lru_head_block() {
             self.unlink_lru(block);
-            freed.push(block);
         }
         for b in 0..self.num_blocks {
             if self.cached[b] {
+                if !self.held[b] {
+                    freed.push(b as BlockId);
+                }
                 self.cached[b] = false;
                 self.held[b] = false;
                 self.live_children[b] = 0;
