@@ -4,6 +4,8 @@
     kvpage bench serve --base-url URL                               online, over HTTP
     kvpage bench scheduler                                          host cost per step
     kvpage bench compare                                            static vs continuous
+    kvpage bench vs-hf [MODEL]                                      vs a naive HF loop
+    kvpage bench step-profile [MODEL]                               where a step's time goes
 
 ``compare`` runs the two lessons of continuous batching and PagedAttention
 on the same model and workload, only the scheduling policy changed, and can
@@ -18,11 +20,11 @@ from typing import Any
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``bench`` and its subcommands to the ``kvpage`` CLI's subparsers."""
-    from kvpage.bench import compare, scheduler, serve, throughput
+    from kvpage.bench import compare, scheduler, serve, step_profile, throughput, vs_hf
 
     bench = subparsers.add_parser(
         "bench",
-        help="benchmarks: throughput, serve, scheduler, compare",
+        help="benchmarks: throughput, serve, scheduler, compare, vs-hf, step-profile",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -31,4 +33,6 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     serve.add_parser(sub)
     scheduler.add_parser(sub)
     compare.add_parser(sub)
+    vs_hf.add_parser(sub)
+    step_profile.add_parser(sub)
     return bench

@@ -51,7 +51,12 @@ from kvpage.parallel import (
     place,
     shard_attention_backend,
 )
-from kvpage.runner.buckets import normalize_buckets, pick_bucket, power_of_two_buckets
+from kvpage.runner.buckets import (
+    default_minimums,
+    normalize_buckets,
+    pick_bucket,
+    power_of_two_buckets,
+)
 from kvpage.runner.kv_cache import KVCacheSpec, KVPools, allocate_kv_cache, copy_blocks
 from kvpage.runner.kv_cache_sizing import KVCacheDecision, decide_num_blocks
 from kvpage.runner.sampler import sample
@@ -93,8 +98,8 @@ class ModelRunner:
         attention_backend: ``None``/``"reference"`` or a ``pallas_kernels`` backend name.
         max_num_seqs: request slots of the sampling table; ``sample_rows`` index them.
         max_num_batched_tokens: most tokens in one step.
-        token_buckets / seq_buckets: padded sizes for T and max(S, S');
-            default powers of two from 16 / 8 up to the maxima.
+        token_buckets / seq_buckets: padded sizes for T and max(S, S'); default powers
+            of two up to the maxima (policy: :mod:`kvpage.runner.buckets`).
         max_token_seq_ratio: a step padded to T tokens gets at least ``T / ratio`` padded
             sequence rows, which bounds the number of (T, S) bucket pairs to compile at
             the price of a few extra padded rows (cheap) in large steps.
@@ -206,11 +211,14 @@ class ModelRunner:
         self.enable_penalties = enable_penalties
         self.validate_plans = validate_plans
 
+        min_tokens, min_seqs = default_minimums(self.device.platform)
+        max_tokens = max_num_batched_tokens
         self.token_buckets = normalize_buckets(
-            token_buckets or power_of_two_buckets(16, max_num_batched_tokens), "token_buckets"
+            token_buckets or power_of_two_buckets(min(min_tokens, max_tokens), max_tokens),
+            "token_buckets",
         )
         self.seq_buckets = normalize_buckets(
-            seq_buckets or power_of_two_buckets(min(8, max_num_seqs), max_num_seqs),
+            seq_buckets or power_of_two_buckets(min(min_seqs, max_num_seqs), max_num_seqs),
             "seq_buckets",
         )
         self._padding = PaddingValues(
@@ -256,6 +264,12 @@ class ModelRunner:
             for shard in pages.addressable_shards
             if shard.device == first
         )
+
+    @property
+    def max_step_executables(self) -> int:
+        """The most step executables this configuration can compile (every bucket pair
+        a step can land in; see :mod:`kvpage.runner.buckets`)."""
+        return len(self.warmup_buckets())
 
     @property
     def compiled_buckets(self) -> list[StepKey]:
