@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 
 
 def _value(m: EngineMetrics, name: str, **labels: str) -> float | None:
-    return m.registry.get_sample_value(name, {"model_name": "m", **labels})
+    return m.registry.get_sample_value(name, {"model_name": "m", "engine": "0", **labels})
 
 
 def _stats(**overrides: float) -> dict[str, float]:
@@ -59,17 +59,19 @@ def test_gauges_and_counters_follow_running_totals() -> None:
 
 def test_request_latencies_and_finish_reasons() -> None:
     m = EngineMetrics("m")
-    m.on_outputs([_output("a", 1, None, last=101.0)])
-    m.on_outputs([_output("a", 1, None, last=101.25)])
-    m.on_outputs([_output("a", 1, "stop", last=101.75, finished=102.0)])
+    # latencies count from when the outputs are delivered (``now``), not from
+    # when the engine sampled the tokens (first/last)
+    m.on_outputs([_output("a", 1, None, first=100.9, last=100.9)], now=101.0)
+    m.on_outputs([_output("a", 1, None, last=101.2)], now=101.25)
+    m.on_outputs([_output("a", 1, "stop", last=101.7, finished=101.8)], now=102.0)
     assert _value(m, "kvpage:time_to_first_token_seconds_count") == 1
     assert _value(m, "kvpage:time_to_first_token_seconds_sum") == pytest.approx(1.0)
     assert _value(m, "kvpage:request_queue_time_seconds_sum") == pytest.approx(0.5)
     assert _value(m, "kvpage:inter_token_latency_seconds_count") == 2
-    assert _value(m, "kvpage:inter_token_latency_seconds_sum") == pytest.approx(0.75)
+    assert _value(m, "kvpage:inter_token_latency_seconds_sum") == pytest.approx(1.0)
     assert _value(m, "kvpage:e2e_request_latency_seconds_sum") == pytest.approx(2.0)
     assert _value(m, "kvpage:request_success_total", finished_reason="stop") == 1
-    m.on_outputs([_output("b", 0, "abort", finished=101.0)])
+    m.on_outputs([_output("b", 0, "abort", finished=101.0)], now=101.0)
     m.forget("c", "error")
     assert _value(m, "kvpage:request_success_total", finished_reason="abort") == 1
     assert _value(m, "kvpage:request_success_total", finished_reason="error") == 1
@@ -107,3 +109,46 @@ def test_log_line_every_interval(caplog: pytest.LogCaptureFixture) -> None:
     assert line is not None
     assert "prompt throughput 10.0 tokens/s" in line and "hit rate: 100.0%" in line
     assert EngineMetrics("m", log_interval_s=None).maybe_log(_stats(), now=1e9) is None
+
+
+def test_vllm_request_series() -> None:
+    m = EngineMetrics("m", max_model_len=2048)
+    m.on_add("a", 2, 64)
+    out = _output("a", 1, None, scheduled=100.5)
+    out.outputs.append(CompletionOutput(1, "y", [6], finish_reason=None))
+    m.on_outputs([out], now=101.0)  # first tokens of both samples delivered
+    m.on_outputs([_output("a", 2, None)], now=101.5)
+    m.on_outputs([_output("a", 1, "length", finished=102.0)], now=102.0)
+    assert _value(m, "kvpage:request_prompt_tokens_sum") == 2
+    assert _value(m, "kvpage:request_generation_tokens_sum") == 5
+    assert _value(m, "kvpage:request_max_num_generation_tokens_sum") == 4
+    assert _value(m, "kvpage:request_params_n_sum") == 2
+    assert _value(m, "kvpage:request_params_max_tokens_sum") == 64
+    assert _value(m, "kvpage:request_prefill_time_seconds_sum") == pytest.approx(0.5)
+    assert _value(m, "kvpage:request_decode_time_seconds_sum") == pytest.approx(1.0)
+    assert _value(m, "kvpage:request_inference_time_seconds_sum") == pytest.approx(1.5)
+    # decode time over the longest sample's tokens after its first: 1.0 / 3
+    assert _value(m, "kvpage:time_per_output_token_seconds_sum") == pytest.approx(1 / 3)
+    assert _value(m, "kvpage:time_to_first_token_seconds_sum") == pytest.approx(1.0)
+    assert _value(m, "kvpage:request_prompt_tokens_bucket", le="2.0") == 1
+    assert _value(m, "kvpage:request_prompt_tokens_bucket", le="2000.0") == 1
+    assert m.registry.get_sample_value("kvpage:request_prompt_tokens_bucket",
+                                       {"model_name": "m", "engine": "0", "le": "5000.0"}) is None
+
+
+def test_vllm_prefix_and_cache_config_info() -> None:
+    m = EngineMetrics("m", prefix="vllm", cache_config={"block_size": 16, "num_gpu_blocks": 99})
+    m.on_step(_stats())
+    text = m.render()[0].decode()
+    assert 'vllm:num_requests_running{engine="0",model_name="m"} 3.0' in text
+    assert 'vllm:cache_config_info{block_size="16",num_gpu_blocks="99"} 1.0' in text
+    assert "kvpage:" not in text
+    with pytest.raises(ValueError, match="prefix"):
+        EngineMetrics("m", prefix="tgi")
+
+
+def test_buckets_1_2_5() -> None:
+    from kvpage.metrics import buckets_1_2_5
+
+    assert buckets_1_2_5(100) == (1, 2, 5, 10, 20, 50, 100)
+    assert buckets_1_2_5(1) == (1,)

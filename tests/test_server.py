@@ -250,7 +250,7 @@ def test_models_health_metrics(served: Served) -> None:
                  "request_queue_time_seconds_bucket", "iteration_tokens_total_bucket"):
         assert f"kvpage:{name}{{" in metrics.text, name
     line = next(x for x in metrics.text.splitlines()
-                if x.startswith('kvpage:request_success_total{finished_reason="length"'))
+                if x.startswith('kvpage:request_success_total{engine="0",finished_reason="length"'))
     assert float(line.rsplit(" ", 1)[1]) >= 1
 
 
@@ -433,5 +433,5 @@ def test_step_failure_fails_in_flight_requests_then_recovers(served: Served) -> 
     served.call(lambda e: e.check_invariants())
     assert served.engine.is_running and served.engine.num_failed_steps == 2
     metrics = served.engine.metrics.render()[0].decode()
-    assert 'kvpage:request_success_total{finished_reason="error",model_name="tiny"} 3.0' \
-        in metrics
+    assert ('kvpage:request_success_total{engine="0",finished_reason="error",'
+            'model_name="tiny"} 3.0') in metrics

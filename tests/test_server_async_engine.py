@@ -223,11 +223,11 @@ def test_metrics_follow_the_engine(engine: AsyncLLMEngine) -> None:
     asyncio.run(main())
     engine.submit(lambda e: None).result(5)
     text = engine.metrics.render()[0].decode()
-    assert 'kvpage:request_success_total{finished_reason="length",model_name="kvpage"} 1.0' \
-        in text
-    assert 'kvpage:generation_tokens_total{model_name="kvpage"} 4.0' in text
-    assert 'kvpage:inter_token_latency_seconds_count{model_name="kvpage"} 3.0' in text
-    assert 'kvpage:time_to_first_token_seconds_count{model_name="kvpage"} 1.0' in text
+    assert ('kvpage:request_success_total{engine="0",finished_reason="length",'
+            'model_name="kvpage"} 1.0') in text
+    assert 'kvpage:generation_tokens_total{engine="0",model_name="kvpage"} 4.0' in text
+    assert 'kvpage:inter_token_latency_seconds_count{engine="0",model_name="kvpage"} 3.0' in text
+    assert 'kvpage:time_to_first_token_seconds_count{engine="0",model_name="kvpage"} 1.0' in text
 
 
 # ---- run_server and signals ---------------------------------------------------

@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 
 from kvpage.engine import LLMEngine, PromptType
 from kvpage.engine_config import EngineConfig
-from kvpage.metrics import EngineMetrics
+from kvpage.metrics import EngineMetrics, cache_config_info
 from kvpage.outputs import RequestOutput
 from kvpage.sampling_params import SamplingParams
 
@@ -168,7 +168,9 @@ class AsyncLLMEngine:
     ) -> None:
         self.engine = engine
         self.metrics = metrics if metrics is not None else EngineMetrics(
-            model_name, log_interval_s=5.0 if log_stats else None)
+            model_name, log_interval_s=5.0 if log_stats else None,
+            max_model_len=getattr(engine, "max_model_len", 1 << 17),
+            cache_config=cache_config_info(engine))
         self._cond = threading.Condition()
         self._inbox: list[_Add | _Abort | _Call] = []
         self._accepting = True
@@ -380,6 +382,12 @@ class AsyncLLMEngine:
             return
         self._streams[stream.request_id] = stream
         _call_in_loop(stream._loop, _settle, op.accepted, None)
+        params = op.params
+        try:
+            self.metrics.on_add(stream.request_id, params.n if params else 1,
+                                params.max_tokens if params else None)
+        except Exception:  # metrics must never stop the engine
+            logger.exception("updating metrics failed")
 
     def _abort(self, request_ids: list[str]) -> None:
         if not request_ids:

@@ -177,13 +177,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from kvpage.extras import SERVE_MODULES, require
+
+    require("kvpage serve", SERVE_MODULES)  # before the model loads, not at the first request
     from kvpage.server import run_server
 
     if args.warmup is None:
         args.warmup = True  # a server compiles before it takes traffic
     config = engine_config_from_args(args, args.model)
     run_server(args.model, args.host, args.port, args.api_key, config,
-               public_metrics=args.public_metrics or None)
+               public_metrics=args.public_metrics or None,
+               served_model_name=args.served_model_name, metrics_prefix=args.metrics_prefix)
     return 0
 
 
@@ -225,6 +229,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     serve.add_argument("--public-metrics", action="store_true",
                        help="serve /metrics without the API key (it is protected by default)")
+    serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="the model name(s) clients use (default: the MODEL argument)")
+    serve.add_argument("--metrics-prefix", default="kvpage", choices=("kvpage", "vllm"),
+                       help="Prometheus name prefix; 'vllm' serves vllm:* series, so vLLM's "
+                       "Grafana dashboard and alerts work unchanged")
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 
@@ -243,10 +252,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvpage.extras import MissingExtraError
+
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as err:
+    except (ValueError, MissingExtraError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

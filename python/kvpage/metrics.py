@@ -1,11 +1,20 @@
 """Serving metrics: Prometheus series and the periodic engine stats log line.
 
-This file owns the metric definitions (vLLM's metric names under a ``kvpage:``
-prefix, each labelled with ``model_name``) on one private
-``CollectorRegistry`` per ``EngineMetrics`` (no process-global state), their
-update from ``LLMEngine.get_stats()`` after every step and from the
-``RequestOutput``s each step produces, and a throughput log line written
+This file owns the metric definitions (vLLM's metric names and labels,
+``model_name`` and ``engine``, under a ``kvpage:`` prefix, or ``vllm:`` with
+``prefix="vllm"`` so that vLLM's Grafana dashboard and alerts work unchanged)
+on one private ``CollectorRegistry`` per ``EngineMetrics`` (no process-global
+state), their update from ``LLMEngine.get_stats()`` after every step and from
+the ``RequestOutput``s each step produces, and a throughput log line written
 every few seconds while the engine is busy.
+
+Latencies are measured as a client sees them: a token counts as delivered
+when its output is handed to the request's stream (``on_outputs`` is called
+right after), not when the device sampled it, so the time to first token
+includes the step the outputs trail the device by. Per request (vLLM's
+definitions): queue = arrival to first scheduled; prefill = first scheduled
+to first token; decode = first to last token; inference = first scheduled to
+last token; time per output token = decode / (generated tokens - 1).
 
 Update methods are called from the engine thread only; ``render`` may be
 called from any thread (prometheus_client guards its values with locks).
@@ -31,6 +40,9 @@ from prometheus_client import (
 from kvpage.outputs import RequestOutput
 
 PREFIX = "kvpage:"
+PREFIXES = ("kvpage", "vllm")
+ENGINE_INDEX = "0"
+"""The ``engine`` label (vLLM's data-parallel engine index; kvpage runs one)."""
 
 _FAST_LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0,
@@ -40,6 +52,22 @@ _TOKEN_GAP_BUCKETS = (
 )
 _REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 _STEP_TOKEN_BUCKETS = tuple(float(1 << i) for i in range(15))  # 1 .. 16384
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0)  # vLLM's
+_N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)
+
+
+def buckets_1_2_5(limit: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``limit`` (vLLM's token-count buckets)."""
+    out: list[float] = []
+    magnitude = 1
+    while True:
+        for m in (1, 2, 5):
+            value = m * magnitude
+            if value > limit:
+                return tuple(out) or (1.0,)
+            out.append(float(value))
+        magnitude *= 10
 
 _CUMULATIVE_STATS = {
     # metric attribute -> get_stats() key of a running total
@@ -59,7 +87,13 @@ class _Seen:
 
     first_token: bool = False
     queued: bool = False
+    first_token_time: float | None = None
     last_token_time: float | None = None
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    sample_tokens: dict[int, int] | None = None
+    n: int | None = None
+    max_tokens: int | None = None
 
 
 def request_finish_reason(output: RequestOutput) -> str:
@@ -76,7 +110,10 @@ def request_finish_reason(output: RequestOutput) -> str:
 class EngineMetrics:
     """The engine's Prometheus metrics and stats log line.
 
-    ``log_interval_s=None`` turns the log line off.
+    ``log_interval_s=None`` turns the log line off. ``prefix``: "kvpage" or
+    "vllm" (the series' name prefix). ``max_model_len`` bounds the token-count
+    buckets. ``cache_config``: the labels of the ``cache_config_info`` gauge
+    (vLLM's; see ``cache_config_info``).
     """
 
     def __init__(
@@ -86,22 +123,31 @@ class EngineMetrics:
         registry: CollectorRegistry | None = None,
         log_interval_s: float | None = 5.0,
         log: logging.Logger | None = None,
+        prefix: str = "kvpage",
+        max_model_len: int = 1 << 17,
+        cache_config: Mapping[str, Any] | None = None,
     ) -> None:
+        prefix = prefix.removesuffix(":")
+        if prefix not in PREFIXES:
+            raise ValueError(f"metrics prefix must be one of {PREFIXES}, got {prefix!r}")
+        self.prefix = prefix + ":"
         self.model_name = model_name
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self.log_interval_s = log_interval_s
         self._log = log or logger
-        reg, label = self.registry, ["model_name"]
+        reg, label = self.registry, ["model_name", "engine"]
+        name_of = self.prefix.__add__
+        values = (model_name, ENGINE_INDEX)
 
         def gauge(name: str, doc: str) -> Any:
-            return Gauge(PREFIX + name, doc, label, registry=reg).labels(model_name)
+            return Gauge(name_of(name), doc, label, registry=reg).labels(*values)
 
         def counter(name: str, doc: str) -> Any:
-            return Counter(PREFIX + name, doc, label, registry=reg).labels(model_name)
+            return Counter(name_of(name), doc, label, registry=reg).labels(*values)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
-            return Histogram(PREFIX + name, doc, label, registry=reg,
-                             buckets=buckets).labels(model_name)
+            return Histogram(name_of(name), doc, label, registry=reg,
+                             buckets=buckets).labels(*values)
 
         self.num_requests_running = gauge("num_requests_running",
                                           "Requests in the running batch.")
@@ -118,11 +164,12 @@ class EngineMetrics:
         self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens received.")
         self.generation_tokens = counter("generation_tokens_total", "Tokens generated.")
         self._request_success = Counter(
-            PREFIX + "request_success_total", "Finished requests, by finish reason.",
-            ["model_name", "finished_reason"], registry=reg,
+            name_of("request_success_total"), "Finished requests, by finish reason.",
+            ["model_name", "engine", "finished_reason"], registry=reg,
         )
         self.time_to_first_token = histogram(
-            "time_to_first_token_seconds", "Arrival to first generated token.",
+            "time_to_first_token_seconds",
+            "Arrival to the first token delivered to the request's stream.",
             _FAST_LATENCY_BUCKETS)
         self.inter_token_latency = histogram(
             "inter_token_latency_seconds", "Time between successive tokens of a request.",
@@ -135,6 +182,39 @@ class EngineMetrics:
         self.iteration_tokens = histogram(
             "iteration_tokens_total", "Tokens processed by one engine step.",
             _STEP_TOKEN_BUCKETS)
+        self.time_per_output_token = histogram(
+            "time_per_output_token_seconds",
+            "Per finished request: decode time / (generated tokens - 1).", _TPOT_BUCKETS)
+        self.request_inference_time = histogram(
+            "request_inference_time_seconds", "First scheduled to last token of a request.",
+            _REQUEST_BUCKETS)
+        self.request_prefill_time = histogram(
+            "request_prefill_time_seconds", "First scheduled to first token of a request.",
+            _REQUEST_BUCKETS)
+        self.request_decode_time = histogram(
+            "request_decode_time_seconds", "First to last token of a request.",
+            _REQUEST_BUCKETS)
+        token_buckets = buckets_1_2_5(max_model_len)
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens of a finished request.", token_buckets)
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Tokens generated for a finished request (all samples).",
+            token_buckets)
+        self.request_max_num_generation_tokens = histogram(
+            "request_max_num_generation_tokens",
+            "Most tokens generated by one sample of a finished request.", token_buckets)
+        self.request_params_n = histogram("request_params_n", "The n of finished requests.",
+                                          _N_BUCKETS)
+        self.request_params_max_tokens = histogram(
+            "request_params_max_tokens", "The max_tokens of finished requests.", token_buckets)
+        info = dict(cache_config or {})
+        self.cache_config_info = Gauge(
+            name_of("cache_config_info"), "Information of the KV cache configuration (value 1).",
+            sorted(info), registry=reg)
+        if info:
+            self.cache_config_info.labels(**{k: str(v) for k, v in info.items()}).set(1)
+        else:
+            self.cache_config_info.set(1)
 
         self._last_totals: dict[str, float] = {}
         self._live: dict[str, _Seen] = {}
@@ -145,7 +225,15 @@ class EngineMetrics:
 
     def request_success(self, finished_reason: str) -> Any:
         """The ``request_success_total`` child for one finish reason."""
-        return self._request_success.labels(self.model_name, finished_reason)
+        return self._request_success.labels(self.model_name, ENGINE_INDEX, finished_reason)
+
+    def on_add(self, request_id: str, n: int | None, max_tokens: int | None) -> None:
+        """A request was accepted: remember its parameters for the
+        ``request_params_*`` series, observed when it finishes."""
+        seen = self._live.get(request_id)
+        if seen is None:
+            seen = self._live[request_id] = _Seen()
+        seen.n, seen.max_tokens = n, max_tokens
 
     def on_step(self, stats: Mapping[str, Any], outputs: Iterable[RequestOutput] = (),
                 *, ran: bool = True) -> None:
@@ -170,29 +258,67 @@ class EngineMetrics:
         self.on_outputs(outputs)
 
     def on_outputs(self, outputs: Iterable[RequestOutput],
-                   finished_reason: str | None = None) -> None:
-        """Latency histograms and finish counts from request outputs;
-        ``finished_reason`` overrides the reason of finished ones."""
+                   finished_reason: str | None = None, *, now: float | None = None) -> None:
+        """Latency histograms and finish counts from request outputs just
+        delivered to their streams (at ``now``, default the current
+        ``time.monotonic()``); ``finished_reason`` overrides the reason of
+        finished ones."""
+        now = time.monotonic() if now is None else now
         for out in outputs:
             seen = self._live.get(out.request_id)
             if seen is None:
                 seen = self._live[out.request_id] = _Seen()
             m = out.metrics
+            seen.prompt_tokens = max(seen.prompt_tokens, len(out.prompt_token_ids))
             if not seen.queued and m.queue_time is not None:
                 seen.queued = True
                 self.request_queue_time.observe(max(0.0, m.queue_time))
-            if not seen.first_token and m.time_to_first_token is not None:
-                seen.first_token = True
-                self.time_to_first_token.observe(max(0.0, m.time_to_first_token))
-            if m.last_token_time is not None and any(c.token_ids for c in out.outputs):
-                if seen.last_token_time is not None and m.last_token_time > seen.last_token_time:
-                    self.inter_token_latency.observe(m.last_token_time - seen.last_token_time)
-                seen.last_token_time = m.last_token_time
+            new_tokens = 0
+            for c in out.outputs:
+                if c.token_ids:
+                    new_tokens += len(c.token_ids)
+                    if seen.sample_tokens is None:
+                        seen.sample_tokens = {}
+                    seen.sample_tokens[c.index] = seen.sample_tokens.get(c.index, 0) \
+                        + len(c.token_ids)
+            if new_tokens:
+                seen.generation_tokens += new_tokens
+                if not seen.first_token:
+                    seen.first_token = True
+                    seen.first_token_time = now
+                    self.time_to_first_token.observe(max(0.0, now - m.arrival_time))
+                elif seen.last_token_time is not None and now > seen.last_token_time:
+                    self.inter_token_latency.observe(now - seen.last_token_time)
+                seen.last_token_time = now
             if out.finished:
                 self._live.pop(out.request_id, None)
                 self.request_success(finished_reason or request_finish_reason(out)).inc()
-                end = m.finished_time if m.finished_time is not None else time.monotonic()
-                self.e2e_request_latency.observe(max(0.0, end - m.arrival_time))
+                self._observe_finished(out, seen, now)
+
+    def _observe_finished(self, out: RequestOutput, seen: _Seen, now: float) -> None:
+        m = out.metrics
+        self.e2e_request_latency.observe(max(0.0, now - m.arrival_time))
+        self.request_prompt_tokens.observe(seen.prompt_tokens)
+        self.request_generation_tokens.observe(seen.generation_tokens)
+        self.request_max_num_generation_tokens.observe(
+            max(seen.sample_tokens.values()) if seen.sample_tokens else 0)
+        if seen.n is not None:
+            self.request_params_n.observe(seen.n)
+        if seen.max_tokens is not None:
+            self.request_params_max_tokens.observe(seen.max_tokens)
+        scheduled = m.first_scheduled_time
+        first, last = seen.first_token_time, seen.last_token_time
+        if scheduled is not None and first is not None and last is not None:
+            self.request_prefill_time.observe(max(0.0, first - scheduled))
+            self.request_inference_time.observe(max(0.0, last - scheduled))
+        if first is not None and last is not None:
+            decode = max(0.0, last - first)
+            self.request_decode_time.observe(decode)
+            if seen.generation_tokens > 1:
+                # per sample: the samples of a request decode side by side
+                per_sample = max(seen.sample_tokens.values()) if seen.sample_tokens else 0
+                if per_sample > 1:
+                    self.time_per_output_token.observe(decode / (per_sample - 1))
 
     def forget(self, request_id: str, finished_reason: str | None = None) -> None:
         """A request ended without a finished output (e.g. a failed step)."""
@@ -231,3 +357,24 @@ class EngineMetrics:
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def cache_config_info(engine: Any) -> dict[str, str]:
+    """The labels of vLLM's ``cache_config_info`` gauge for an ``LLMEngine``
+    (what is known of them; missing attributes are left out)."""
+    config = getattr(engine, "config", None)
+    runner = getattr(engine, "runner", None)
+    info: dict[str, Any] = {"num_cpu_blocks": 0}
+    if config is not None:
+        info.update(block_size=config.block_size,
+                    enable_prefix_caching=config.enable_prefix_caching,
+                    gpu_memory_utilization=config.gpu_memory_utilization,
+                    cache_dtype=getattr(config, "kv_cache_dtype", None)
+                    or getattr(config, "dtype", "auto"))
+    num_blocks = getattr(runner, "num_blocks", None)
+    if num_blocks is not None:
+        info["num_gpu_blocks"] = num_blocks
+    max_model_len = getattr(engine, "max_model_len", None)
+    if max_model_len is not None:
+        info["max_model_len"] = max_model_len
+    return {k: str(v) for k, v in info.items()}

@@ -57,7 +57,7 @@ from kvpage.async_engine import (
     RequestFailedError,
     RequestStream,
 )
-from kvpage.engine import QueueFullError
+from kvpage.engine import LLMEngine, QueueFullError
 from kvpage.engine_config import EngineConfig
 from kvpage.outputs import CompletionOutput, Logprob, RequestOutput
 from kvpage.protocol import (
@@ -365,6 +365,9 @@ class _Server:
             return await asyncio.to_thread(
                 tokenizer.apply_chat_template, messages, tokenize=False,
                 add_generation_prompt=add_generation_prompt)
+        except ImportError as exc:  # jinja2 missing: the server's fault, not the client's
+            raise APIError(500, f"chat templates need jinja2 (install kvpage[serve]): {exc}",
+                           "internal_server_error", code="missing_dependency") from None
         except Exception as exc:  # a template may reject a conversation
             raise bad_request(f"the chat template failed on these messages: {exc}",
                               param="messages") from None
@@ -810,6 +813,7 @@ def run_server(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     log_level: str = "info",
     public_metrics: bool | None = None,
+    metrics_prefix: str = "kvpage",
 ) -> None:
     """Serve the model in ``model_dir`` until SIGTERM/SIGINT; then stop
     accepting, let running requests finish for up to ``grace_seconds``, abort
@@ -822,9 +826,15 @@ def run_server(
     environment variable; without either the API is open.
     ``public_metrics`` (default: the ``KVPAGE_PUBLIC_METRICS`` environment
     variable is 1) serves ``/metrics`` without the key. ``served_model_name``
-    defaults to ``model_dir`` as given.
+    defaults to ``model_dir`` as given. ``metrics_prefix`` "vllm" names the
+    Prometheus series ``vllm:*`` (vLLM's dashboards work unchanged).
     """
     import uvicorn
+
+    from kvpage.extras import SERVE_MODULES, require
+    from kvpage.metrics import EngineMetrics, cache_config_info
+
+    require("kvpage serve", SERVE_MODULES)
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO,
@@ -840,7 +850,10 @@ def run_server(
     names = served_model_name or str(model_dir)
     first = names if isinstance(names, str) else names[0]
     logger.info("loading %s", model_dir)
-    engine = AsyncLLMEngine.from_config(config, model_name=first)
+    loaded = LLMEngine.from_config(config)
+    metrics = EngineMetrics(first, prefix=metrics_prefix, max_model_len=loaded.max_model_len,
+                            cache_config=cache_config_info(loaded))
+    engine = AsyncLLMEngine(loaded, metrics=metrics)
     signalled: list[float] = []
 
     def on_signal() -> None:

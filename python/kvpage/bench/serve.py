@@ -33,7 +33,6 @@ from kvpage.bench.common import (
     percentile,
     write_json,
 )
-from kvpage.loadtest import is_loopback_url
 
 
 @dataclass(slots=True)
@@ -154,6 +153,8 @@ def format_result(result: ServeResult) -> str:
 
 def check_loopback(base_url: str) -> None:
     """ValueError unless ``base_url`` names this machine."""
+    from kvpage.loadtest import is_loopback_url  # loadtest needs httpx (kvpage[serve])
+
     if is_loopback_url(base_url):
         return
     host = urlparse(base_url).hostname or ""
@@ -346,6 +347,9 @@ def add_parser(sub: Any) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvpage.bench.throughput import workload_from_args
+    from kvpage.extras import BENCH_SERVE_MODULES, require
+
+    require("kvpage bench serve", BENCH_SERVE_MODULES)
 
     if not args.allow_remote:
         check_loopback(args.base_url)
