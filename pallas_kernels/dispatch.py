@@ -21,6 +21,10 @@ are what model code gets.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 import jax
 
 from pallas_kernels._compat import on_gpu
@@ -30,6 +34,28 @@ from pallas_kernels.reference import ragged_paged_attention_reference
 from pallas_kernels.xla_paged_attention import xla_paged_attention
 
 BACKENDS = ("reference", "xla", "pallas")
+
+_COMPILED = contextvars.ContextVar("kvpage_pallas_compiled", default=False)
+
+
+@contextlib.contextmanager
+def compiled_kernels() -> Iterator[None]:
+    """Trace the Pallas kernels for Triton (``interpret=False``) even off-GPU.
+
+    For lowering/exporting a GPU program on a CPU machine (``jax.export`` with
+    ``platforms=["cuda"]``): inside this block the Pallas backend never falls
+    back to the interpreter. Running such a trace on CPU fails; lowering works.
+    """
+    token = _COMPILED.set(True)
+    try:
+        yield
+    finally:
+        _COMPILED.reset(token)
+
+
+def interpret_default() -> bool:
+    """Whether the Pallas backend runs the interpreter here (off-GPU, unless forced)."""
+    return not (_COMPILED.get() or on_gpu())
 
 
 def resolve_backend(backend: str | None) -> str:
@@ -64,7 +90,7 @@ def paged_attention(
         return ragged_paged_attention_reference(*args, sm_scale=sm_scale)
     if resolved == "xla":
         return xla_paged_attention(*args, sm_scale=sm_scale, decode_only=decode_only)
-    interpret = not on_gpu()
+    interpret = interpret_default()
     if decode_only:
         return paged_decode_attention(*args, sm_scale=sm_scale, interpret=interpret)
     return ragged_paged_attention(*args, sm_scale=sm_scale, interpret=interpret)
