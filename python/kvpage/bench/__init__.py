@@ -6,6 +6,7 @@
     kvpage bench compare                                            static vs continuous
     kvpage bench vs-hf [MODEL]                                      vs a naive HF loop
     kvpage bench step-profile [MODEL]                               where a step's time goes
+    kvpage bench roofline                                           predicted H100/H200 tok/s
 
 ``compare`` runs the two lessons of continuous batching and PagedAttention
 on the same model and workload, only the scheduling policy changed, and can
@@ -20,7 +21,7 @@ from typing import Any
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``bench`` and its subcommands to the ``kvpage`` CLI's subparsers."""
-    from kvpage.bench import compare, scheduler, serve, step_profile, throughput, vs_hf
+    from kvpage.bench import compare, roofline, scheduler, serve, step_profile, throughput, vs_hf
 
     bench = subparsers.add_parser(
         "bench",
@@ -35,4 +36,5 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     compare.add_parser(sub)
     vs_hf.add_parser(sub)
     step_profile.add_parser(sub)
+    roofline.add_parser(sub)
     return bench
