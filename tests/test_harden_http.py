@@ -490,7 +490,7 @@ def test_wrong_methods_and_paths_are_openai_errors(served: InProcessServer) -> N
         ("PUT", "/v1/models", 405),
         ("DELETE", "/health", 405),
         ("GET", "/v1/nope", 404),
-        ("GET", "/v1/models/tiny", 404),
+        ("GET", "/v1/models/nope", 404),
         ("POST", "/metrics", 405),
     ]:
         response = httpx.request(method, served.url + path, headers=AUTH, timeout=30)

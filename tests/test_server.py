@@ -304,7 +304,7 @@ def test_openai_client_sees_400(served: Served) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         served.client().completions.create(model=MODEL, prompt="Hi", temperature=-1)
     assert "temperature" in str(info.value)
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.NotFoundError):  # 404 model_not_found, as OpenAI and vLLM
         served.client().chat.completions.create(model="nope", messages=MESSAGES)
 
 

@@ -16,7 +16,7 @@ queued request holds is bounded.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -70,6 +70,71 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
+_NOT_IMPLEMENTED_COMMON: dict[str, Any] = {
+    # vLLM (and OpenAI) request fields kvpage does not implement, with the value
+    # that means "off": sent with any other value they are a 400 naming the
+    # field, never silently ignored
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "early_stopping": False,
+    "prompt_logprobs": None,
+    "allowed_token_ids": None,
+    "bad_words": None,
+    "guided_json": None,
+    "guided_regex": None,
+    "guided_choice": None,
+    "guided_grammar": None,
+    "guided_decoding_backend": None,
+    "guided_whitespace_pattern": None,
+    "structured_outputs": None,
+    "logits_processors": None,
+    "return_tokens_as_token_ids": False,
+    "truncate_prompt_tokens": None,
+    "spaces_between_special_tokens": True,
+    "kv_transfer_params": None,
+    "vllm_xargs": None,
+    "prompt_embeds": None,
+    "mm_processor_kwargs": None,
+    "request_id": None,
+    "processor": None,
+}
+_NOT_IMPLEMENTED_CHAT: dict[str, Any] = {
+    **_NOT_IMPLEMENTED_COMMON,
+    "documents": None,
+    "chat_template": None,
+    "chat_template_kwargs": None,
+    "parallel_tool_calls": None,
+    "functions": None,
+    "function_call": None,
+    "audio": None,
+    "prediction": None,
+    "reasoning_effort": None,
+    "include_reasoning": True,
+    "web_search_options": None,
+}
+_NOT_IMPLEMENTED_COMPLETION: dict[str, Any] = {
+    **_NOT_IMPLEMENTED_COMMON,
+    "response_format": None,
+}
+
+
+def _is_off(value: Any, off: Any) -> bool:
+    """``value`` asks for nothing beyond what ``off`` does (an empty
+    container or null counts as off when ``off`` is null)."""
+    if value is None or value == off:
+        return True
+    return off is None and isinstance(value, dict | list | str) and not value
+
+
+def refuse_not_implemented(data: dict[str, Any], fields: dict[str, Any]) -> None:
+    """400 naming the first field of ``fields`` present in the request body
+    ``data`` with a value other than its "off" value."""
+    for name, off in fields.items():
+        if name in data and not _is_off(data[name], off):
+            raise bad_request(f"{name} is not supported by this server (kvpage)", param=name,
+                              code="unsupported_parameter")
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -100,6 +165,10 @@ class _GenerationRequest(_Strict):
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    add_special_tokens: bool | None = None
+    return_token_ids: bool = False
+
+    NOT_IMPLEMENTED: ClassVar[dict[str, Any]] = _NOT_IMPLEMENTED_COMMON
 
     @field_validator("cache_salt")
     @classmethod
@@ -111,6 +180,12 @@ class _GenerationRequest(_Strict):
     def check_supported(self) -> None:
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed with stream=true",
+                              param="stream_options")
+        if self.return_token_ids and self.stream:
+            raise bad_request("return_token_ids is only supported without stream",
+                              param="return_token_ids")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ``APIError`` 400 naming the field for invalid values."""
@@ -147,6 +222,8 @@ class CompletionRequest(_GenerationRequest):
     best_of: int | None = None
     suffix: str | None = None
 
+    NOT_IMPLEMENTED: ClassVar[dict[str, Any]] = _NOT_IMPLEMENTED_COMPLETION
+
     def check_supported(self) -> None:
         super().check_supported()
         if self.echo:
@@ -182,13 +259,23 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+
+    NOT_IMPLEMENTED: ClassVar[dict[str, Any]] = _NOT_IMPLEMENTED_CHAT
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.tools:
             raise bad_request("tools are not supported", param="tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise bad_request("tool_choice is not supported", param="tool_choice")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise bad_request("continue_final_message and add_generation_prompt cannot both "
+                              "be true (set add_generation_prompt=false)",
+                              param="continue_final_message")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise bad_request("response_format other than text is not supported",
                               param="response_format")
@@ -216,3 +303,36 @@ def value_error(exc: ValueError) -> APIError:
     if param is None and bare.startswith("prompt"):
         param = "prompt"
     return bad_request(message, param=param)
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's ``/tokenize``: a ``prompt``, or chat ``messages`` (templated)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+
+    NOT_IMPLEMENTED: ClassVar[dict[str, Any]] = {
+        "chat_template": None, "chat_template_kwargs": None, "tools": None,
+        "mm_processor_kwargs": None,
+    }
+
+    def check_supported(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("give exactly one of prompt and messages", param="prompt")
+        if self.continue_final_message and self.add_generation_prompt \
+                and self.messages is not None:
+            raise bad_request("continue_final_message and add_generation_prompt cannot both "
+                              "be true (set add_generation_prompt=false)",
+                              param="continue_final_message")
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's ``/detokenize``."""
+
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1 << 20)

@@ -64,7 +64,10 @@ from kvpage.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     bad_request,
+    refuse_not_implemented,
     validation_error,
     value_error,
 )
@@ -77,7 +80,7 @@ T = TypeVar("T")
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_GRACE_SECONDS = 30.0
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/ping"})
 """Routes that need no API key."""
 MAX_PROMPTS_PER_REQUEST = 1024
 """Most prompts one ``/v1/completions`` request may carry (each becomes an
@@ -313,6 +316,8 @@ class _Generation:
     usage: _Usage
     num_logprobs: int | None
     include_usage: bool
+    prompt_token_ids: list[list[int]] | None = None
+    """Set when the request asked for ``return_token_ids``."""
 
     def abort(self) -> None:
         for stream in self.streams:
@@ -333,9 +338,14 @@ class _Server:
     def model_name(self, requested: str | None) -> str:
         if requested is None or requested in self.model_names:
             return requested or self.model_names[0]
-        raise APIError(400, f"the model {requested!r} does not exist; this server serves "
+        raise APIError(404, f"the model {requested!r} does not exist; this server serves "
                        f"{', '.join(map(repr, self.model_names))}", "invalid_request_error",
                        param="model", code="model_not_found")
+
+    def model_card(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "kvpage",
+                "root": self.model_names[0], "parent": None,
+                "max_model_len": self.engine.max_model_len}
 
     @property
     def tokenizer(self) -> Any:
@@ -353,7 +363,7 @@ class _Server:
         return list(ids["input_ids"])
 
     async def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool,
-                          ) -> str:
+                          continue_final_message: bool = False) -> str:
         """The chat template applied to ``messages`` (on a worker thread)."""
         for message in messages:
             for value in message.values():
@@ -362,15 +372,26 @@ class _Server:
         if getattr(tokenizer, "chat_template", None) is None:
             raise bad_request("the model has no chat template; use /v1/completions")
         try:
+            extra = {"continue_final_message": True} if continue_final_message else {}
             return await asyncio.to_thread(
                 tokenizer.apply_chat_template, messages, tokenize=False,
-                add_generation_prompt=add_generation_prompt)
+                add_generation_prompt=add_generation_prompt, **extra)
         except ImportError as exc:  # jinja2 missing: the server's fault, not the client's
             raise APIError(500, f"chat templates need jinja2 (install kvpage[serve]): {exc}",
                            "internal_server_error", code="missing_dependency") from None
         except Exception as exc:  # a template may reject a conversation
             raise bad_request(f"the chat template failed on these messages: {exc}",
                               param="messages") from None
+
+    def check_top_logprobs(self, top_logprobs: int | None) -> None:
+        """Chat's ``top_logprobs`` within 0..max_logprobs (a 400 naming it)."""
+        if top_logprobs is None:
+            return
+        config = getattr(self.engine.engine, "config", None)
+        limit = getattr(config, "max_logprobs", 20)
+        if not 0 <= top_logprobs <= limit:
+            raise bad_request(f"top_logprobs must be between 0 and {limit} (max_logprobs), "
+                              f"got {top_logprobs}", param="top_logprobs")
 
     def check_length(self, prompt_len: int, max_tokens: int | None, param: str) -> None:
         limit = self.engine.max_model_len
@@ -414,8 +435,10 @@ class _Server:
             raise _engine_error(failure)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         usage = _Usage([len(p["prompt_token_ids"]) for p in prompts], [0] * len(prompts))
+        prompt_ids = [list(p["prompt_token_ids"]) for p in prompts] \
+            if getattr(body, "return_token_ids", False) else None
         return _Generation(request_id, int(time.time()), model, params.n, streams, usage,
-                           num_logprobs, include_usage)
+                           num_logprobs, include_usage, prompt_ids)
 
     # ---- logprobs -------------------------------------------------------
 
@@ -542,6 +565,9 @@ def _completion_body(srv: _Server, gen: _Generation, choices: list[_Choice]) -> 
                                                gen.num_logprobs, 0)
         result.append({"index": index, "text": choice.text, "logprobs": logprobs,
                        "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason})
+        if gen.prompt_token_ids is not None:
+            result[-1]["prompt_token_ids"] = gen.prompt_token_ids[index // gen.n]
+            result[-1]["token_ids"] = choice.token_ids
     return {"id": gen.request_id, "object": "text_completion", "created": gen.created,
             "model": gen.model, "choices": result, "usage": gen.usage.json()}
 
@@ -586,8 +612,13 @@ def _chat_body(srv: _Server, gen: _Generation, choices: list[_Choice]) -> dict[s
         result.append({"index": index, "message": {"role": "assistant", "content": choice.text},
                        "logprobs": logprobs, "finish_reason": choice.finish_reason,
                        "stop_reason": choice.stop_reason})
-    return {"id": gen.request_id, "object": "chat.completion", "created": gen.created,
-            "model": gen.model, "choices": result, "usage": gen.usage.json()}
+        if gen.prompt_token_ids is not None:
+            result[-1]["token_ids"] = choice.token_ids
+    response = {"id": gen.request_id, "object": "chat.completion", "created": gen.created,
+                "model": gen.model, "choices": result, "usage": gen.usage.json()}
+    if gen.prompt_token_ids is not None:
+        response["prompt_token_ids"] = gen.prompt_token_ids[0]
+    return response
 
 
 async def _respond(
@@ -638,6 +669,7 @@ async def _parse(request: Request, model: type[M]) -> M:
                           code="invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_json")
+    refuse_not_implemented(data, getattr(model, "NOT_IMPLEMENTED", {}))
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -701,12 +733,54 @@ def build_app(
         body, content_type = async_engine.metrics.render()
         return Response(body, media_type=content_type)
 
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        return await health()
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        from kvpage import __version__
+
+        return JSONResponse({"version": __version__})
+
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        data = [{"id": name, "object": "model", "created": srv.created, "owned_by": "kvpage",
-                 "root": names[0], "parent": None, "max_model_len": async_engine.max_model_len}
-                for name in names]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": [srv.model_card(n) for n in names]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        return JSONResponse(srv.model_card(srv.model_name(model_id)))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        body = await _parse(request, TokenizeRequest)
+        srv.model_name(body.model)
+        body.check_supported()
+        if body.messages is not None:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            text = await srv.render_chat(messages, body.add_generation_prompt,
+                                         body.continue_final_message)
+            special = bool(body.add_special_tokens)  # the template has them
+            ids = await srv.tokenize(text, "messages", add_special_tokens=special)
+        else:
+            special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = await srv.tokenize(body.prompt or "", "prompt", add_special_tokens=special)
+        strs = [srv.token_text(t) for t in ids] if body.return_token_strs else None
+        return JSONResponse({"count": len(ids), "max_model_len": async_engine.max_model_len,
+                             "tokens": ids, "token_strs": strs})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        body = await _parse(request, DetokenizeRequest)
+        srv.model_name(body.model)
+        tokenizer = srv.tokenizer
+        vocab = len(tokenizer)
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"tokens: token id {bad} is out of range [0, {vocab})",
+                              param="tokens")
+        text = await asyncio.to_thread(tokenizer.decode, body.tokens)
+        return JSONResponse({"prompt": text})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -728,7 +802,8 @@ def build_app(
         explicit = body.max_tokens if "max_tokens" in body.model_fields_set else None
         prompts = []
         for p in raw_prompts:
-            ids = await srv.tokenize(p, "prompt") if isinstance(p, str) else list(p)
+            ids = await srv.tokenize(p, "prompt", add_special_tokens=body.add_special_tokens
+                                     is not False) if isinstance(p, str) else list(p)
             srv.check_length(len(ids), explicit, "prompt")
             prompts.append({"prompt": p if isinstance(p, str) else None,
                             "prompt_token_ids": ids})
@@ -742,9 +817,12 @@ def build_app(
         body = await _parse(request, ChatCompletionRequest)
         model = srv.model_name(body.model)
         body.check_supported()
+        srv.check_top_logprobs(body.top_logprobs)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        text = await srv.render_chat(messages, body.add_generation_prompt)
-        ids = await srv.tokenize(text, "messages", add_special_tokens=False)
+        text = await srv.render_chat(messages, body.add_generation_prompt,
+                                     body.continue_final_message)
+        ids = await srv.tokenize(text, "messages",
+                                 add_special_tokens=bool(body.add_special_tokens))
         srv.check_length(len(ids), body.output_limit, "messages")
         params = body.sampling_params(body.output_limit, body.num_logprobs)
         gen = await srv.start("chatcmpl", model, [{"prompt": text, "prompt_token_ids": ids}],
