@@ -53,14 +53,22 @@ def load_kv_tiles(
     ``n_kv`` are masked everywhere - their block-table entry and their K/V are
     never read - and come back as 0.
 
-    Offsets are built directly in 2-D (each slot looks up its own page id; the
-    ``B`` duplicate lookups per page hit the same cache line), so no reshape
-    of a 3-D gather is needed and loads stay contiguous along ``D``.
+    The block's page ids are loaded once (one masked load of ``block_k / B``
+    entries, only pages holding a slot below ``n_kv``) and broadcast to their
+    ``B`` slots, so per-slot address computation does not wait on a per-slot
+    table lookup. Offsets are then built directly in 2-D, so loads stay
+    contiguous along ``D``.
     """
     head_dim = k_pages_ref.shape[-1]
+    pages_per_block = block_k // block_size
+    first_page = first_slot // block_size
+    page = first_page + jnp.arange(pages_per_block, dtype=jnp.int32)  # [PP]
+    page_ids = masked_load(
+        block_tables_ref, (row, page), mask=page * block_size < n_kv, other=0
+    )  # [PP]
+    phys = jnp.broadcast_to(page_ids[:, None], (pages_per_block, block_size)).reshape(block_k)
     slot = first_slot + jnp.arange(block_k, dtype=jnp.int32)  # [BK]
     ok = slot < n_kv
-    phys = masked_load(block_tables_ref, (row, slot // block_size), mask=ok, other=0)
     shape = (block_k, head_dim)
     idx = (
         jnp.broadcast_to(phys[:, None], shape),

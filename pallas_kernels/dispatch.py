@@ -15,8 +15,11 @@ between the pure-jnp reference (``reference.py``) and the Pallas kernels
 
 ``decode_only=True`` is the caller's promise that every live row has
 ``q_len == 1``; with the Pallas backend it routes to the split-K decode
-kernel. Tuning knobs are not exposed here on purpose: the kernels' defaults
-are what model code gets.
+kernel. Other Pallas steps run :func:`mixed_paged_attention`: the ragged
+kernel for rows with ``q_len > 1`` and the split-K decode kernel for the
+decode rows, so decode rows keep split-K in steps with prefill. Tuning
+knobs are not exposed here on purpose: the kernels' defaults are what model
+code gets.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import contextvars
 from collections.abc import Iterator
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels._compat import on_gpu
 from pallas_kernels.paged_decode_attention import paged_decode_attention
@@ -93,4 +97,38 @@ def paged_attention(
     interpret = interpret_default()
     if decode_only:
         return paged_decode_attention(*args, sm_scale=sm_scale, interpret=interpret)
-    return ragged_paged_attention(*args, sm_scale=sm_scale, interpret=interpret)
+    return mixed_paged_attention(*args, sm_scale=sm_scale, interpret=interpret)
+
+
+def mixed_paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    interpret: bool = False,
+) -> jax.Array:
+    """A step with prefill rows: decode rows still get split-K.
+
+    Rows with ``q_len > 1`` go through the ragged kernel, which skips the decode
+    rows (``q_len == 1``); the decode rows go through the split-K decode kernel,
+    which sees the other rows as empty (``kv_len`` 0). Each kernel leaves the
+    other's tokens at 0, so the two outputs add up to the contract's result.
+    """
+    num_rows = block_tables.shape[0]
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    live = jnp.arange(num_rows, dtype=jnp.int32) < num_seqs[0]
+    decode_row = live & (q_lens == 1)
+    prefill = ragged_paged_attention(
+        q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, decode_row,
+        sm_scale=sm_scale, interpret=interpret,
+    )  # fmt: skip
+    decode = paged_decode_attention(
+        q, k_pages, v_pages, jnp.where(decode_row, kv_lens, 0), block_tables, cu_q_lens,
+        num_seqs, sm_scale=sm_scale, interpret=interpret,
+    )  # fmt: skip
+    return prefill + decode

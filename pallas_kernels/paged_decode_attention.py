@@ -15,9 +15,10 @@ Work decomposition
   row ``s``'s single query token (at ``cu_q_lens[s]``) for *all* ``G`` query
   heads of KV head ``h`` (a ``[block_h, D]`` tile, ``block_h >= 16`` padded
   for ``tl.dot``), so each K/V page is loaded once per KV head.
-* Split ``k`` covers an equal, per-row share of the row's *valid* pages
-  (``ceil(kv_len / B)``, rounded to ``pages_per_compute_block``); shares of
-  short rows that run out of pages do no work. Nothing at or past ``kv_len``
+* Splits are planned per row from its live length inside the kernel: the
+  grid's ``num_splits`` is an upper bound, a row of ``n`` live compute blocks
+  uses ``clip(ceil(n / min_blocks_per_split), 1, num_splits)`` splits and split
+  ``k`` covers an equal share of them; splits past that do no work. Nothing at or past ``kv_len``
   is loaded (masked loads; masked lanes read nothing and yield 0).
 * Inner loop: ``lax.fori_loop`` over compute blocks of
   ``pages_per_compute_block`` pages, online softmax in float32 (base 2).
@@ -68,6 +69,10 @@ from pallas_kernels._tiles import (
 # the auto split count aims for this.
 TARGET_PROGRAMS = 264
 MAX_AUTO_SPLITS = 16
+# A split of a row gets at least this many compute blocks (2 x 128 tokens by
+# default), so short rows are not cut into slivers whose LSE merge costs more
+# than the work they parallelise.
+MIN_BLOCKS_PER_SPLIT = 2
 
 
 def _decode_kernel(
@@ -85,6 +90,7 @@ def _decode_kernel(
     group: int,
     block_h: int,
     num_splits: int,
+    min_blocks_per_split: int,
     pages_per_block: int,
     block_size: int,
     max_len: int,
@@ -98,9 +104,14 @@ def _decode_kernel(
     tok = cu_q_lens_ref[row]
     active = (row < num_seqs_ref[0]) & (cu_q_lens_ref[row + 1] > tok)
     n_kv = jnp.where(active, jnp.clip(kv_lens_ref[row], 0, max_len), 0)
-    # This split's share of the row's compute blocks (block_k slots each).
+    # Split plan from the row's live length: the grid's ``num_splits`` is only an
+    # upper bound; a row uses as many splits as give each >= ``min_blocks_per_split``
+    # compute blocks, and this split takes its equal share (none if past the end).
     blocks_total = (n_kv + block_k - 1) // block_k
-    blocks_per_split = (blocks_total + num_splits - 1) // num_splits
+    row_splits = jnp.clip(
+        (blocks_total + min_blocks_per_split - 1) // min_blocks_per_split, 1, num_splits
+    )
+    blocks_per_split = (blocks_total + row_splits - 1) // row_splits
     first_block = split * blocks_per_split
     n_blocks = jnp.clip(blocks_total - first_block, 0, blocks_per_split)
 
@@ -160,6 +171,7 @@ def auto_num_splits(num_rows: int, num_kv_heads: int, max_blocks: int, pages_per
         "sm_scale",
         "interpret",
         "num_splits",
+        "min_blocks_per_split",
         "pages_per_compute_block",
         "block_h",
         "num_warps",
@@ -178,6 +190,7 @@ def paged_decode_attention(
     sm_scale: float,
     interpret: bool = False,
     num_splits: int | None = None,
+    min_blocks_per_split: int = MIN_BLOCKS_PER_SPLIT,
     pages_per_compute_block: int | None = None,
     block_h: int | None = None,
     num_warps: int = 4,
@@ -187,7 +200,10 @@ def paged_decode_attention(
 
     Arguments and result as in :func:`ragged_paged_attention`; knobs:
 
-      num_splits: KV splits per row (static); default targets ~264 programs.
+      num_splits: most KV splits per row (static grid size); default targets
+        ~264 programs. Each row uses fewer when its live length is short.
+      min_blocks_per_split: compute blocks a row's split gets at least; a row
+        of ``n`` live blocks uses ``clip(ceil(n / this), 1, num_splits)`` splits.
       pages_per_compute_block: pages per inner-loop step (power of two);
         default makes a 128-token KV block (at least one page).
       block_h: query-head tile (power of two, >= 16 and >= the GQA group).
@@ -218,8 +234,8 @@ def paged_decode_attention(
     check_dot_tile(rows=block_h, block_k=pages_per_compute_block * block_size)
     if num_splits is None:
         num_splits = auto_num_splits(num_rows, num_kv_heads, max_blocks, pages_per_compute_block)
-    if num_splits < 1:
-        raise ValueError(f"{num_splits=} must be >= 1")
+    if num_splits < 1 or min_blocks_per_split < 1:
+        raise ValueError(f"{num_splits=} and {min_blocks_per_split=} must be >= 1")
 
     q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     kernel = functools.partial(
@@ -228,6 +244,7 @@ def paged_decode_attention(
         group=group,
         block_h=block_h,
         num_splits=num_splits,
+        min_blocks_per_split=min_blocks_per_split,
         pages_per_block=pages_per_compute_block,
         block_size=block_size,
         max_len=max_blocks * block_size,

@@ -157,12 +157,22 @@ def _ragged_kernel(
 
 
 def build_work_items(
-    cu_q_lens: jax.Array, num_seqs: jax.Array, *, block_q: int, num_items: int
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    block_q: int,
+    num_items: int,
+    skip_rows: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Map each grid item to ``(row, query block in row)``; unused items get row -1."""
+    """Map each grid item to ``(row, query block in row)``; unused items get row -1.
+
+    Rows where ``skip_rows`` ([S] bool) holds get no items (their tokens stay 0).
+    """
     num_rows = cu_q_lens.shape[0] - 1
     q_lens = jnp.maximum(cu_q_lens[1:] - cu_q_lens[:-1], 0)
     live = jnp.arange(num_rows, dtype=jnp.int32) < num_seqs[0]
+    if skip_rows is not None:
+        live = live & ~skip_rows
     blocks = jnp.where(live, (q_lens + block_q - 1) // block_q, 0).astype(jnp.int32)
     ends = jnp.cumsum(blocks).astype(jnp.int32)
     starts = ends - blocks
@@ -207,6 +217,7 @@ def ragged_paged_attention(
     block_tables: jax.Array,
     cu_q_lens: jax.Array,
     num_seqs: jax.Array,
+    skip_rows: jax.Array | None = None,
     *,
     sm_scale: float,
     interpret: bool = False,
@@ -224,6 +235,8 @@ def ragged_paged_attention(
       block_tables: ``[S, max_blocks]`` int32 physical block of each logical block.
       cu_q_lens: ``[S + 1]`` int32 query offsets of the rows.
       num_seqs: ``[1]`` int32; rows at or past it are padding.
+      skip_rows: optional ``[S]`` bool; rows where it holds are not computed
+        (their tokens come back 0), for callers that send them elsewhere.
       sm_scale: softmax scale (static).
       interpret: run the kernel with Pallas' interpreter (CPU testing).
       block_q: query tokens per work item (power of two); default keeps the
@@ -260,7 +273,7 @@ def ragged_paged_attention(
 
     num_items = max_work_items(num_tokens, num_rows, block_q)
     item_row, item_qblk = build_work_items(
-        cu_q_lens, num_seqs, block_q=block_q, num_items=num_items
+        cu_q_lens, num_seqs, block_q=block_q, num_items=num_items, skip_rows=skip_rows
     )
     q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     zeros = jnp.zeros_like(q4)

@@ -196,9 +196,7 @@ def compile_sm90a(module: TritonModule, *, use_cache: bool = True) -> KernelBuil
         ):
             knobs.nvidia.dump_ptxas_log = True
             knobs.cache.dir = str(Path(tmp) / "triton-cache")  # always run ptxas
-            compiled = triton.compile(
-                str(src), target=GPUTarget("cuda", 90, 32), options=options
-            )
+            compiled = triton.compile(str(src), target=GPUTarget("cuda", 90, 32), options=options)
     elapsed = time.perf_counter() - start
     stats = _parse_ptxas_log(log.getvalue())
     ptx = compiled.asm["ptx"]

@@ -546,9 +546,9 @@ def _spy(calls: list[tuple[str, dict]], name: str) -> Callable[..., str]:
         (None, False, False, "xla", None),
         (None, False, True, "xla", None),
         ("xla", True, True, "xla", None),
-        (None, True, False, "ragged", False),
+        (None, True, False, "mixed", False),
         (None, True, True, "decode", False),
-        ("pallas", False, False, "ragged", True),
+        ("pallas", False, False, "mixed", True),
         ("pallas", False, True, "decode", True),
         ("reference", True, True, "reference", None),
     ],
@@ -566,6 +566,7 @@ def test_dispatch_routes(
     monkeypatch.setattr(dispatch, "on_gpu", lambda: gpu)
     monkeypatch.setattr(dispatch, "ragged_paged_attention", _spy(calls, "ragged"))
     monkeypatch.setattr(dispatch, "paged_decode_attention", _spy(calls, "decode"))
+    monkeypatch.setattr(dispatch, "mixed_paged_attention", _spy(calls, "mixed"))
     monkeypatch.setattr(dispatch, "ragged_paged_attention_reference", _spy(calls, "reference"))
     monkeypatch.setattr(dispatch, "xla_paged_attention", _spy(calls, "xla"))
     result = dispatch.paged_attention(
@@ -581,6 +582,41 @@ def test_dispatch_pallas_runs_the_kernels(mixed_case: Case) -> None:
     expected = _reference(mixed_case, 0.2)
     out = pallas_kernels.paged_attention(*mixed_case.args, sm_scale=0.2, backend="pallas")
     assert_close(out, expected, F32_TOL)
+
+
+def test_mixed_step_gives_decode_rows_split_k() -> None:
+    # Prefill rows (q_len 5, 3), decode rows with long and short KV, a padded row.
+    case = make_case(
+        12, [5, 1, 3, 1], [40, 70, 9, 5], num_kv_heads=2, group=2, head_dim=64,
+        block_size=8, pad_rows=1, pad_tokens=2,
+    )  # fmt: skip
+    calls: list[str] = []
+    real_decode = dispatch.paged_decode_attention
+
+    def decode_spy(*args: jax.Array, **kwargs: object) -> jax.Array:
+        calls.append("decode")
+        return real_decode(*args, **kwargs)
+
+    sm_scale = 0.125
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dispatch, "paged_decode_attention", decode_spy)
+        out = dispatch.mixed_paged_attention(*case.args, sm_scale=sm_scale, interpret=INTERPRET)
+    assert calls == ["decode"]
+    assert_close(out, _reference(case, sm_scale), F32_TOL)
+    assert not np.asarray(out)[10:].any(), "padded tokens must be exact zeros"
+
+
+@pytest.mark.parametrize("min_blocks", [1, 3])
+def test_decode_split_plan_follows_live_lengths(min_blocks: int) -> None:
+    # 8 grid splits, rows of 1..9 compute blocks: each row plans its own split count.
+    case = make_case(
+        13, [1, 1, 1], [150, 9, 70], num_kv_heads=1, group=4, head_dim=32, block_size=16,
+    )  # fmt: skip
+    out = paged_decode_attention(
+        *case.args, sm_scale=0.2, interpret=INTERPRET, num_splits=8,
+        min_blocks_per_split=min_blocks, pages_per_compute_block=1,
+    )  # fmt: skip
+    assert_close(out, _reference(case, 0.2), F32_TOL)
 
 
 @pytest.mark.parametrize("backend", ["triton", "Pallas", "", "gpu"])
