@@ -277,7 +277,8 @@ def test_wrong_or_missing_api_key(served: Served) -> None:
         ("/v1/chat/completions", {"model": MODEL, "messages": [
             {"role": "user", "content": "hello " * 300}]}, "messages"),
         ("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 1000}, "max_tokens"),
-        ("/v1/completions", {"model": "gpt-4", "prompt": "Hi"}, "model"),
+        ("/v1/completions", {"model": MODEL, "prompt": "Hi",
+                             "stream_options": {"include_usage": True}}, "stream_options"),
         ("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": "ten"}, "max_tokens"),
         ("/v1/completions", {"model": MODEL, "prompt": 5}, "prompt"),
         ("/v1/completions", {"model": MODEL}, "prompt"),
@@ -287,7 +288,8 @@ def test_wrong_or_missing_api_key(served: Served) -> None:
         ("/v1/completions", {"model": MODEL, "prompt": "Hi", "n": 16}, "n"),
     ],
     ids=["bad-json", "not-object", "temperature", "top-p", "too-long", "chat-too-long",
-         "max-tokens-too-many", "unknown-model", "wrong-type", "prompt-type", "missing-prompt",
+         "max-tokens-too-many", "stream-options-no-stream", "wrong-type", "prompt-type",
+         "missing-prompt",
          "messages-type", "token-out-of-vocab", "logprobs-too-many", "n-over-max-num-seqs"],
 )
 def test_bad_requests_are_400(served: Served, path: str, body: Any, param: str | None) -> None:

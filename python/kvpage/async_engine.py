@@ -154,6 +154,8 @@ class AsyncLLMEngine:
         metrics: where to record metrics; default a new ``EngineMetrics``.
         model_name: the ``model_name`` label of the default metrics.
         log_stats: write the periodic stats log line (default metrics only).
+        metrics_prefix: "kvpage" or "vllm", the name prefix of the default
+            metrics' series ("vllm": vLLM's dashboards work unchanged).
         start: start the engine thread now.
     """
 
@@ -165,10 +167,11 @@ class AsyncLLMEngine:
         model_name: str = "kvpage",
         log_stats: bool = True,
         start: bool = True,
+        metrics_prefix: str = "kvpage",
     ) -> None:
         self.engine = engine
         self.metrics = metrics if metrics is not None else EngineMetrics(
-            model_name, log_interval_s=5.0 if log_stats else None,
+            model_name, log_interval_s=5.0 if log_stats else None, prefix=metrics_prefix,
             max_model_len=getattr(engine, "max_model_len", 1 << 17),
             cache_config=cache_config_info(engine))
         self._cond = threading.Condition()

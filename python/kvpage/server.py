@@ -57,7 +57,7 @@ from kvpage.async_engine import (
     RequestFailedError,
     RequestStream,
 )
-from kvpage.engine import LLMEngine, QueueFullError
+from kvpage.engine import QueueFullError
 from kvpage.engine_config import EngineConfig
 from kvpage.outputs import CompletionOutput, Logprob, RequestOutput
 from kvpage.protocol import (
@@ -910,7 +910,6 @@ def run_server(
     import uvicorn
 
     from kvpage.extras import SERVE_MODULES, require
-    from kvpage.metrics import EngineMetrics, cache_config_info
 
     require("kvpage serve", SERVE_MODULES)
 
@@ -928,10 +927,7 @@ def run_server(
     names = served_model_name or str(model_dir)
     first = names if isinstance(names, str) else names[0]
     logger.info("loading %s", model_dir)
-    loaded = LLMEngine.from_config(config)
-    metrics = EngineMetrics(first, prefix=metrics_prefix, max_model_len=loaded.max_model_len,
-                            cache_config=cache_config_info(loaded))
-    engine = AsyncLLMEngine(loaded, metrics=metrics)
+    engine = AsyncLLMEngine.from_config(config, model_name=first, metrics_prefix=metrics_prefix)
     signalled: list[float] = []
 
     def on_signal() -> None:
