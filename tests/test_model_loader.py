@@ -207,3 +207,49 @@ def test_safetensors_reader_views(qwen2: tuple[Any, Path]) -> None:
     np.testing.assert_array_equal(reader.get(name), hf_state(model)[name])
     with pytest.raises(CheckpointError, match="not found"):
         reader.get("nope")
+
+
+def test_auto_dtype_downcasts_float32_on_accelerators() -> None:
+    from kvpage.model.loader import auto_dtype_for_platform
+
+    assert auto_dtype_for_platform("float32", "gpu") == "bfloat16"
+    assert auto_dtype_for_platform("float32", "tpu") == "bfloat16"
+    assert auto_dtype_for_platform("float32", "cpu") == "float32"
+    assert auto_dtype_for_platform("float16", "gpu") == "float16"
+    assert auto_dtype_for_platform("bfloat16", "gpu") == "bfloat16"
+
+
+def test_load_model_auto_on_gpu_runs_bf16_and_logs(tmp_path: Path, monkeypatch: Any,
+                                                    caplog: Any) -> None:
+    import logging
+
+    from kvpage.model import loader
+    from kvpage.tiny_model import build_tiny_model
+
+    directory = build_tiny_model(tmp_path / "m")
+    config, _ = load_model(directory)
+    assert config.dtype == "float32"  # on CPU the checkpoint's dtype stays
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    with caplog.at_level(logging.INFO, logger=loader.__name__):
+        config, params = load_model(directory)
+    assert config.dtype == "bfloat16"
+    assert params["embed_tokens"]["weight"].dtype == jnp.bfloat16
+    assert "runs in bfloat16 on gpu" in caplog.text
+    config, params = load_model(directory, dtype="float32")
+    assert config.dtype == "float32" and params["embed_tokens"]["weight"].dtype == jnp.float32
+
+
+def test_gguf_auto_dtype_float32_file_runs_bf16_on_accelerators() -> None:
+    from types import SimpleNamespace
+
+    from kvpage.model.gguf_loader import _auto_dtype
+
+    def reader(*kinds: str) -> Any:
+        return SimpleNamespace(tensors=[SimpleNamespace(tensor_type=SimpleNamespace(name=k),
+                                                        shape=(4, 4)) for k in kinds])
+
+    gpu, cpu = SimpleNamespace(platform="gpu"), SimpleNamespace(platform="cpu")
+    assert _auto_dtype(reader("F32"), gpu) == "bfloat16"
+    assert _auto_dtype(reader("F32"), cpu) == "float32"
+    assert _auto_dtype(reader("F16"), gpu) == "float16"
+    assert _auto_dtype(reader("Q4_1", "F32"), gpu) == "bfloat16"

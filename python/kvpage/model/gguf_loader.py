@@ -19,6 +19,7 @@ with ``dtype="auto"`` they become float32 on CPU and bfloat16 on accelerators.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -72,6 +73,8 @@ _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"
 # Llama 3.1's rope_scaling, which llama.cpp bakes into ``rope_freqs.weight``.
 _LLAMA3_LOW_FREQ, _LLAMA3_HIGH_FREQ, _LLAMA3_ORIGINAL_CONTEXT = 1.0, 4.0, 8192
+
+logger = logging.getLogger(__name__)
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -209,13 +212,16 @@ def _llama3_rope(
 
 
 def _auto_dtype(reader: Any, device: jax.Device | None) -> str:
-    """float32 on CPU; elsewhere the file's float type, bfloat16 for quantized weights."""
+    """float32 on CPU; elsewhere the file's float type, bfloat16 for quantized or
+    float32 weights (float32 uses no tensor cores; logged)."""
     platform = device.platform if device is not None else jax.default_backend()
     if platform == "cpu":
         return "float32"
     kinds = {t.tensor_type.name for t in reader.tensors if len(t.shape) > 1}
     if kinds == {"F32"}:
-        return "float32"
+        logger.info("dtype=auto: the float32 GGUF weights run in bfloat16 on %s (pass "
+                    "--dtype float32 to keep float32)", platform)
+        return "bfloat16"
     if kinds == {"F16"}:
         return "float16"
     return "bfloat16"

@@ -15,8 +15,10 @@ This file owns the three ways to obtain params for :mod:`kvpage.model.llama`:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,8 @@ from kvpage.model.params import (
 )
 from kvpage.model.safetensors_file import SafetensorsFile
 
+logger = logging.getLogger(__name__)
+
 _INDEX_FILE = "model.safetensors.index.json"
 _SINGLE_FILE = "model.safetensors"
 
@@ -49,14 +53,38 @@ def resolve_dtype(config: ModelConfig, dtype: str) -> str:
     return dtype
 
 
+def auto_dtype_for_platform(checkpoint_dtype: str, platform: str) -> str:
+    """``dtype="auto"`` on ``platform``: the checkpoint's dtype, except that a
+    float32 checkpoint runs in bfloat16 on an accelerator (as vLLM downcasts):
+    float32 weights there use no tensor cores and the f32 attention kernels
+    spill. On CPU the checkpoint's dtype stays."""
+    if platform != "cpu" and checkpoint_dtype == "float32":
+        return "bfloat16"
+    return checkpoint_dtype
+
+
 def load_model(
     model_dir: str | Path, dtype: str = "auto", device: jax.Device | None = None
 ) -> tuple[ModelConfig, Params]:
-    """Read ``config.json`` and the safetensors weights of an HF model directory."""
+    """Read ``config.json`` and the safetensors weights of an HF model directory.
+
+    ``dtype="auto"`` is the checkpoint's dtype, but bfloat16 for a float32
+    checkpoint on a GPU/TPU (``auto_dtype_for_platform``; logged); the returned
+    config carries the dtype the weights have.
+    """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"model directory not found: {model_dir}")
     config = ModelConfig.from_pretrained(model_dir)
+    if dtype == "auto":
+        platform = device.platform if device is not None else jax.default_backend()
+        dtype = auto_dtype_for_platform(config.dtype, platform)
+        if dtype != config.dtype:
+            logger.info("dtype=auto: the %s checkpoint runs in %s on %s (pass --dtype float32 "
+                        "to keep float32)", config.dtype, dtype, platform)
+    if dtype != config.dtype:
+        jnp_dtype(dtype)
+        config = dataclasses.replace(config, dtype=dtype)
     return config, load_params(model_dir, config, dtype=dtype, device=device)
 
 
