@@ -219,3 +219,38 @@ def test_vllm_metrics_prefix_serves_the_dashboard_series() -> None:
     assert f'vllm:request_params_max_tokens_sum{{{labels}}} 4.0' in text
     assert "vllm:cache_config_info{" in text and 'block_size="' in text
     assert "kvpage:" not in text
+
+
+def test_serve_without_its_extra_fails_at_startup(monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from kvpage import cli, extras
+
+    monkeypatch.setitem(extras.SERVE_MODULES, "kvpage_no_such_module", "no-such-dist")
+    assert cli.main(["serve", "no-such-model-dir"]) == 2  # before any model loads
+    err = capsys.readouterr().err
+    assert "no-such-dist" in err and "install kvpage[serve]" in err
+
+
+def test_cli_help_needs_no_serve_packages() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "for m in ('httpx', 'fastapi', 'uvicorn', 'prometheus_client'): sys.modules[m] = None\n"
+            "from kvpage.cli import build_parser\n"
+            "build_parser().parse_args(['bench', 'serve', '--help'])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "--base-url" in out.stdout
+
+
+def test_missing_jinja2_is_a_server_error(served: InProcessServer,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_jinja(*args: Any, **kwargs: Any) -> str:
+        raise ImportError("apply_chat_template requires jinja2 to be installed")
+
+    monkeypatch.setattr(served.engine.tokenizer, "apply_chat_template", no_jinja)
+    err = error(post(served, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES}),
+                500)
+    assert "kvpage[serve]" in err["message"] and err["code"] == "missing_dependency"
