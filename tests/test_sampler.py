@@ -224,3 +224,40 @@ def test_changing_parameters_does_not_retrace(variant: int) -> None:
     ][variant]
     run(random_logits(variant), make_inputs(**params), step=variant)
     assert _TRACES["sample"] == before
+
+
+def _top_k_top_p_by_sorting(logits: np.ndarray, top_k: np.ndarray, top_p: np.ndarray) -> np.ndarray:
+    """The definition, written with a sort: which tokens survive in each row."""
+    keep = np.zeros(logits.shape, bool)
+    vocab = logits.shape[-1]
+    for r, row in enumerate(logits):
+        ordered = np.sort(row)[::-1]
+        k = vocab if top_k[r] <= 0 or top_k[r] >= vocab else top_k[r]
+        survivors = row >= ordered[k - 1]
+        if top_p[r] < 1.0:
+            z = np.where(survivors, row, -np.inf).astype(np.float64)
+            probs = np.exp(z - z.max())
+            probs /= probs.sum()
+            # smallest value whose strictly-greater tokens hold less than top_p
+            kept = [v for v in np.unique(row[survivors]) if probs[row > v].sum() < top_p[r]]
+            survivors &= row >= min(kept)
+        keep[r] = survivors & np.isfinite(row)
+    return keep
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_top_k_top_p_without_sorting_matches_the_definition(seed: int) -> None:
+    from kvpage.runner.sampler import apply_top_k_top_p
+
+    rng = np.random.default_rng(seed)
+    rows, vocab = 6, int(rng.integers(2, 400))
+    logits = (rng.standard_normal((rows, vocab)) * rng.uniform(0.2, 8)).astype(np.float32)
+    if seed % 2:
+        logits = np.round(logits)  # many ties, and both -0.0 and 0.0
+    logits[0, :] = -np.inf
+    logits[0, seed % vocab] = 1.0  # one finite token
+    top_k = rng.integers(-1, vocab + 2, rows).astype(np.int32)
+    top_p = rng.uniform(0.05, 1.1, rows).astype(np.float32)
+    out = np.asarray(apply_top_k_top_p(jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p)))
+    np.testing.assert_array_equal(np.isfinite(out), _top_k_top_p_by_sorting(logits, top_k, top_p))
+    assert np.isfinite(out).any(axis=-1).all()  # the most likely token always survives

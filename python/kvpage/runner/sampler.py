@@ -20,6 +20,7 @@ top-N logprob list) sit behind ``lax.cond`` so batches that do not use them skip
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -87,25 +88,75 @@ def apply_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
     return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
+def _order_keys(values: jax.Array) -> jax.Array:
+    """int32 keys ordered like the float32 ``values`` (``a < b`` iff ``key(a) < key(b)``
+    for non-NaN floats; -inf and inf map to the ends)."""
+    values = values.astype(jnp.float32)
+    values = jnp.where(values == 0.0, 0.0, values)  # -0.0 and 0.0 are one value
+    bits = jax.lax.bitcast_convert_type(values, jnp.int32)
+    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
+def _smallest_key_where(
+    keys: jax.Array, low: jax.Array, high: jax.Array, holds: Callable[[jax.Array], jax.Array]
+) -> jax.Array:
+    """Per row, the smallest int32 ``t`` in ``[low, high]`` with ``holds(t)`` true, for a
+    ``holds`` that is monotone in ``t`` (false ... false true ... true) and true at ``high``.
+    A bisection over the key range: 32 passes over ``keys``, no sort."""
+
+    def body(_: int, bounds: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        lo, hi = bounds
+        # hi - lo may not fit an int32; as uint32 it is exact (hi >= lo), and half of it does.
+        half = ((hi.astype(jnp.uint32) - lo.astype(jnp.uint32)) >> 1).astype(jnp.int32)
+        mid = lo + half
+        ok = holds(mid)
+        return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+
+    _, hi = jax.lax.fori_loop(0, 32, body, (low, high))
+    return hi
+
+
 def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """Mask everything outside each row's top-k, then outside its top-p nucleus.
 
     The nucleus is the smallest set of most likely tokens (among the top-k survivors)
     whose probability reaches ``top_p``; the most likely token is always kept. Tokens tied
     with a boundary token are kept too.
+
+    Both thresholds are found exactly without sorting the vocabulary (a full sort of
+    ``[rows, vocab]`` cost 680 ms per step at 64 rows x 49k vocab on a 2-core CPU):
+    a bisection over the logits' order-preserving int32 keys. The k-th largest value is
+    the largest key with at least k tokens at or above it; the nucleus threshold is the
+    smallest key whose strictly-greater tokens hold less than ``top_p`` of the mass.
     """
     vocab = logits.shape[-1]
-    ordered = -jnp.sort(-logits, axis=-1)  # descending
+    keys = _order_keys(logits)
+    low = jnp.min(keys, axis=-1)
+    high = jnp.max(keys, axis=-1)
     k = jnp.where((top_k <= 0) | (top_k >= vocab), vocab, top_k)
-    kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
-    in_top_k = ordered >= kth
-    probs = jax.nn.softmax(jnp.where(in_top_k, ordered, -jnp.inf), axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    in_nucleus = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
-    keep = in_top_k & in_nucleus
-    keep = keep.at[:, 0].set(True)
-    threshold = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+    def fewer_than_k_above(t: jax.Array) -> jax.Array:  # count(key > t) < k
+        return jnp.sum(keys > t[:, None], axis=-1) < k
+
+    # The k-th largest key is the smallest t with fewer than k tokens strictly above it.
+    kth = jax.lax.cond(
+        jnp.any(k < vocab),
+        lambda: _smallest_key_where(keys, low, high, fewer_than_k_above),
+        lambda: low,
+    )
+    in_top_k = keys >= kth[:, None]
+    probs = jax.nn.softmax(jnp.where(in_top_k, logits, -jnp.inf), axis=-1)
+
+    def little_mass_above(t: jax.Array) -> jax.Array:  # mass(key > t) < top_p
+        return jnp.sum(jnp.where(keys > t[:, None], probs, 0.0), axis=-1) < top_p
+
+    nucleus = jax.lax.cond(
+        jnp.any(top_p < 1.0),
+        lambda: _smallest_key_where(keys, kth, high, little_mass_above),
+        lambda: kth,
+    )
+    threshold = jnp.where(top_p >= 1.0, kth, jnp.maximum(nucleus, kth))
+    return jnp.where(keys >= threshold[:, None], logits, -jnp.inf)
 
 
 def row_keys(
