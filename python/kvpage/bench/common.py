@@ -319,10 +319,12 @@ def _params_for(
     if mode == "cap":
         cap = max_model_len - len(request.prompt_token_ids)
         want = min(request.output_len, cap)
-        # Token 0 is left out, so a stop-token filter cannot mask every logit.
+        # Every token but 0 stops the request once min_tokens are out (the device masks
+        # them before), so the drawn length's last token is its stop token; token 0 is
+        # left out so the mask never covers every logit.
         return SamplingParams(
-            max_tokens=cap, min_tokens=want, stop_token_ids=list(range(1, vocab_size)),
-            ignore_eos=True,
+            max_tokens=cap, min_tokens=max(want - 1, 0),
+            stop_token_ids=list(range(1, vocab_size)), ignore_eos=True,
         )
     raise ValueError(f"length mode must be one of {LENGTH_MODES}, got {mode!r}")
 
