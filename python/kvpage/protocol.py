@@ -112,10 +112,7 @@ _NOT_IMPLEMENTED_CHAT: dict[str, Any] = {
     "include_reasoning": True,
     "web_search_options": None,
 }
-_NOT_IMPLEMENTED_COMPLETION: dict[str, Any] = {
-    **_NOT_IMPLEMENTED_COMMON,
-    "response_format": None,
-}
+_NOT_IMPLEMENTED_COMPLETION: dict[str, Any] = _NOT_IMPLEMENTED_COMMON
 
 
 def _is_off(value: Any, off: Any) -> bool:
@@ -221,6 +218,7 @@ class CompletionRequest(_GenerationRequest):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    response_format: dict[str, Any] | None = None
 
     NOT_IMPLEMENTED: ClassVar[dict[str, Any]] = _NOT_IMPLEMENTED_COMPLETION
 
@@ -232,6 +230,9 @@ class CompletionRequest(_GenerationRequest):
             raise bad_request("suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of other than n is not supported", param="best_of")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise bad_request("response_format other than text is not supported",
+                              param="response_format")
 
 
 class TextPart(_Strict):
