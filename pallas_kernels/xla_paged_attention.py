@@ -61,17 +61,6 @@ def _online_update(
     return m_new, l_sum, acc
 
 
-def _gather_blocks(pages: jax.Array, ids: jax.Array) -> jax.Array:
-    """``pages[:, ids]`` (``[Hkv, *ids.shape, B, D]``) as one row gather from the pool
-    viewed as ``[Hkv * P, B * D]``: XLA:CPU copies whole rows this way, 1.7x faster
-    than the 4-D gather (measured on the decode shapes of a 2-core x86 CPU)."""
-    num_kv_heads, num_pages, block_size, head_dim = pages.shape
-    rows = pages.reshape(num_kv_heads * num_pages, block_size * head_dim)
-    heads = jnp.arange(num_kv_heads, dtype=jnp.int32).reshape((-1,) + (1,) * ids.ndim)
-    picked = jnp.take(rows, (heads * num_pages + ids[None]).reshape(-1), axis=0)
-    return picked.reshape((num_kv_heads, *ids.shape, block_size, head_dim))
-
-
 def _finish(l_sum: jax.Array, acc: jax.Array) -> jax.Array:
     return acc / jnp.where(l_sum == 0.0, 1.0, l_sum)[..., None]
 
@@ -91,11 +80,12 @@ def _decode_rows(
 
     def body(c: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]):
         ids = lax.dynamic_slice_in_dim(block_tables, c * chunk_blocks, chunk_blocks, axis=1)
-        k = _gather_blocks(k_pages, ids).reshape(num_kv_heads, num_rows, chunk, head_dim)
-        v = _gather_blocks(v_pages, ids).reshape(num_kv_heads, num_rows, chunk, head_dim)
+        k = k_pages[:, ids].reshape(num_kv_heads, num_rows, chunk, head_dim)
+        v = v_pages[:, ids].reshape(num_kv_heads, num_rows, chunk, head_dim)
         kv_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
         live = kv_pos[None, :] < kv_lens[:, None]  # [S, chunk]
         v = jnp.where(live[None, :, :, None], v.astype(jnp.float32), 0.0)
+        # (KV head, row) leading: XLA:CPU runs these batched dots fastest.
         scores = jnp.einsum("hsgd,hskd->hsgk", q, k.astype(jnp.float32))
         return _online_update(carry, scores, live[None, :, None, :], v, "hsgk,hskd->hsgd")
 
@@ -142,8 +132,8 @@ def _prefill_rows(
 
             def kv_body(c: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]):
                 ids = lax.dynamic_slice_in_dim(table, c * chunk_blocks, chunk_blocks)
-                k = _gather_blocks(k_pages, ids).reshape(num_kv_heads, chunk, head_dim)
-                v = _gather_blocks(v_pages, ids).reshape(num_kv_heads, chunk, head_dim)
+                k = k_pages[:, ids].reshape(num_kv_heads, chunk, head_dim)
+                v = v_pages[:, ids].reshape(num_kv_heads, chunk, head_dim)
                 kv_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
                 live = kv_pos < kv_len
                 v = jnp.where(live[None, :, None], v.astype(jnp.float32), 0.0)
