@@ -170,3 +170,26 @@ def test_every_step_size_lands_in_a_warmup_bucket() -> None:
                 assert t_pad >= num_tokens and s_pad >= num_seqs
     # Large token buckets skip the smallest sequence buckets (max_token_seq_ratio=16).
     assert runner.padded_sizes(300, 1) == (512, 32)
+
+
+def test_step_scratch_does_not_follow_the_pool_or_max_model_len() -> None:
+    """The compiled step's scratch is the same for a 64x larger pool and a 16x larger
+    max_model_len (attention loops over live KV), and the donated pools are updated in
+    place (aliased to the outputs), never allocated anew per step."""
+    config = preset("tiny-llama")
+    params = tree_from_flat(
+        config, {name: np.zeros(shape, np.float32) for name, shape in param_spec(config).items()}
+    )
+
+    def scratch(num_blocks: int, max_model_len: int) -> int:
+        runner = ModelRunner(
+            config, params, num_blocks=num_blocks, block_size=4, max_model_len=max_model_len,
+            max_num_seqs=8, max_num_batched_tokens=32,
+        )
+        memory = runner._lower_step((16, 8, False)).compile().memory_analysis()
+        assert memory.alias_size_in_bytes >= runner.kv_spec.total_bytes
+        return int(memory.temp_size_in_bytes)
+
+    base = scratch(64, 64)
+    assert scratch(64 * 64, 64) <= 1.1 * base + 65536
+    assert scratch(64 * 16, 64 * 16) <= 1.1 * base + 65536
