@@ -208,12 +208,9 @@ def add_parser(sub: Any) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from kvpage import LLM
+    from kvpage.model.real_models import model_or_smollm2
 
-    model = args.model
-    if model is None:
-        from kvpage.model.real_models import find_or_fetch_smollm2
-
-        model = str(find_or_fetch_smollm2())
+    model = model_or_smollm2(args.model)
     llm = LLM(model)
     engine = engine_decode_step(llm, args.rows, args.context, args.steps)
     parts = component_times(llm, args.rows, args.context, args.repeats)

@@ -187,12 +187,9 @@ def add_parser(sub: Any) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.hf_batch_size < 1:
         raise ValueError(f"--hf-batch-size must be >= 1, got {args.hf_batch_size}")
-    model = args.model
-    if model is None:
-        from kvpage.model.real_models import find_or_fetch_smollm2
+    from kvpage.model.real_models import model_or_smollm2
 
-        model = str(find_or_fetch_smollm2())
-    model = str(Path(model).resolve())
+    model = str(Path(model_or_smollm2(args.model)).resolve())
     results = []
     for name in args.scenario or list(TARGETS):
         spec = scenario(name, args.seed, args.num_requests)

