@@ -96,7 +96,9 @@ def test_every_bench_flag_has_help(capsys: pytest.CaptureFixture) -> None:
     sub = next(a for a in parser._actions if a.dest == "command")
     bench = sub.choices["bench"]
     bench_sub = next(a for a in bench._actions if a.dest == "bench_command")
-    assert set(bench_sub.choices) == {"throughput", "serve", "scheduler", "compare"}
+    assert set(bench_sub.choices) == {
+        "throughput", "serve", "scheduler", "compare", "vs-hf", "step-profile", "roofline"
+    }
     for name, p in bench_sub.choices.items():
         for action in p._actions:
             assert action.help, f"bench {name} {action.option_strings or action.dest} lacks help"

@@ -242,19 +242,24 @@ def add_parser(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", default="llama-3-8b", help="preset (default llama-3-8b)")
-    p.add_argument("--gpus", nargs="+", default=list(GPUS), choices=list(GPUS))
-    p.add_argument("--num-requests", type=int, default=500)
-    p.add_argument("--input-len", type=int, default=230)
-    p.add_argument("--output-len", type=int, default=200)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--eff-bw", type=float, default=Assumptions.eff_bw)
-    p.add_argument("--eff-mma", type=float, default=Assumptions.eff_mma)
-    p.add_argument("--launch-us", type=float, default=Assumptions.launch_us)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--gpus", nargs="+", default=list(GPUS), choices=list(GPUS),
+                   help="GPUs to predict for")
+    p.add_argument("--num-requests", type=int, default=500, help="requests in the trace")
+    p.add_argument("--input-len", type=int, default=230, help="mean prompt length")
+    p.add_argument("--output-len", type=int, default=200, help="mean output length")
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="seats")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget per step")
+    p.add_argument("--max-model-len", type=int, default=2048, help="longest sequence")
+    p.add_argument("--eff-bw", type=float, default=Assumptions.eff_bw,
+                   help="assumed share of peak HBM bandwidth reached")
+    p.add_argument("--eff-mma", type=float, default=Assumptions.eff_mma,
+                   help="assumed share of peak bf16 FLOPs reached")
+    p.add_argument("--launch-us", type=float, default=Assumptions.launch_us,
+                   help="assumed fixed cost per kernel launch, microseconds")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_roofline)
 
 
