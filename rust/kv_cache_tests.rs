@@ -483,12 +483,10 @@ fn randomized_operations_keep_every_invariant() {
     }
 }
 
-#[test]
-fn a_fork_keeps_the_parent_its_sibling_cached_under_alive() {
-    // Regression (issue 13): a caches [0..4); p allocates 8 tokens; c forks
-    // p; p caches [0..8) (pinning a's block 0 and inserting its second
-    // block under it); a and p go. Block 0 must stay: c still holds the
-    // child, so block 0's id must not be recycled under another prefix.
+/// Issue 13's scenario: a caches [0..4); p allocates 8 tokens; c forks p; p
+/// caches [0..8) (pinning a's block 0 and inserting its second block under
+/// it); a and p go. Returns the manager and c, which still holds the child.
+fn parent_kept_alive_by_a_forked_child() -> (KvCacheManager, SeqId) {
     let mut kv = KvCacheManager::new(8, 4, true).unwrap();
     let tokens: Vec<u32> = (0..8).collect();
     let a = kv.create_sequence(None);
@@ -500,6 +498,14 @@ fn a_fork_keeps_the_parent_its_sibling_cached_under_alive() {
     kv.cache_blocks(p, &tokens).unwrap();
     kv.free_sequence(a).unwrap();
     kv.free_sequence(p).unwrap();
+    (kv, c)
+}
+
+#[test]
+fn a_fork_keeps_the_parent_its_sibling_cached_under_alive() {
+    // Regression (issue 13): block 0 must stay: c still holds the child, so
+    // block 0's id must not be recycled under another prefix.
+    let (mut kv, c) = parent_kept_alive_by_a_forked_child();
     kv.check_invariants().unwrap();
     assert_eq!(
         kv.num_available_blocks(),
@@ -533,17 +539,7 @@ fn a_fork_keeps_the_parent_its_sibling_cached_under_alive() {
 fn reset_prefix_cache_frees_a_parent_kept_alive_by_a_child() {
     // Found by the soak run: a cached block with no holder but a held child
     // is neither free nor evictable; a reset must still return it.
-    let mut kv = KvCacheManager::new(8, 4, true).unwrap();
-    let tokens: Vec<u32> = (0..8).collect();
-    let a = kv.create_sequence(None);
-    append(&mut kv, a, 4);
-    kv.cache_blocks(a, &tokens[..4]).unwrap();
-    let p = kv.create_sequence(None);
-    append(&mut kv, p, 8);
-    let c = kv.fork(p).unwrap();
-    kv.cache_blocks(p, &tokens).unwrap();
-    kv.free_sequence(a).unwrap();
-    kv.free_sequence(p).unwrap();
+    let (mut kv, c) = parent_kept_alive_by_a_forked_child();
     kv.reset_prefix_cache().unwrap();
     kv.check_invariants().unwrap();
     assert_eq!(kv.num_free_blocks(), 8 - 2, "only c's two blocks are held");

@@ -265,6 +265,25 @@ impl Harness {
         self.forget_finished();
     }
 
+    /// Hand the sampled tokens to the scheduler and record its events per sample.
+    fn update(&mut self, sampled: &[i64]) {
+        self.events.clear();
+        self.sched.update(sampled, &mut self.events).unwrap();
+        for e in &self.events {
+            let request = self.requests.get_mut(&e.request).expect("known");
+            request
+                .outputs
+                .entry(e.sample_index)
+                .or_default()
+                .push(e.token);
+            if let Some(reason) = e.finish {
+                request.finish.insert(e.sample_index, reason);
+            }
+        }
+        self.forget_finished();
+        self.sched.check_invariants().unwrap();
+    }
+
     fn forget_finished(&mut self) {
         let sched = &self.sched;
         let requests = &mut self.requests;
@@ -380,21 +399,7 @@ impl Harness {
             let too_many = vec![1i64; sampled.len() + 1];
             assert!(self.sched.update(&too_many, &mut self.events).is_err());
         }
-        self.events.clear();
-        self.sched.update(&sampled, &mut self.events).unwrap();
-        for e in &self.events {
-            let request = self.requests.get_mut(&e.request).expect("known");
-            request
-                .outputs
-                .entry(e.sample_index)
-                .or_default()
-                .push(e.token);
-            if let Some(reason) = e.finish {
-                request.finish.insert(e.sample_index, reason);
-            }
-        }
-        self.forget_finished();
-        self.sched.check_invariants().unwrap();
+        self.update(&sampled);
         let (reserved, used) = self.sched.kv_slot_usage();
         assert!(used <= reserved, "{used} used slots of {reserved} reserved");
     }
@@ -404,21 +409,7 @@ impl Harness {
         while self.sched.has_unfinished_requests() {
             let plan = self.sched.schedule().unwrap().clone();
             let sampled = self.execute(&plan);
-            self.events.clear();
-            self.sched.update(&sampled, &mut self.events).unwrap();
-            for e in &self.events {
-                let request = self.requests.get_mut(&e.request).expect("known");
-                request
-                    .outputs
-                    .entry(e.sample_index)
-                    .or_default()
-                    .push(e.token);
-                if let Some(reason) = e.finish {
-                    request.finish.insert(e.sample_index, reason);
-                }
-            }
-            self.forget_finished();
-            self.sched.check_invariants().unwrap();
+            self.update(&sampled);
             guard += 1;
             assert!(guard < 20_000, "the scheduler made no progress");
         }
