@@ -6,7 +6,9 @@ gathers a per-token copy of the whole padded table (``[T, max_blocks * B, Hkv, D
 so its FLOPs and scratch follow ``max_model_len``. This one is flash attention written
 with ``lax`` loops whose trip counts are read from the step's live lengths:
 
-* Decode rows (``q_len == 1``) are computed together: one loop over KV chunks of
+* Decode rows (``q_len == 1``) are computed together. On CPU by kvpage's Rust kernel
+  (``cpu_decode_attention.py``: XLA:CPU's gather of paged blocks is slow); elsewhere
+  (and with ``host_decode_kernel=False``) by one loop over KV chunks of
   ``decode_chunk_blocks`` blocks, trip count ``ceil(max decode kv_len / chunk)``; each
   iteration gathers ``[S, chunk]`` K/V and updates an online softmax per row.
 * Rows with ``q_len > 1`` (prefill chunks) are looped over one at a time (trip count:
@@ -28,6 +30,8 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from pallas_kernels.cpu_decode_attention import cpu_paged_decode_attention
 
 DEFAULT_KV_CHUNK_BLOCKS = 8
 """KV blocks per chunk for prefill tiles (a ``[q_tile, chunk]`` score tile)."""
@@ -139,9 +143,7 @@ def _prefill_rows(
                 v = jnp.where(live[None, :, None], v.astype(jnp.float32), 0.0)
                 visible = (kv_pos[None, :] <= q_pos[:, None]) & live[None, :]
                 scores = jnp.einsum("qhgd,hkd->qhgk", q_tile_vals, k.astype(jnp.float32))
-                return _online_update(
-                    carry, scores, visible[:, None, None, :], v, "qhgk,hkd->qhgd"
-                )
+                return _online_update(carry, scores, visible[:, None, None, :], v, "qhgk,hkd->qhgd")
 
             init = (
                 jnp.full(tile_shape[:3], -jnp.inf, jnp.float32),
@@ -172,8 +174,12 @@ def xla_paged_attention(
     kv_chunk_blocks: int = DEFAULT_KV_CHUNK_BLOCKS,
     decode_chunk_blocks: int = DEFAULT_DECODE_CHUNK_BLOCKS,
     q_tile: int = DEFAULT_Q_TILE,
+    host_decode_kernel: bool = True,
 ) -> jax.Array:
     """Ragged paged attention (contract: ``reference.py``) with live-length loops.
+
+    ``host_decode_kernel``: on CPU, decode rows go through kvpage's Rust kernel
+    (``cpu_decode_attention.py``) instead of the ``lax`` loop; same result.
 
     ``decode_only=True`` promises every live row has ``q_len <= 1`` and skips the
     prefill loop (it would run zero times anyway; the flag only shrinks the program).
@@ -199,14 +205,35 @@ def xla_paged_attention(
 
     is_decode = q_lens == 1
     decode_tokens = jnp.clip(q_starts, 0, num_tokens - 1)
-    decode_out = _decode_rows(
-        qf[decode_tokens].transpose(1, 0, 2, 3),
-        k_pages,
-        v_pages,
-        jnp.where(is_decode, kv_lens, 0),
-        block_tables,
-        decode_blocks,
-    ).transpose(1, 0, 2, 3)
+    decode_kv_lens = jnp.where(is_decode, kv_lens, 0)
+
+    def decode_in_xla() -> jax.Array:
+        return (
+            _decode_rows(
+                qf[decode_tokens].transpose(1, 0, 2, 3),
+                k_pages,
+                v_pages,
+                decode_kv_lens,
+                block_tables,
+                decode_blocks,
+            )
+            .transpose(1, 0, 2, 3)
+            .reshape(num_rows, num_q_heads, head_dim)
+        )
+
+    if host_decode_kernel:
+        decode_out = cpu_paged_decode_attention(
+            q[decode_tokens],
+            k_pages,
+            v_pages,
+            decode_kv_lens,
+            block_tables,
+            sm_scale=sm_scale,
+            otherwise=decode_in_xla,
+        )
+    else:
+        decode_out = decode_in_xla()
+    decode_out = decode_out.reshape(num_rows, num_kv_heads, group, head_dim)
     if decode_only:
         out = jnp.zeros_like(qf)
     else:

@@ -3,12 +3,15 @@
 //! - [`block_pool`]: fixed pool of physical KV blocks, free list, refcounts.
 //! - [`prefix_cache`]: radix tree over token blocks, LRU eviction, salts.
 //! - [`kv_cache`]: per-sequence page tables with copy-on-write over both.
+//! - [`cpu_attention`] + [`xla_ffi`]: paged decode attention on the host CPU,
+//!   exported as an XLA FFI custom call for the `xla` attention backend.
 //!
 //! Everything here is plain Rust: `cargo test` and `cargo bench` need no
 //! Python. The PyO3 bindings (`kvpage._core`) live in [`python`] behind the
 //! `python` feature and stay a thin layer.
 
 pub mod block_pool;
+pub mod cpu_attention;
 pub mod error;
 pub mod kv_cache;
 pub mod prefix_cache;
@@ -34,3 +37,4 @@ mod scheduler_tests;
 pub mod step_plan;
 #[cfg(any(test, feature = "bench-support"))]
 pub mod test_rng;
+pub mod xla_ffi;

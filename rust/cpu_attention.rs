@@ -1,0 +1,669 @@
+//! Paged decode attention on the host CPU: one query token per row, K/V read
+//! straight from the paged pool.
+//!
+//! Owns [`paged_decode_attention`], the math behind the `xla` backend's decode
+//! rows on CPU (XLA calls it through [`crate::xla_ffi`]). XLA:CPU gathers paged
+//! blocks at ~5 GB/s, so decode attention over long contexts cost more than
+//! every matmul of the step; this reads each live block once, in place.
+//!
+//! Layout (the pool layout of every backend):
+//! - `q`: `[rows, q_heads, head_dim]` f32, already multiplied by the softmax scale;
+//! - `k_pages`, `v_pages`: `[kv_heads, pages, block_size, head_dim]`, f32 or bf16;
+//! - `kv_lens`: `[rows]`, the tokens of each row's context (0: row not computed);
+//! - `block_tables`: `[rows, table_width]` page ids;
+//! - `out`: `[rows, q_heads, head_dim]` f32. Query head `h * group + g` reads KV
+//!   head `h` (`group = q_heads / kv_heads`).
+//!
+//! Invariants (checked before any read, so a bad plan is an error, never an
+//! out-of-bounds read):
+//! - `q_heads % kv_heads == 0`, every buffer has the size its shape says;
+//! - `0 <= kv_len <= table_width * block_size` for every row;
+//! - every page id a row reads (`block_tables[s, ..ceil(kv_len / block_size)]`) is
+//!   `< pages`; entries past a row's live blocks are never read, and neither are
+//!   slots at or past `kv_len` (they may hold garbage).
+//!
+//! A row with `kv_len == 0` gets zeros. Rows are split across threads by their
+//! context length; each row's result does not depend on the split.
+
+use std::sync::OnceLock;
+
+/// A K/V pool element: f32, or bf16 kept as its bit pattern.
+pub trait KvElement: Copy + Send + Sync {
+    fn to_f32(self) -> f32;
+}
+
+impl KvElement for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+/// bfloat16 as stored: the high 16 bits of an f32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(transparent)]
+pub struct Bf16(pub u16);
+
+impl KvElement for Bf16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f32::from_bits(u32::from(self.0) << 16)
+    }
+}
+
+/// Shapes of one call (see the module docs for the layout).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DecodeShape {
+    pub rows: usize,
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub pages: usize,
+    pub block_size: usize,
+    pub table_width: usize,
+}
+
+impl DecodeShape {
+    fn group(&self) -> usize {
+        self.q_heads / self.kv_heads
+    }
+
+    fn blocks_of(&self, kv_len: usize) -> usize {
+        kv_len.div_ceil(self.block_size)
+    }
+}
+
+/// Context tokens below which a call runs on the calling thread only (spawning
+/// costs more than the work).
+const MIN_TOKENS_PER_THREAD: usize = 2048;
+
+fn max_threads() -> usize {
+    static THREADS: OnceLock<usize> = OnceLock::new();
+    *THREADS.get_or_init(|| {
+        std::env::var("KVPAGE_CPU_ATTENTION_THREADS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&n: &usize| n > 0)
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+    })
+}
+
+/// Check the invariants in the module docs; `Err` names the first violation.
+pub fn validate<T>(
+    shape: &DecodeShape,
+    q: &[f32],
+    k_pages: &[T],
+    v_pages: &[T],
+    kv_lens: &[i32],
+    block_tables: &[i32],
+    out: &[f32],
+) -> Result<(), String> {
+    let s = shape;
+    if s.kv_heads == 0 || s.q_heads % s.kv_heads != 0 {
+        return Err(format!(
+            "q_heads {} is not a multiple of kv_heads {}",
+            s.q_heads, s.kv_heads
+        ));
+    }
+    if s.block_size == 0 || s.head_dim == 0 {
+        return Err("block_size and head_dim must be positive".into());
+    }
+    let q_len = s.rows * s.q_heads * s.head_dim;
+    let pool_len = s.kv_heads * s.pages * s.block_size * s.head_dim;
+    let sizes = [
+        ("q", q.len(), q_len),
+        ("out", out.len(), q_len),
+        ("k_pages", k_pages.len(), pool_len),
+        ("v_pages", v_pages.len(), pool_len),
+        ("kv_lens", kv_lens.len(), s.rows),
+        ("block_tables", block_tables.len(), s.rows * s.table_width),
+    ];
+    for (name, got, want) in sizes {
+        if got != want {
+            return Err(format!("{name} has {got} elements, its shape says {want}"));
+        }
+    }
+    for row in 0..s.rows {
+        let kv_len = kv_lens[row];
+        if kv_len < 0 || kv_len as usize > s.table_width * s.block_size {
+            return Err(format!(
+                "row {row}: kv_len {kv_len} outside 0..={}",
+                s.table_width * s.block_size
+            ));
+        }
+        let table = &block_tables[row * s.table_width..][..s.blocks_of(kv_len as usize)];
+        if let Some(&page) = table.iter().find(|&&p| p < 0 || p as usize >= s.pages) {
+            return Err(format!(
+                "row {row}: page id {page} outside the pool of {} pages",
+                s.pages
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Decode attention for every row (module docs: layout and invariants).
+pub fn paged_decode_attention<T: KvElement>(
+    shape: &DecodeShape,
+    q: &[f32],
+    k_pages: &[T],
+    v_pages: &[T],
+    kv_lens: &[i32],
+    block_tables: &[i32],
+    out: &mut [f32],
+) -> Result<(), String> {
+    validate(shape, q, k_pages, v_pages, kv_lens, block_tables, out)?;
+    let row_len = shape.q_heads * shape.head_dim;
+    if row_len == 0 || shape.rows == 0 {
+        return Ok(());
+    }
+    let total_tokens: usize = kv_lens.iter().map(|&n| n as usize).sum();
+    let threads = max_threads()
+        .min(shape.rows)
+        .min(total_tokens / MIN_TOKENS_PER_THREAD)
+        .max(1);
+    let pools = Pools {
+        shape: *shape,
+        k_pages,
+        v_pages,
+    };
+    let mut rows: Vec<(usize, &mut [f32])> = out.chunks_mut(row_len).enumerate().collect();
+    if threads == 1 {
+        for (row, dst) in rows {
+            pools.row(
+                row,
+                &q[row * row_len..][..row_len],
+                kv_lens,
+                block_tables,
+                dst,
+            );
+        }
+        return Ok(());
+    }
+    // Longest rows first, each to the least loaded thread.
+    rows.sort_by_key(|(row, _)| std::cmp::Reverse(kv_lens[*row]));
+    let mut shares: Vec<(usize, Vec<RowOut>)> = (0..threads).map(|_| (0, Vec::new())).collect();
+    for (row, dst) in rows {
+        let lightest = shares
+            .iter_mut()
+            .min_by_key(|(load, _)| *load)
+            .expect("at least one thread");
+        lightest.0 += kv_lens[row] as usize + 1;
+        lightest.1.push((row, dst));
+    }
+    let pools = &pools;
+    std::thread::scope(|scope| {
+        let mut shares = shares.into_iter();
+        let mine = shares.next().expect("at least one thread").1;
+        for (_, share) in shares {
+            scope.spawn(move || {
+                for (row, dst) in share {
+                    pools.row(
+                        row,
+                        &q[row * row_len..][..row_len],
+                        kv_lens,
+                        block_tables,
+                        dst,
+                    );
+                }
+            });
+        }
+        for (row, dst) in mine {
+            pools.row(
+                row,
+                &q[row * row_len..][..row_len],
+                kv_lens,
+                block_tables,
+                dst,
+            );
+        }
+    });
+    Ok(())
+}
+
+/// A row index and the row's slice of the result.
+type RowOut<'o> = (usize, &'o mut [f32]);
+
+struct Pools<'a, T> {
+    shape: DecodeShape,
+    k_pages: &'a [T],
+    v_pages: &'a [T],
+}
+
+/// Most query heads sharing one KV head that the stack buffers hold.
+const MAX_GROUP: usize = 16;
+/// Largest head_dim the stack buffers hold.
+const MAX_HEAD_DIM: usize = 256;
+/// Largest block the per-block score buffer holds.
+const MAX_BLOCK: usize = 256;
+
+impl<T: KvElement> Pools<'_, T> {
+    /// One row: every query head over the row's live blocks (online softmax).
+    fn row(&self, row: usize, q: &[f32], kv_lens: &[i32], tables: &[i32], out: &mut [f32]) {
+        let s = &self.shape;
+        let kv_len = kv_lens[row] as usize;
+        if kv_len == 0 {
+            out.fill(0.0);
+            return;
+        }
+        let table = &tables[row * s.table_width..][..s.blocks_of(kv_len)];
+        let (group, d, bs) = (s.group(), s.head_dim, s.block_size);
+        for h in 0..s.kv_heads {
+            let q_group = &q[h * group * d..][..group * d];
+            let out_group = &mut out[h * group * d..][..group * d];
+            if group <= MAX_GROUP && d <= MAX_HEAD_DIM && bs <= MAX_BLOCK {
+                self.head_fastest(h, q_group, table, kv_len, out_group);
+            } else {
+                for g in 0..group {
+                    let q_one = &q_group[g * d..][..d];
+                    let out_one = &mut out_group[g * d..][..d];
+                    self.head_slow(h, q_one, table, kv_len, out_one);
+                }
+            }
+        }
+    }
+
+    fn page_slice<'p>(&self, pool: &'p [T], head: usize, page: usize) -> &'p [T] {
+        let s = &self.shape;
+        let len = s.block_size * s.head_dim;
+        &pool[(head * s.pages + page) * len..][..len]
+    }
+
+    /// [`Self::head`] compiled for the widest vector unit this CPU has.
+    fn head_fastest(&self, h: usize, q: &[f32], table: &[i32], kv_len: usize, out: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if simd_level() == SimdLevel::Avx512 {
+                // SAFETY: the CPU reports AVX-512F.
+                return unsafe { self.head_avx512(h, q, table, kv_len, out) };
+            }
+            if simd_level() == SimdLevel::Avx2 {
+                // SAFETY: the CPU reports AVX2.
+                return unsafe { self.head_avx2(h, q, table, kv_len, out) };
+            }
+        }
+        self.head(h, q, table, kv_len, out)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn head_avx512(
+        &self,
+        h: usize,
+        q: &[f32],
+        table: &[i32],
+        kv_len: usize,
+        out: &mut [f32],
+    ) {
+        self.head(h, q, table, kv_len, out)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn head_avx2(&self, h: usize, q: &[f32], table: &[i32], kv_len: usize, out: &mut [f32]) {
+        self.head(h, q, table, kv_len, out)
+    }
+
+    /// The query heads of KV head `h`, a block at a time: scores of the block,
+    /// one rescale per block, then the block's values. Inlined into each
+    /// vector-width variant above.
+    #[inline(always)]
+    fn head(&self, h: usize, q: &[f32], table: &[i32], kv_len: usize, out: &mut [f32]) {
+        let s = &self.shape;
+        let (group, d, bs) = (s.group(), s.head_dim, s.block_size);
+        let mut maxes = [f32::NEG_INFINITY; MAX_GROUP];
+        let mut sums = [0.0f32; MAX_GROUP];
+        let mut scores = [0.0f32; MAX_GROUP * MAX_BLOCK];
+        let mut key = [0.0f32; MAX_HEAD_DIM];
+        out.fill(0.0);
+        for (b, &page) in table.iter().enumerate() {
+            let live = (kv_len - b * bs).min(bs);
+            let keys = self.page_slice(self.k_pages, h, page as usize);
+            let values = self.page_slice(self.v_pages, h, page as usize);
+            for t in 0..live {
+                to_f32(&keys[t * d..][..d], &mut key[..d]);
+                for g in 0..group {
+                    scores[g * bs + t] = dot(&q[g * d..][..d], &key[..d]);
+                }
+            }
+            for g in 0..group {
+                let block_scores = &mut scores[g * bs..][..live];
+                let block_max = block_scores
+                    .iter()
+                    .copied()
+                    .fold(f32::NEG_INFINITY, f32::max);
+                let new_max = maxes[g].max(block_max);
+                let alpha = (maxes[g] - new_max).exp(); // 0 on the first block
+                maxes[g] = new_max;
+                let mut block_sum = 0.0;
+                for p in block_scores.iter_mut() {
+                    *p = (*p - new_max).exp();
+                    block_sum += *p;
+                }
+                sums[g] = sums[g] * alpha + block_sum;
+                let acc = &mut out[g * d..][..d];
+                if alpha != 1.0 {
+                    acc.iter_mut().for_each(|a| *a *= alpha);
+                }
+            }
+            for t in 0..live {
+                to_f32(&values[t * d..][..d], &mut key[..d]);
+                for g in 0..group {
+                    axpy(scores[g * bs + t], &key[..d], &mut out[g * d..][..d]);
+                }
+            }
+        }
+        for g in 0..group {
+            let inv = 1.0 / sums[g];
+            out[g * d..][..d].iter_mut().for_each(|a| *a *= inv);
+        }
+    }
+
+    /// One query head, token by token: shapes too large for the stack buffers.
+    fn head_slow(&self, h: usize, q: &[f32], table: &[i32], kv_len: usize, out: &mut [f32]) {
+        let s = &self.shape;
+        let (d, bs) = (s.head_dim, s.block_size);
+        let (mut max, mut sum) = (f32::NEG_INFINITY, 0.0f32);
+        let mut row = vec![0.0f32; d];
+        out.fill(0.0);
+        for (b, &page) in table.iter().enumerate() {
+            let live = (kv_len - b * bs).min(bs);
+            let keys = self.page_slice(self.k_pages, h, page as usize);
+            let values = self.page_slice(self.v_pages, h, page as usize);
+            for t in 0..live {
+                to_f32(&keys[t * d..][..d], &mut row);
+                let score = dot(q, &row);
+                let new_max = max.max(score);
+                let alpha = (max - new_max).exp();
+                let p = (score - new_max).exp();
+                max = new_max;
+                sum = sum * alpha + p;
+                to_f32(&values[t * d..][..d], &mut row);
+                out.iter_mut()
+                    .zip(&row)
+                    .for_each(|(a, v)| *a = *a * alpha + p * v);
+            }
+        }
+        let inv = 1.0 / sum;
+        out.iter_mut().for_each(|a| *a *= inv);
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SimdLevel {
+    Baseline,
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    Avx2,
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    Avx512,
+}
+
+fn simd_level() -> SimdLevel {
+    static LEVEL: OnceLock<SimdLevel> = OnceLock::new();
+    *LEVEL.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::is_x86_feature_detected!("avx512f") {
+                return SimdLevel::Avx512;
+            }
+            if std::is_x86_feature_detected!("avx2") {
+                return SimdLevel::Avx2;
+            }
+        }
+        SimdLevel::Baseline
+    })
+}
+
+#[inline(always)]
+fn to_f32<T: KvElement>(src: &[T], dst: &mut [f32]) {
+    dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.to_f32());
+}
+
+/// Lanes of [`dot`]'s independent partial sums: one AVX-512 register, two AVX2 ones.
+const LANES: usize = 16;
+
+/// Dot product in independent lanes (so the compiler can vectorize it).
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0.0f32; LANES];
+    let (a8, a_rest) = a.split_at(a.len() / LANES * LANES);
+    let (b8, b_rest) = b.split_at(a8.len());
+    for (x, y) in a8.chunks_exact(LANES).zip(b8.chunks_exact(LANES)) {
+        for i in 0..LANES {
+            lanes[i] += x[i] * y[i];
+        }
+    }
+    let tail: f32 = a_rest.iter().zip(b_rest).map(|(x, y)| x * y).sum();
+    lanes.iter().sum::<f32>() + tail
+}
+
+#[inline(always)]
+fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
+    y.iter_mut().zip(x).for_each(|(y, x)| *y += alpha * x);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_rng::SplitMix64 as TestRng;
+
+    /// Naive float64 attention over the row's tokens, gathered token by token.
+    fn naive(
+        s: &DecodeShape,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        kv_lens: &[i32],
+        tables: &[i32],
+    ) -> Vec<f32> {
+        let (group, d, bs) = (s.q_heads / s.kv_heads, s.head_dim, s.block_size);
+        let mut out = vec![0.0f32; s.rows * s.q_heads * d];
+        for row in 0..s.rows {
+            let n = kv_lens[row] as usize;
+            for qh in 0..s.q_heads {
+                let h = qh / group;
+                let qv = &q[(row * s.q_heads + qh) * d..][..d];
+                let at = |pool: &[f32], t: usize| -> Vec<f64> {
+                    let page = tables[row * s.table_width + t / bs] as usize;
+                    let base = ((h * s.pages + page) * bs + t % bs) * d;
+                    pool[base..base + d].iter().map(|&x| f64::from(x)).collect()
+                };
+                let scores: Vec<f64> = (0..n)
+                    .map(|t| {
+                        at(k, t)
+                            .iter()
+                            .zip(qv)
+                            .map(|(a, b)| a * f64::from(*b))
+                            .sum()
+                    })
+                    .collect();
+                let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let weights: Vec<f64> = scores.iter().map(|x| (x - max).exp()).collect();
+                let total: f64 = weights.iter().sum();
+                for (t, w) in weights.iter().enumerate() {
+                    for (i, x) in at(v, t).iter().enumerate() {
+                        out[(row * s.q_heads + qh) * d + i] += (w / total * x) as f32;
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// q, k_pages, v_pages, kv_lens, block_tables.
+    type Case = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<i32>, Vec<i32>);
+
+    fn random_case(rng: &mut TestRng, shape: DecodeShape) -> Case {
+        let s = &shape;
+        let mut floats = |n: usize| -> Vec<f32> {
+            (0..n)
+                .map(|_| (rng.below(2001) as f32 - 1000.0) / 500.0)
+                .collect()
+        };
+        let q = floats(s.rows * s.q_heads * s.head_dim);
+        let mut k = floats(s.kv_heads * s.pages * s.block_size * s.head_dim);
+        let mut v = floats(s.kv_heads * s.pages * s.block_size * s.head_dim);
+        let kv_lens: Vec<i32> = (0..s.rows)
+            .map(|_| rng.below(s.table_width * s.block_size + 1) as i32)
+            .collect();
+        let tables: Vec<i32> = (0..s.rows * s.table_width)
+            .map(|_| rng.below(s.pages) as i32)
+            .collect();
+        // Garbage in every slot no row reads.
+        let mut read = vec![false; s.pages * s.block_size];
+        for row in 0..s.rows {
+            for t in 0..kv_lens[row] as usize {
+                let page = tables[row * s.table_width + t / s.block_size] as usize;
+                read[page * s.block_size + t % s.block_size] = true;
+            }
+        }
+        for h in 0..s.kv_heads {
+            for (slot, &was_read) in read.iter().enumerate() {
+                if !was_read {
+                    let base = (h * s.pages * s.block_size + slot) * s.head_dim;
+                    k[base..base + s.head_dim].fill(f32::NAN);
+                    v[base..base + s.head_dim].fill(f32::INFINITY);
+                }
+            }
+        }
+        (q, k, v, kv_lens, tables)
+    }
+
+    #[test]
+    fn matches_naive_attention_with_garbage_in_unread_slots() {
+        let mut rng = TestRng::new(7);
+        for case in 0..40 {
+            let group = [1, 2, 3, 4, 20][case % 5];
+            let shape = DecodeShape {
+                rows: 1 + rng.below(9),
+                q_heads: group * (1 + rng.below(3)),
+                kv_heads: 0,
+                head_dim: [4, 8, 13, 64][rng.below(4)],
+                pages: 2 + rng.below(20),
+                block_size: [1, 4, 16][rng.below(3)],
+                table_width: 1 + rng.below(6),
+            };
+            let shape = DecodeShape {
+                kv_heads: shape.q_heads / group,
+                ..shape
+            };
+            let (q, k, v, kv_lens, tables) = random_case(&mut rng, shape);
+            let mut out = vec![f32::NAN; q.len()];
+            paged_decode_attention(&shape, &q, &k, &v, &kv_lens, &tables, &mut out).unwrap();
+            let want = naive(&shape, &q, &k, &v, &kv_lens, &tables);
+            for (i, (a, b)) in out.iter().zip(&want).enumerate() {
+                assert!(
+                    (a - b).abs() <= 1e-4 * (1.0 + b.abs()),
+                    "case {case} [{i}]: {a} vs {b}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn bf16_pool_reads_as_its_f32_value() {
+        let mut rng = TestRng::new(3);
+        let shape = DecodeShape {
+            rows: 3,
+            q_heads: 6,
+            kv_heads: 2,
+            head_dim: 16,
+            pages: 8,
+            block_size: 4,
+            table_width: 3,
+        };
+        let (q, k, v, kv_lens, tables) = random_case(&mut rng, shape);
+        let to_bf16 = |x: &Vec<f32>| -> Vec<Bf16> {
+            x.iter().map(|f| Bf16((f.to_bits() >> 16) as u16)).collect()
+        };
+        let (kb, vb) = (to_bf16(&k), to_bf16(&v));
+        let truncated = |x: &Vec<Bf16>| -> Vec<f32> { x.iter().map(|b| b.to_f32()).collect() };
+        let mut out = vec![0.0; q.len()];
+        paged_decode_attention(&shape, &q, &kb, &vb, &kv_lens, &tables, &mut out).unwrap();
+        let want = naive(
+            &shape,
+            &q,
+            &truncated(&kb),
+            &truncated(&vb),
+            &kv_lens,
+            &tables,
+        );
+        for (a, b) in out.iter().zip(&want) {
+            assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{a} vs {b}");
+        }
+    }
+
+    #[test]
+    fn threaded_split_equals_single_thread() {
+        let mut rng = TestRng::new(11);
+        let shape = DecodeShape {
+            rows: 24,
+            q_heads: 9,
+            kv_heads: 3,
+            head_dim: 64,
+            pages: 300,
+            block_size: 16,
+            table_width: 20,
+        };
+        let (q, k, v, mut kv_lens, tables) = random_case(&mut rng, shape);
+        // Every slot readable and long rows, so the call is split across threads.
+        kv_lens.iter_mut().for_each(|n| *n = 200 + (*n % 120));
+        let k: Vec<f32> = k
+            .iter()
+            .map(|x| if x.is_finite() { *x } else { 0.5 })
+            .collect();
+        let v: Vec<f32> = v
+            .iter()
+            .map(|x| if x.is_finite() { *x } else { 0.5 })
+            .collect();
+        let mut threaded = vec![0.0; q.len()];
+        paged_decode_attention(&shape, &q, &k, &v, &kv_lens, &tables, &mut threaded).unwrap();
+        let row_len = shape.q_heads * shape.head_dim;
+        for row in 0..shape.rows {
+            let one = DecodeShape { rows: 1, ..shape };
+            let mut single = vec![0.0; row_len];
+            let (kv, table) = (&kv_lens[row..row + 1], &tables[row * 20..(row + 1) * 20]);
+            paged_decode_attention(
+                &one,
+                &q[row * row_len..][..row_len],
+                &k,
+                &v,
+                kv,
+                table,
+                &mut single,
+            )
+            .unwrap();
+            assert_eq!(&threaded[row * row_len..][..row_len], &single[..]);
+        }
+    }
+
+    #[test]
+    fn bad_plans_are_errors_not_reads() {
+        let shape = DecodeShape {
+            rows: 1,
+            q_heads: 2,
+            kv_heads: 1,
+            head_dim: 4,
+            pages: 2,
+            block_size: 2,
+            table_width: 2,
+        };
+        let (q, pool) = (vec![0.0; 8], vec![0.0f32; 16]);
+        let mut out = vec![0.0; 8];
+        let run = |kv: i32, table: [i32; 2], out: &mut Vec<f32>| {
+            paged_decode_attention(&shape, &q, &pool, &pool, &[kv], &table, out)
+        };
+        assert!(run(5, [0, 1], &mut out).unwrap_err().contains("kv_len 5"));
+        assert!(run(3, [0, 2], &mut out).unwrap_err().contains("page id 2"));
+        assert!(run(-1, [0, 1], &mut out).is_err());
+        // Entries past the live blocks are never read, whatever they hold.
+        run(2, [1, 99], &mut out).unwrap();
+        let bad_heads = DecodeShape {
+            q_heads: 3,
+            kv_heads: 2,
+            ..shape
+        };
+        let err = paged_decode_attention(&bad_heads, &q, &pool, &pool, &[1], &[0, 0], &mut out);
+        assert!(err.unwrap_err().contains("multiple"));
+    }
+}

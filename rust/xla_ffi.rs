@@ -1,0 +1,295 @@
+//! XLA FFI handlers exported by the `_core` shared library (C ABI, no Python).
+//!
+//! Owns the `#[no_mangle]` symbols that JAX registers as CPU custom-call targets
+//! (`jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(ctypes.CDLL(_core.__file__).<symbol>))`),
+//! and the slice of XLA's FFI C API they need (`xla/ffi/api/c_api.h`, API 0.x):
+//! the call frame, buffers, the metadata query and error creation. Nothing else
+//! of that API is used, so only those structs are declared.
+//!
+//! Invariants:
+//! - a handler never panics across the FFI boundary (panics become errors);
+//! - every buffer is checked for count, dtype and rank before its data is read,
+//!   and shapes are checked by the kernel before any element is read;
+//! - a call with the metadata extension only fills the metadata.
+
+use std::ffi::{c_char, c_void, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use crate::cpu_attention::{paged_decode_attention, Bf16, DecodeShape};
+
+/// FFI API version these declarations follow (`XLA_FFI_API_MAJOR/MINOR`).
+const API_MAJOR: i32 = 0;
+const API_MINOR: i32 = 1;
+
+const EXTENSION_METADATA: i32 = 1;
+const STAGE_EXECUTE: i32 = 3;
+const ARG_BUFFER: i32 = 1;
+const DTYPE_S32: i32 = 4;
+const DTYPE_F32: i32 = 11;
+const DTYPE_BF16: i32 = 16;
+const ERROR_INVALID_ARGUMENT: i32 = 3;
+const ERROR_INTERNAL: i32 = 13;
+
+#[repr(C)]
+struct ExtensionBase {
+    struct_size: usize,
+    kind: i32,
+    next: *mut ExtensionBase,
+}
+
+#[repr(C)]
+struct ApiVersion {
+    struct_size: usize,
+    extension_start: *mut ExtensionBase,
+    major: i32,
+    minor: i32,
+}
+
+#[repr(C)]
+struct Metadata {
+    struct_size: usize,
+    api_version: ApiVersion,
+    traits: u32,
+    state_type_id: i64,
+}
+
+#[repr(C)]
+struct MetadataExtension {
+    base: ExtensionBase,
+    metadata: *mut Metadata,
+}
+
+#[repr(C)]
+struct ErrorCreateArgs {
+    struct_size: usize,
+    extension_start: *mut ExtensionBase,
+    message: *const c_char,
+    code: i32,
+}
+
+type ErrorCreate = unsafe extern "C" fn(*mut ErrorCreateArgs) -> *mut c_void;
+
+/// The head of `XLA_FFI_Api`: only `XLA_FFI_Error_Create` is called.
+#[repr(C)]
+struct Api {
+    struct_size: usize,
+    extension_start: *mut ExtensionBase,
+    api_version: ApiVersion,
+    internal_api: *const c_void,
+    error_create: Option<ErrorCreate>,
+}
+
+#[repr(C)]
+struct Buffer {
+    struct_size: usize,
+    extension_start: *mut ExtensionBase,
+    dtype: i32,
+    data: *mut c_void,
+    rank: i64,
+    dims: *const i64,
+}
+
+#[repr(C)]
+struct List {
+    struct_size: usize,
+    extension_start: *mut ExtensionBase,
+    size: i64,
+    types: *const i32,
+    items: *const *mut c_void,
+}
+
+#[repr(C)]
+struct CallFrame {
+    struct_size: usize,
+    extension_start: *mut ExtensionBase,
+    api: *const Api,
+    ctx: *mut c_void,
+    stage: i32,
+    args: List,
+    rets: List,
+    // attrs and the future follow; never read.
+}
+
+/// A checked view of one argument or result buffer.
+struct View {
+    dtype: i32,
+    data: *mut c_void,
+    dims: Vec<usize>,
+}
+
+impl View {
+    fn len(&self) -> usize {
+        self.dims.iter().product()
+    }
+}
+
+unsafe fn buffers(list: &List, what: &str, want: usize) -> Result<Vec<View>, String> {
+    if list.size != want as i64 {
+        return Err(format!("expected {want} {what}, got {}", list.size));
+    }
+    (0..want)
+        .map(|i| {
+            if *list.types.add(i) != ARG_BUFFER {
+                return Err(format!("{what} {i} is not a buffer"));
+            }
+            let buffer = &*(*list.items.add(i) as *const Buffer);
+            let dims = (0..buffer.rank.max(0) as usize)
+                .map(|d| (*buffer.dims.add(d)).max(0) as usize)
+                .collect();
+            Ok(View {
+                dtype: buffer.dtype,
+                data: buffer.data,
+                dims,
+            })
+        })
+        .collect()
+}
+
+unsafe fn fill_metadata(frame: &CallFrame) -> Result<(), String> {
+    let extension = &*(frame.extension_start as *const MetadataExtension);
+    if extension.base.struct_size < std::mem::size_of::<MetadataExtension>() {
+        return Err("metadata extension older than this handler".into());
+    }
+    let metadata = &mut *extension.metadata;
+    let with_state_id = std::mem::size_of::<Metadata>();
+    let without_state_id = std::mem::offset_of!(Metadata, traits) + std::mem::size_of::<u32>();
+    if metadata.struct_size < without_state_id {
+        return Err("metadata struct older than this handler".into());
+    }
+    metadata.api_version = ApiVersion {
+        struct_size: std::mem::size_of::<ApiVersion>(),
+        extension_start: std::ptr::null_mut(),
+        major: API_MAJOR,
+        minor: API_MINOR,
+    };
+    metadata.traits = 0;
+    if metadata.struct_size >= with_state_id {
+        metadata.state_type_id = 0; // stateless
+    }
+    Ok(())
+}
+
+unsafe fn error(frame: &CallFrame, code: i32, message: &str) -> *mut c_void {
+    let api = &*frame.api;
+    let Some(create) = api.error_create else {
+        return std::ptr::null_mut();
+    };
+    let text = CString::new(message.replace('\0', " ")).unwrap_or_default();
+    let mut args = ErrorCreateArgs {
+        struct_size: std::mem::size_of::<ErrorCreateArgs>(),
+        extension_start: std::ptr::null_mut(),
+        message: text.as_ptr(),
+        code,
+    };
+    create(&mut args) // XLA copies the message
+}
+
+/// Run `body` for an execute call frame, turning errors and panics into XLA errors.
+unsafe fn handle(
+    frame: *mut CallFrame,
+    name: &str,
+    body: unsafe fn(&CallFrame) -> Result<(), String>,
+) -> *mut c_void {
+    let frame = &*frame;
+    let is_metadata_query =
+        !frame.extension_start.is_null() && (*frame.extension_start).kind == EXTENSION_METADATA;
+    let result = catch_unwind(AssertUnwindSafe(|| {
+        if is_metadata_query {
+            fill_metadata(frame)
+        } else if frame.stage != STAGE_EXECUTE {
+            Ok(())
+        } else {
+            body(frame)
+        }
+    }));
+    match result {
+        Ok(Ok(())) => std::ptr::null_mut(),
+        Ok(Err(message)) => error(frame, ERROR_INVALID_ARGUMENT, &format!("{name}: {message}")),
+        Err(_) => error(frame, ERROR_INTERNAL, &format!("{name}: panicked")),
+    }
+}
+
+/// XLA FFI handler: paged decode attention on the host
+/// ([`crate::cpu_attention`]). Arguments: `q [S, Hq, D]` f32, `k_pages` and
+/// `v_pages [Hkv, P, B, D]` (f32 or bf16, same dtype), `kv_lens [S]` s32,
+/// `block_tables [S, M]` s32; result `[S, Hq, D]` f32.
+///
+/// # Safety
+/// Called by XLA with a valid call frame.
+#[no_mangle]
+pub unsafe extern "C" fn kvpage_paged_decode_attention(frame: *mut c_void) -> *mut c_void {
+    handle(
+        frame.cast(),
+        "kvpage_paged_decode_attention",
+        run_paged_decode_attention,
+    )
+}
+
+unsafe fn run_paged_decode_attention(frame: &CallFrame) -> Result<(), String> {
+    let args = buffers(&frame.args, "arguments", 5)?;
+    let mut rets = buffers(&frame.rets, "results", 1)?;
+    let [q, k, v, kv_lens, tables] = &args[..] else {
+        unreachable!("five arguments checked")
+    };
+    let out = &mut rets[0];
+    let ranks = [(q, 3, "q"), (k, 4, "k_pages"), (v, 4, "v_pages")];
+    for (view, rank, name) in ranks.into_iter().chain([(&*out, 3, "out")]) {
+        if view.dims.len() != rank {
+            return Err(format!(
+                "{name} has rank {}, expected {rank}",
+                view.dims.len()
+            ));
+        }
+    }
+    if kv_lens.dims.len() != 1 || tables.dims.len() != 2 {
+        return Err("kv_lens must be rank 1 and block_tables rank 2".into());
+    }
+    if q.dtype != DTYPE_F32 || out.dtype != DTYPE_F32 {
+        return Err("q and the result must be float32".into());
+    }
+    if kv_lens.dtype != DTYPE_S32 || tables.dtype != DTYPE_S32 {
+        return Err("kv_lens and block_tables must be int32".into());
+    }
+    if k.dtype != v.dtype || k.dims != v.dims {
+        return Err("k_pages and v_pages differ in dtype or shape".into());
+    }
+    if out.dims != q.dims {
+        return Err("the result's shape differs from q's".into());
+    }
+    let shape = DecodeShape {
+        rows: q.dims[0],
+        q_heads: q.dims[1],
+        kv_heads: k.dims[0],
+        head_dim: q.dims[2],
+        pages: k.dims[1],
+        block_size: k.dims[2],
+        table_width: tables.dims[1],
+    };
+    if k.dims[3] != shape.head_dim || tables.dims[0] != shape.rows {
+        return Err(format!(
+            "inconsistent shapes: q {:?}, pages {:?}, block_tables {:?}",
+            q.dims, k.dims, tables.dims
+        ));
+    }
+    let slice_f32 = |view: &View| std::slice::from_raw_parts(view.data as *const f32, view.len());
+    let slice_i32 = |view: &View| std::slice::from_raw_parts(view.data as *const i32, view.len());
+    let out_slice = std::slice::from_raw_parts_mut(out.data as *mut f32, out.len());
+    let (q_s, lens_s, tables_s) = (slice_f32(q), slice_i32(kv_lens), slice_i32(tables));
+    match k.dtype {
+        DTYPE_F32 => paged_decode_attention(
+            &shape,
+            q_s,
+            slice_f32(k),
+            slice_f32(v),
+            lens_s,
+            tables_s,
+            out_slice,
+        ),
+        DTYPE_BF16 => {
+            let pool =
+                |view: &View| std::slice::from_raw_parts(view.data as *const Bf16, view.len());
+            paged_decode_attention(&shape, q_s, pool(k), pool(v), lens_s, tables_s, out_slice)
+        }
+        other => Err(format!("k_pages dtype {other} is not float32 or bfloat16")),
+    }
+}
