@@ -51,7 +51,8 @@ def test_seeds_worked_example_is_46_9_percent() -> None:
     result = compare.seeds_example_sim()
     assert (result["useful_slots"], result["held_slots"]) == (480, 1024)
     assert f"{100 * result['static']['slot_efficiency']:.1f}" == "46.9"
-    assert result["fcfs"]["slot_efficiency"] == 1.0
+    # One batch and no queue: continuous batching has nobody to seat either.
+    assert result["fcfs"]["slot_efficiency"] == pytest.approx(480 / 1024)
     assert result["static"]["steps"] == result["fcfs"]["steps"] == 256
 
 
@@ -156,7 +157,8 @@ def test_static_vs_continuous_on_the_engine(tiny_model_dir: Path) -> None:
     assert capped.lengths_as_drawn >= 3  # token 0 may run one token past the length
     paged = run_requests(build_engine(loaded, small_config(tiny_model_dir), warmup=False),
                          reqs, mode="cap")
-    assert paged.slot_efficiency == 1.0 and paged.kv_waste < capped.kv_waste
+    assert paged.slot_efficiency == pytest.approx(60 / (4 * paged.steps))
+    assert paged.kv_waste < capped.kv_waste
     assert paged.max_kv_blocks < capped.max_kv_blocks
     assert paged.timeline_kv_blocks and len(paged.timeline_s) >= paged.steps
 

@@ -32,9 +32,11 @@ class SimResult:
     prompt_tokens: int
     output_tokens_per_step: float
     slot_efficiency: float
-    """Useful sequence rows / seated rows (static ghosts count as seated)."""
+    """Useful output tokens / seat-steps (``steps x max_num_seqs``), the seeds'
+    definition: a static batch's finished and padded rows and an empty seat all count
+    against it, for every policy."""
     seat_utilization: float
-    """Sequence rows / (steps x max_num_seqs)."""
+    """Rows run (static ghosts included) / seat-steps: how full the batch was."""
     idle_seats_while_waiting: int
     mean_running: float
     max_running: int
@@ -132,7 +134,7 @@ def simulate(
             raise RuntimeError(f"simulation did not finish within {max_steps} steps")
     sched.check_invariants()
     stats = sched.stats()
-    rows, ghosts = stats["seq_rows"], stats["ghost_rows"]
+    rows = stats["seq_rows"]
     latencies = np.array([finish_step[h] - arrival_step[h] for h in finish_step])
     ttfts = np.array([first_token_step[h] - arrival_step[h] for h in first_token_step])
     queried = stats["prefix_cache_query_tokens"]
@@ -143,7 +145,7 @@ def simulate(
         output_tokens=output_tokens,
         prompt_tokens=sum(len(r.prompt_token_ids) for r in workload),
         output_tokens_per_step=output_tokens / max(step, 1),
-        slot_efficiency=(rows - ghosts) / max(rows, 1),
+        slot_efficiency=output_tokens / max(step * max_num_seqs, 1),
         seat_utilization=rows / max(step * max_num_seqs, 1),
         idle_seats_while_waiting=stats["idle_seats_while_waiting"],
         mean_running=float(np.mean(running_hist)) if running_hist else 0.0,

@@ -281,7 +281,9 @@ class RunResult:
     p99_latency_s: float
     mean_ttft_s: float
     slot_efficiency: float
-    """Useful sequence rows / all rows run (static ghosts are not useful)."""
+    """Output tokens / seat-steps (``steps x max_num_seqs``), as in the seeds."""
+    seat_utilization: float
+    """Rows run (static ghosts included) / seat-steps."""
     kv_waste: float
     """Reserved-but-unused KV slots / reserved slots, averaged over steps."""
     mean_running: float
@@ -402,7 +404,8 @@ def run_requests(
         if o.metrics.first_token_time is not None
     ]
     rows = after["seq_rows"] - before["seq_rows"]
-    ghosts = after["ghost_rows"] - before["ghost_rows"]
+    steps = after["num_steps"] - before["num_steps"]
+    seat_steps = steps * engine.config.max_num_seqs
     drawn = sum(
         len(o.outputs[0].token_ids) == min(r.output_len, engine.max_model_len
                                            - len(r.prompt_token_ids))
@@ -415,14 +418,15 @@ def run_requests(
         elapsed_s=elapsed,
         prompt_tokens=prompt_tokens,
         output_tokens=output_tokens,
-        steps=after["num_steps"] - before["num_steps"],
+        steps=steps,
         requests_per_s=len(requests) / elapsed,
         total_tokens_per_s=(prompt_tokens + output_tokens) / elapsed,
         output_tokens_per_s=output_tokens / elapsed,
         mean_latency_s=mean(latencies),
         p99_latency_s=percentile(latencies, 99),
         mean_ttft_s=mean(ttfts),
-        slot_efficiency=(rows - ghosts) / rows if rows else float("nan"),
+        slot_efficiency=output_tokens / seat_steps if seat_steps else float("nan"),
+        seat_utilization=rows / seat_steps if seat_steps else float("nan"),
         kv_waste=mean(waste),
         mean_running=mean(running),
         max_running=max(running, default=0),

@@ -351,11 +351,12 @@ def print_report(result: dict[str, Any]) -> None:
         s, f = runs["static"], runs["fcfs"]
         print()
         print(format_table(
-            ["policy", "req/s", "out tok/s", "steps", "out tok/step", "slot eff", "KV waste",
-             "mean seqs", "max seqs", "mean lat s", "p99 lat s", "exact len"],
+            ["policy", "req/s", "out tok/s", "steps", "out tok/step", "slot eff", "seat util",
+             "KV waste", "mean seqs", "max seqs", "mean lat s", "p99 lat s", "exact len"],
             [[label, r["requests_per_s"], r["output_tokens_per_s"], r["steps"],
               r["output_tokens"] / max(r["steps"], 1), _pct(r["slot_efficiency"]),
-              _pct(r["kv_waste"]), r["mean_running"], r["max_running"], r["mean_latency_s"],
+              _pct(r["seat_utilization"]), _pct(r["kv_waste"]), r["mean_running"],
+              r["max_running"], r["mean_latency_s"],
               r["p99_latency_s"], f"{r['lengths_as_drawn']}/{r['num_requests']}"]
              for label, r in (("static + contiguous", s), ("continuous + paged", f))],
             title=(f"1b. Real engine, {s['num_requests']} requests, outputs 20..800 "
@@ -379,10 +380,11 @@ def print_report(result: dict[str, Any]) -> None:
         meta = result[key]
         print()
         print(format_table(
-            ["policy", "steps", "out tok/step", "slot eff", "KV waste", "mean seqs", "max seqs",
-             "preempt", "mean lat steps", "p99 lat steps"],
+            ["policy", "steps", "out tok/step", "slot eff", "seat util", "KV waste",
+             "mean seqs", "max seqs", "preempt", "mean lat steps", "p99 lat steps"],
             [[r["label"], r["steps"], r["output_tokens_per_step"], _pct(r["slot_efficiency"]),
-              _pct(r["kv_waste"]), r["mean_running"], r["max_running"], r["preemptions"],
+              _pct(r["seat_utilization"]), _pct(r["kv_waste"]), r["mean_running"],
+              r["max_running"], r["preemptions"],
               r["mean_latency_steps"], r["p99_latency_steps"]] for r in rows],
             title=(f"{title}: {meta['num_requests']} requests, {meta['num_blocks']} blocks x 16, "
                    f"max_model_len {meta['max_model_len']}, max_num_seqs {meta['max_num_seqs']}"),
