@@ -33,8 +33,8 @@ from typing import Any
 import httpx
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
+from kvpage.bench.servers import InProcessServer
 from kvpage.engine_config import EngineConfig
-from kvpage.loadtest import InProcessServer
 from kvpage.protocol import ChatCompletionRequest, CompletionRequest
 from kvpage.server import MAX_PROMPTS_PER_REQUEST, build_app, run_server
 

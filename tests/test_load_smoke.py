@@ -1,11 +1,11 @@
-"""The load test (``kvpage.loadtest``), small and bounded, against the
+"""The load test (``kvpage.bench.loadtest``), small and bounded, against the
 tiny random Llama.
 
 * In process: a few dozen closed-loop streaming clients for a few seconds
   (mixed lengths, shared prefixes, n > 1, chat, some hanging up on purpose),
   then a burst past capacity (shed with 503) and recovery: no failed
   request, every KV block back in the pool, the invariants hold.
-* ``python -m kvpage.loadtest`` against a spawned ``kvpage serve``, which
+* ``python -m kvpage.bench.loadtest`` against a spawned ``kvpage serve``, which
   must exit 0 on SIGTERM with every block free (a short run).
 * The soak: ``KVPAGE_SOAK=1`` runs hundreds of clients for a minute through
   the command line (opt-in: minutes of CPU).
@@ -21,8 +21,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from kvpage.bench.common import percentile
+from kvpage.bench.loadtest import Plan, Workload, main, run_load
+from kvpage.bench.servers import InProcessServer
 from kvpage.engine_config import EngineConfig
-from kvpage.loadtest import InProcessServer, Plan, Workload, main, percentile, run_load
 
 PYTHON_DIR = str(Path(__file__).parents[1] / "python")
 
@@ -86,7 +88,7 @@ def test_loadtest_help_runs_without_loading_jax() -> None:
         [
             sys.executable,
             "-c",
-            "import sys; from kvpage.loadtest import main\n"
+            "import sys; from kvpage.bench.loadtest import main\n"
             "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
             "assert 'jax' not in sys.modules",
         ],

@@ -11,9 +11,9 @@ import openai
 import pytest
 from kvpage.assets import default_model_dir
 from kvpage.async_engine import AsyncLLMEngine
+from kvpage.bench.servers import InProcessServer, free_port
 from kvpage.engine import LLMEngine
 from kvpage.engine_config import EngineConfig
-from kvpage.loadtest import InProcessServer, free_port
 from kvpage.metrics import EngineMetrics, cache_config_info
 from kvpage.server import build_app
 

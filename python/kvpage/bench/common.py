@@ -49,6 +49,8 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: s
     """A plain-text table; floats get 3 significant decimals."""
 
     def cell(value: Any) -> str:
+        if value is None:
+            return "-"
         if isinstance(value, float):
             if math.isnan(value):
                 return "-"
@@ -87,9 +89,12 @@ def write_json(path: str | Path, payload: Any) -> Path:
     return path
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (linear interpolation); NaN for no values."""
-    return float(np.percentile(values, q)) if len(values) else float("nan")
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0..100, linear interpolation); None for no values.
+
+    The one percentile of the benchmarks and the load test.
+    """
+    return float(np.percentile(values, q)) if len(values) else None
 
 
 def mean(values: Sequence[float]) -> float:

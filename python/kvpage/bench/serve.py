@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
-from urllib.parse import urlparse
 
 from kvpage.bench.common import (
     BenchRequest,
@@ -33,6 +31,7 @@ from kvpage.bench.common import (
     percentile,
     write_json,
 )
+from kvpage.bench.sse import SSEEvents
 
 
 @dataclass(slots=True)
@@ -152,16 +151,10 @@ def format_result(result: ServeResult) -> str:
 
 
 def check_loopback(base_url: str) -> None:
-    """ValueError unless ``base_url`` names this machine."""
-    from kvpage.loadtest import is_loopback_url  # loadtest needs httpx (kvpage[serve])
+    """ValueError unless ``base_url`` names this machine (``--allow-remote`` lifts it)."""
+    from kvpage.bench.servers import check_loopback as check  # needs httpx (kvpage[serve])
 
-    if is_loopback_url(base_url):
-        return
-    host = urlparse(base_url).hostname or ""
-    raise ValueError(
-        f"--base-url host {host!r} is not a loopback address; pass --allow-remote to load "
-        "another machine"
-    )
+    check(base_url, "--allow-remote")
 
 
 async def _send(
@@ -178,13 +171,7 @@ async def _send(
                 text = (await response.aread()).decode(errors="replace")
                 record.error = f"HTTP {response.status_code}: {text[:200]}"
                 return record
-            async for raw in response.aiter_lines():
-                if not raw.startswith("data:"):
-                    continue
-                data = raw[5:].strip()
-                if data == "[DONE]":
-                    break
-                event = json.loads(data)
+            async for event in SSEEvents(response):
                 if "error" in event:
                     record.error = str(event["error"].get("message", event["error"]))[:200]
                     return record
