@@ -1,8 +1,14 @@
-"""Engine settings, with vLLM's names; validated with errors naming the field."""
+"""Engine settings, with vLLM's names; validated with errors naming the field.
+
+Also owns the engine's command-line flags (:func:`add_engine_args`, spelled as vLLM
+spells them) and the config they describe (:func:`engine_config_from_args`), shared by
+``kvpage generate``, ``serve`` and ``bench``.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+from dataclasses import dataclass, fields
 
 POLICIES = ("fcfs", "priority", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -81,3 +87,116 @@ class EngineConfig:
             )
         if not 0 <= self.max_logprobs <= 1024:
             raise ValueError(f"max_logprobs must be in [0, 1024], got {self.max_logprobs!r}")
+
+
+# ---- the engine's command-line flags (kvpage generate / serve / bench) ----------
+
+
+def _byte_size(text: str) -> int:
+    """``"4G"``, ``"512M"``, ``"1.5GiB"`` or plain bytes."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    value = text.strip().upper().removesuffix("IB").removesuffix("B")
+    suffix = value[-1:] if value[-1:] in units and value[-1:] else ""
+    try:
+        number = float(value[: len(value) - len(suffix)])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 4G, 512M)") from None
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"byte size must be positive, got {text!r}")
+    return int(number * units[suffix])
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine flags, with vLLM's spellings."""
+    g = parser.add_argument_group("engine")
+    d = EngineConfig()
+    g.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=d.max_num_seqs,
+        help="most sequences running at once (the continuous batch width)",
+    )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=d.max_num_batched_tokens,
+        help="token budget of one step (prefill chunks + decodes)",
+    )
+    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    g.add_argument(
+        "--num-gpu-blocks",
+        type=int,
+        default=None,
+        help="KV blocks in the pool (default: from --kv-cache-memory, else from the memory "
+        "the device or host has)",
+    )
+    g.add_argument(
+        "--kv-cache-memory",
+        type=_byte_size,
+        default=None,
+        help="bytes for the KV cache, e.g. 4G or 512M (overrides the memory-based sizing)",
+    )
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=d.gpu_memory_utilization,
+        help="fraction of accelerator memory for params, activations and the KV cache",
+    )
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=d.enable_prefix_caching,
+        help="reuse KV of shared prompt prefixes",
+    )
+    g.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=d.enable_chunked_prefill,
+        help="split long prompts across steps so decodes keep flowing",
+    )
+    g.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=0,
+        help="most tokens one prompt may take in a step (0 = no cap)",
+    )
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest sequence, prompt + output (default: the model's)",
+    )
+    g.add_argument("--dtype", default="auto", choices=DTYPES, help="weight dtype")
+    g.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=POLICIES,
+        help="fcfs, priority (lower value first), or static (baseline)",
+    )
+    g.add_argument(
+        "--attention-backend",
+        default=None,
+        help="xla, pallas or reference (default: pallas on GPU, xla elsewhere)",
+    )
+    g.add_argument("--tensor-parallel-size", type=int, default=1, help="devices to shard over")
+    g.add_argument(
+        "--max-num-waiting",
+        type=int,
+        default=None,
+        help="bound of the waiting queue (serve answers 503 past it)",
+    )
+    g.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=d.max_logprobs,
+        help="largest logprobs a request may ask for",
+    )
+    g.add_argument("--seed", type=int, default=0, help="engine seed")
+    g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile every step bucket at startup (default: on for serve)")
+
+
+def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfig:
+    """The config the flags of :func:`add_engine_args` describe."""
+    names = {f.name for f in fields(EngineConfig)} - {"model"}
+    return EngineConfig(model=model, **{n: getattr(args, n) for n in names if hasattr(args, n)})
