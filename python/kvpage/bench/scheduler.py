@@ -73,6 +73,18 @@ def time_scheduler_steps(running: int, steps: int = 200, context: int = 1000) ->
     }
 
 
+def add_request_rate(count: int = 20_000, prompt_len: int = 128) -> float:
+    """Requests per second through ``add_request`` (no scheduling)."""
+    from kvpage._core import Scheduler
+
+    sched = Scheduler(1 << 16, 16, max_num_seqs=1024)
+    prompt = np.arange(prompt_len, dtype=np.int32)
+    start = time.perf_counter()
+    for _ in range(count):
+        sched.add_request(prompt, max_tokens=128)
+    return count / (time.perf_counter() - start)
+
+
 class TimedScheduler:
     """Wraps the engine's scheduler to add up the time of its calls."""
 
@@ -188,7 +200,13 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
          for r in rows],
         title="Rust scheduler through the Python API: one schedule() + update() per step",
     ))
-    payload: dict[str, Any] = {"command": "scheduler", "scheduler_steps": rows}
+    rate = add_request_rate()
+    print(f"add_request: {rate:,.0f} requests/s (128-token prompts)")
+    payload: dict[str, Any] = {
+        "command": "scheduler",
+        "scheduler_steps": rows,
+        "add_request_per_s": rate,
+    }
     if not args.no_engine:
         from kvpage.engine_config import EngineConfig
 
