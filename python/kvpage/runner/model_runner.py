@@ -73,6 +73,7 @@ from kvpage.runner.sampling_table import (
 from kvpage.runner.step_inputs import PackedLayout, PaddingValues
 from kvpage.runner.step_output import StepOutput
 from kvpage.runner.step_plan import StepPlanLike
+from kvpage.runner.token_bitmask import ALLOW_ALL, bitmask_words, pad_bitmask
 
 _COPY_CHUNK = 64  # block copies per call of the stand-alone copy executable
 
@@ -236,6 +237,7 @@ class ModelRunner:
         self._base_key_seed = seed
         self._step_counter = 0
 
+        self._allow_all_masks: dict[int, jax.Array] = {}
         self._step_executables: dict[StepKey, jax.stages.Compiled] = {}
         self._layouts: dict[tuple[int, int], tuple[PackedLayout, np.ndarray]] = {}
         self._write_slot_executable: jax.stages.Compiled | None = None
@@ -357,7 +359,11 @@ class ModelRunner:
         copy = self._copy_blocks
 
         def step(
-            params: Params, pools: KVPools, table: SamplingTable, packed: jax.Array
+            params: Params,
+            pools: KVPools,
+            table: SamplingTable,
+            packed: jax.Array,
+            token_bitmask: jax.Array,
         ) -> tuple[Any, KVPools, SamplingTable]:
             arrays = layout.unpack(packed)
             if layout.num_copies:
@@ -380,7 +386,9 @@ class ModelRunner:
                 logits = jax.lax.with_sharding_constraint(logits, replicated)
             inputs = gather_inputs(table, arrays.sample_rows)
             step_key = jax.random.fold_in(jax.random.key(base_seed), arrays.step_counter)
-            out = sample(logits, inputs, step_key, num_top, arrays.want_top_logprobs)
+            out = sample(
+                logits, inputs, step_key, num_top, arrays.want_top_logprobs, token_bitmask
+            )
             valid = jnp.arange(layout.num_seqs) < arrays.num_sampled
             table = record_sampled(table, arrays.sample_rows, out.token_ids, valid)
             return out, pools, table
@@ -390,13 +398,18 @@ class ModelRunner:
     def _lower_step(self, key: StepKey) -> jax.stages.Lowered:
         layout, _ = self._layout(key[:2])
         packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=self._replicated)
+        bitmask = jax.ShapeDtypeStruct(
+            (layout.num_seqs, bitmask_words(self.config.vocab_size)),
+            jnp.int32,
+            sharding=self._replicated,
+        )
         pools = self._shardings(self.kv_pools, self._pool_sharding)
         table = self._shardings(self.sampling_table)
         return self._jit(
             self._make_step(layout, key[2]),
             (1, 2),
-            (self.params, self.kv_pools, self.sampling_table, packed),
-            (self._param_shardings, pools, table, self._replicated),
+            (self.params, self.kv_pools, self.sampling_table, packed, bitmask),
+            (self._param_shardings, pools, table, self._replicated, self._replicated),
             (self._replicated, pools, table),
         )
 
@@ -659,9 +672,10 @@ class ModelRunner:
         )
         key = (t_pad, s_pad, decode_only)
         executable = self._step_executables.get(key) or self._compile_step(key)
+        bitmask = self._token_bitmask_input(getattr(plan, "token_bitmask", None), s_pad)
         try:
             out, self.kv_pools, self.sampling_table = executable(
-                self.params, self.kv_pools, self.sampling_table, self._host_input(packed)
+                self.params, self.kv_pools, self.sampling_table, self._host_input(packed), bitmask
             )
         except Exception as exc:
             if any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(self.params)):
@@ -672,6 +686,21 @@ class ModelRunner:
             raise
         self._step_counter += 1
         return PendingStep(out, num_sampled, want_top)
+
+    def _token_bitmask_input(self, bitmask: np.ndarray | None, rows: int) -> Any:
+        """The step's grammar bitmask: the plan's rows padded to ``rows``, or (no
+        constrained row) an allow-all mask kept on the device, so unconstrained steps
+        transfer nothing extra."""
+        if bitmask is not None:
+            return self._host_input(pad_bitmask(bitmask, rows, self.config.vocab_size))
+        cached = self._allow_all_masks.get(rows)
+        if cached is None:
+            words = bitmask_words(self.config.vocab_size)
+            cached = jax.device_put(
+                self._host_input(np.full((rows, words), ALLOW_ALL, np.int32)), self._replicated
+            )
+            self._allow_all_masks[rows] = cached
+        return cached
 
     def _host_input(self, value: np.ndarray) -> Any:
         """A host array as a step input: as is on one process; with a mesh spanning
