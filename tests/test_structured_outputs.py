@@ -9,6 +9,7 @@ import json
 import random
 import re
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import pytest
@@ -150,3 +151,32 @@ def test_a_constraint_that_does_not_compile_in_time_is_refused(llm: LLM) -> None
     with pytest.raises(ValueError, match="could not be compiled within 0 s"):
         slow.compile(StructuredOutputsParams(json=schema))
     slow.close()
+
+
+def test_overlapped_masks_sample_like_masks_in_the_plan(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine computes masks while the forward pass runs (two executables); handing
+    the same masks in with the plan (one fused executable) samples the same tokens."""
+    schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999},
+              "minItems": 2, "maxItems": 5}
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=60, n=3,
+                            structured_outputs=StructuredOutputsParams(json=schema))
+    before = dict(llm.engine.counters)
+    (split,) = llm.generate(["Numbers:"], params, use_tqdm=False)
+    counters = llm.engine.counters
+    steps = counters["structured_mask_steps"] - before["structured_mask_steps"]
+    assert steps > 0 and counters["structured_mask_rows"] > before["structured_mask_rows"]
+    runner = llm.engine.runner
+    dispatch = runner.dispatch
+
+    def fused(plan: Any, token_bitmask_fn: Any = None) -> Any:
+        if token_bitmask_fn is not None:
+            plan.token_bitmask = token_bitmask_fn()
+        return dispatch(plan)
+
+    monkeypatch.setattr(runner, "dispatch", fused)
+    (together,) = llm.generate(["Numbers:"], params, use_tqdm=False)
+    assert [s.text for s in split.outputs] == [s.text for s in together.outputs]
+    for sample in split.outputs:
+        jsonschema.validate(json.loads(sample.text), schema)

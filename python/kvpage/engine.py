@@ -238,6 +238,8 @@ class LLMEngine:
         self._grammar_lock = threading.Lock()
         self._constrained: set[int] = set()  # handles of requests with a grammar
         self.counters["structured_mask_rows"] = 0
+        self.counters["structured_mask_steps"] = 0
+        self.counters["structured_mask_hidden_steps"] = 0
         self.counters["structured_mask_s"] = 0.0
         if config.warmup:
             self.runner.warmup(progress=True)
@@ -266,15 +268,14 @@ class LLMEngine:
                 )
             return self._grammar_compiler
 
-    def _token_bitmask(self, plan: Any) -> np.ndarray | None:
-        """The grammar masks of the plan's sampled rows (None: no constrained row),
-        computed in the Rust core with the GIL released."""
-        if not self._constrained or not self.scheduler.num_constrained_rows():
-            return None
+    def _token_bitmask(self) -> np.ndarray:
+        """The grammar masks of the scheduled step's sampled rows, computed in the Rust
+        core with the GIL released (``structured_mask_*`` counters: its host cost)."""
         start = time.perf_counter()
         bitmask = self.scheduler.fill_token_bitmask(self.grammar_compiler.words)
         self.counters["structured_mask_s"] += time.perf_counter() - start
         self.counters["structured_mask_rows"] += self.scheduler.num_constrained_rows()
+        self.counters["structured_mask_steps"] += 1
         return bitmask
 
     # ---- requests -------------------------------------------------------
@@ -421,10 +422,17 @@ class LLMEngine:
                 copy_dst=plan.copy_dst,
                 num_seqs=plan.num_seqs,
                 num_tokens=plan.num_tokens,
-                token_bitmask=self._token_bitmask(plan),
             )
-            pending = self.runner.dispatch(runner_plan)
-            dispatched = time.perf_counter()
+            # Constrained rows: the runner enqueues the forward pass, then the Rust
+            # core computes the grammar masks (GIL released) while the device runs it.
+            constrained = bool(self._constrained) and self.scheduler.num_constrained_rows() > 0
+            if constrained:
+                pending = self.runner.dispatch(runner_plan, token_bitmask_fn=self._token_bitmask)
+            else:
+                pending = self.runner.dispatch(runner_plan)
+            if constrained and self.runner.last_bitmask_overlapped:
+                self.counters["structured_mask_hidden_steps"] += 1
+            dispatched = self.runner.last_enqueue_time  # the device is busy from here
             if self._last_result_time is not None:
                 self.timing.record_host_gap(dispatched - self._last_result_time)
             if self.config.overlap_host_work:
