@@ -6,7 +6,9 @@ copy-on-write block copies, the forward pass over all tokens of the step (prefil
 and decodes together; K/V written at the slot mapping, paged attention, logits only at
 sampled positions), sampling and the sampling-state update -- and returns the sampled
 tokens with their log-probabilities. The KV pools and the sampling table are donated to
-that function, so they are updated in place.
+that function, so they are updated in place. A step with structured-output rows whose
+grammar masks are computed during the step runs as two executables instead (forward,
+then sampling with the masks; see :meth:`ModelRunner.dispatch`), compiled on first use.
 
 Every executable is compiled explicitly and counted in :attr:`ModelRunner.num_compilations`;
 after :meth:`ModelRunner.warmup` that number stays fixed for any plan within the
