@@ -305,7 +305,7 @@ impl KvCacheManager {
             return usize::MAX;
         };
         let copy = match table.blocks.last() {
-            Some(&last) if table.num_tokens % block_size != 0 => {
+            Some(&last) if !table.num_tokens.is_multiple_of(block_size) => {
                 usize::from(self.pool.refcount(last).unwrap_or(0) > 1)
             }
             _ => 0,
@@ -340,7 +340,7 @@ impl KvCacheManager {
             .table
             .as_mut()
             .expect("checked above");
-        if num_new_tokens > 0 && table.num_tokens % block_size != 0 {
+        if num_new_tokens > 0 && !table.num_tokens.is_multiple_of(block_size) {
             let last = table.blocks.last_mut().expect("a partial block exists");
             if pool.refcount(*last)? > 1 {
                 let dst = pool.allocate_one().expect("ensured free blocks");
@@ -362,7 +362,7 @@ impl KvCacheManager {
         table.num_tokens += num_new_tokens;
         debug_assert!(
             num_new_tokens == 0
-                || table.num_tokens % block_size == 0
+                || table.num_tokens.is_multiple_of(block_size)
                 || pool.refcount(*table.blocks.last().unwrap()).unwrap() == 1,
             "the block being written must be owned by the writer alone"
         );

@@ -35,6 +35,9 @@ mod scheduler_regression_tests;
 #[cfg(test)]
 mod scheduler_tests;
 pub mod step_plan;
+pub mod structured_output;
+#[cfg(test)]
+mod structured_output_tests;
 #[cfg(any(test, feature = "bench-support"))]
 pub mod test_rng;
 pub mod xla_ffi;

@@ -14,6 +14,10 @@ use crate::request::{FinishReason, RequestParams};
 use crate::scheduler::{Policy, Scheduler as CoreScheduler, SchedulerConfig, TokenEvent};
 use crate::step_plan::StepPlan as CoreStepPlan;
 
+#[path = "python_structured.rs"]
+mod python_structured;
+use python_structured::{Grammar, GrammarVocab};
+
 create_exception!(
     _core,
     KVPageError,
@@ -550,6 +554,32 @@ impl Scheduler {
             .map(|t| PyArray1::from_slice(py, t))
     }
 
+    /// Constrain a queued (not yet scheduled) request's samples to `grammar`.
+    fn set_grammar(&mut self, handle: u64, grammar: &Grammar) -> PyResult<()> {
+        Ok(self.inner.set_grammar(handle, &grammar.inner)?)
+    }
+
+    /// Sampled rows of the last plan that carry a grammar.
+    fn num_constrained_rows(&self) -> usize {
+        self.inner.num_constrained_rows()
+    }
+
+    /// Token masks of the last plan's sampled rows as int32 [rows, words]
+    /// (bit t % 32 of word t / 32 allows token t; unconstrained rows allow
+    /// all). Computed with the GIL released.
+    fn fill_token_bitmask<'py>(
+        &mut self,
+        py: Python<'py>,
+        words: usize,
+    ) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        let rows = self.inner.plan().num_sampled();
+        let mut out = vec![0u32; rows * words];
+        let inner = &mut self.inner;
+        py.detach(|| inner.fill_token_bitmask(&mut out, words))?;
+        let out: Vec<i32> = out.into_iter().map(|w| w as i32).collect();
+        PyArray1::from_vec(py, out).reshape([rows, words])
+    }
+
     /// Prompt tokens served from the prefix cache at admission, or None.
     fn num_cached_tokens(&self, handle: u64) -> Option<usize> {
         self.inner.num_cached_tokens(handle)
@@ -649,5 +679,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<KVCacheManager>()?;
     m.add_class::<Scheduler>()?;
     m.add_class::<StepPlan>()?;
+    m.add_class::<GrammarVocab>()?;
+    m.add_class::<Grammar>()?;
     Ok(())
 }

@@ -7,6 +7,7 @@
 //! prompt plus generated tokens (mostly from the prefix cache).
 
 use crate::kv_cache::SeqId;
+use crate::structured_output::GrammarMatcher;
 
 /// Why a sequence stopped. Codes cross the FFI boundary as `u8`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -92,6 +93,9 @@ pub struct Sequence {
     /// Admitted (given KV) at least once: a re-admission after preemption
     /// must not report its own recomputed blocks as cache hits.
     pub admitted: bool,
+    /// Structured outputs: the grammar state after this sample's generated
+    /// tokens (`structured_output.rs`); None when unconstrained.
+    pub grammar: Option<GrammarMatcher>,
 }
 
 impl Sequence {

@@ -40,6 +40,8 @@ use crate::kv_cache::{BlockCopy, KvCacheManager};
 use crate::request::{FinishReason, Request, RequestParams, SeqState, Sequence};
 use crate::step_plan::StepPlan;
 
+#[path = "scheduler_grammar.rs"]
+mod scheduler_grammar;
 #[path = "static_batching.rs"]
 mod static_batching;
 
@@ -288,6 +290,7 @@ impl Scheduler {
             forks_pending: params.n - 1,
             num_cached_tokens: 0,
             admitted: false,
+            grammar: None,
         });
         self.requests[index as usize] = Some(Request {
             handle,
@@ -866,6 +869,8 @@ impl Scheduler {
             forks_pending: 0,
             num_cached_tokens: p.num_cached_tokens,
             admitted: true,
+            // Each sample walks the grammar on its own.
+            grammar: p.grammar.clone(),
         };
         let child = self.new_seq(child);
         self.requests[request as usize]
@@ -934,7 +939,10 @@ impl Scheduler {
             }
             let token = token as u32;
             self.seq_mut(seq).tokens.push(token);
-            let finish = self.stop_reason(seq, token);
+            let finish = match self.advance_grammar(seq, token) {
+                Some(reason) => Some(reason),
+                None => self.stop_reason(seq, token),
+            };
             if let Some(reason) = finish {
                 self.finish_seq(seq, reason)?;
             }
@@ -1073,6 +1081,7 @@ impl Scheduler {
         {
             return fail("queues hold sequences that do not exist".into());
         }
+        self.check_grammar_invariants()?;
         if self.by_handle.is_empty()
             && self.ghosts.is_empty()
             && self.kv.num_referenced_blocks() != 0

@@ -102,6 +102,7 @@ impl Scheduler {
         let s = self.seq(first);
         let request = s.request;
         let tokens = s.tokens.clone();
+        let grammar = s.grammar.clone();
         let seqs = &self.requests[request as usize].as_ref().expect("live").seqs;
         let sample_index = seqs.len() as u32;
         let sample = self.new_seq(Sequence {
@@ -114,6 +115,7 @@ impl Scheduler {
             forks_pending: 0,
             num_cached_tokens: 0,
             admitted: false,
+            grammar,
         });
         self.requests[request as usize]
             .as_mut()

@@ -18,6 +18,8 @@ _LAZY = {
     "SamplingParams": "kvpage.sampling_params",
     "RequestOutput": "kvpage.outputs",
     "CompletionOutput": "kvpage.outputs",
+    "StructuredOutputsParams": "kvpage.structured_outputs.params",
+    "GuidedDecodingParams": "kvpage.structured_outputs.params",
 }
 
 __all__ = ["BlockPool", "KVCacheManager", "KVPageError", "Scheduler", *_LAZY]

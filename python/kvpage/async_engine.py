@@ -242,6 +242,11 @@ class AsyncLLMEngine:
         ``EngineClosedError`` when shutting down. Cancelling the call aborts
         the request.
         """
+        if params is not None and params.structured_outputs is not None:
+            # Compile off the event loop and the engine thread (bounded by the
+            # compiler's timeout); the engine's add_request then finds it cached.
+            compiler = self.engine.grammar_compiler
+            await asyncio.to_thread(compiler.compile, params.structured_outputs)
         loop = asyncio.get_running_loop()
         stream = RequestStream(self, request_id, loop)
         op = _Add(stream, prompt, params, priority, cache_salt, time.monotonic(),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from kvpage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOut
 from kvpage.runner.model_runner import ModelRunner
 from kvpage.runner.step_plan import StepPlan as RunnerPlan
 from kvpage.sampling_params import SamplingParams
+from kvpage.structured_outputs.compiler import GrammarCompiler
 
 FINISH_REASONS = {1: "stop", 2: "length", 3: "abort", 4: "error"}
 logger = logging.getLogger("kvpage.engine")
@@ -232,6 +234,13 @@ class LLMEngine:
         self._deferred: dict[int, _Request] = {}
         self._last_result_time: float | None = None
         self.timing = StepTiming()
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
+        self._constrained: set[int] = set()  # handles of requests with a grammar
+        self.counters["structured_mask_rows"] = 0
+        self.counters["structured_mask_steps"] = 0
+        self.counters["structured_mask_hidden_steps"] = 0
+        self.counters["structured_mask_s"] = 0.0
         if config.warmup:
             self.runner.warmup(progress=True)
 
@@ -245,6 +254,29 @@ class LLMEngine:
             config.model, dtype=config.dtype
         )
         return cls(config, model_config, params, tokenizer, model_dir)
+
+    # ---- structured outputs ---------------------------------------------
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Compiles structured-output constraints for this model (created on first use;
+        the server calls it off the event loop before ``add_request``)."""
+        with self._grammar_lock:  # the server's event loop and the engine thread
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler(
+                    self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
+                )
+            return self._grammar_compiler
+
+    def _token_bitmask(self) -> np.ndarray:
+        """The grammar masks of the scheduled step's sampled rows, computed in the Rust
+        core with the GIL released (``structured_mask_*`` counters: its host cost)."""
+        start = time.perf_counter()
+        bitmask = self.scheduler.fill_token_bitmask(self.grammar_compiler.words)
+        self.counters["structured_mask_s"] += time.perf_counter() - start
+        self.counters["structured_mask_rows"] += self.scheduler.num_constrained_rows()
+        self.counters["structured_mask_steps"] += 1
+        return bitmask
 
     # ---- requests -------------------------------------------------------
 
@@ -305,6 +337,9 @@ class LLMEngine:
                 f"min_tokens={params.min_tokens} cannot be reached: only {max_tokens} tokens fit "
                 f"after the {len(ids)}-token prompt within max_model_len={self.max_model_len}"
             )
+        grammar = None
+        if params.structured_outputs is not None:  # compile errors: ValueError, nothing queued
+            grammar = self.grammar_compiler.compile(params.structured_outputs)
         handle = self.scheduler.add_request(
             np.asarray(ids, np.int64),
             n=params.n,
@@ -315,6 +350,9 @@ class LLMEngine:
             priority=priority,
             cache_salt=cache_salt,
         )
+        if grammar is not None:
+            self.scheduler.set_grammar(handle, grammar)
+            self._constrained.add(handle)
         metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic())
         request = _Request(request_id, handle, text, ids, params, metrics, delta, final_only)
         self._requests[request_id] = request
@@ -385,8 +423,16 @@ class LLMEngine:
                 num_seqs=plan.num_seqs,
                 num_tokens=plan.num_tokens,
             )
-            pending = self.runner.dispatch(runner_plan)
-            dispatched = time.perf_counter()
+            # Constrained rows: the runner enqueues the forward pass, then the Rust
+            # core computes the grammar masks (GIL released) while the device runs it.
+            constrained = bool(self._constrained) and self.scheduler.num_constrained_rows() > 0
+            if constrained:
+                pending = self.runner.dispatch(runner_plan, token_bitmask_fn=self._token_bitmask)
+            else:
+                pending = self.runner.dispatch(runner_plan)
+            if constrained and self.runner.last_bitmask_overlapped:
+                self.counters["structured_mask_hidden_steps"] += 1
+            dispatched = self.runner.last_enqueue_time  # the device is busy from here
             if self._last_result_time is not None:
                 self.timing.record_host_gap(dispatched - self._last_result_time)
             if self.config.overlap_host_work:
@@ -585,6 +631,7 @@ class LLMEngine:
             self._release_slot(request.handle, sample.index)
         self._requests.pop(request.request_id, None)
         self._by_handle.pop(request.handle, None)
+        self._constrained.discard(request.handle)
         for sample in request.samples.values():
             key = sample.finish_reason or reason or "abort"
             self.finished_counts[key] = self.finished_counts.get(key, 0) + 1

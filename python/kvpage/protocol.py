@@ -21,6 +21,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kvpage.sampling_params import SamplingParams
+from kvpage.structured_outputs.params import KINDS, StructuredOutputsParams
 
 
 class APIError(Exception):
@@ -80,13 +81,8 @@ _NOT_IMPLEMENTED_COMMON: dict[str, Any] = {
     "prompt_logprobs": None,
     "allowed_token_ids": None,
     "bad_words": None,
-    "guided_json": None,
-    "guided_regex": None,
-    "guided_choice": None,
-    "guided_grammar": None,
     "guided_decoding_backend": None,
     "guided_whitespace_pattern": None,
-    "structured_outputs": None,
     "logits_processors": None,
     "return_tokens_as_token_ids": False,
     "truncate_prompt_tokens": None,
@@ -164,6 +160,14 @@ class _GenerationRequest(_Strict):
     skip_special_tokens: bool = True
     add_special_tokens: bool | None = None
     return_token_ids: bool = False
+    # structured outputs: vLLM's guided_* extras and structured_outputs, and OpenAI's
+    # response_format (declared by the subclasses)
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
 
     NOT_IMPLEMENTED: ClassVar[dict[str, Any]] = _NOT_IMPLEMENTED_COMMON
 
@@ -183,6 +187,36 @@ class _GenerationRequest(_Strict):
         if self.return_token_ids and self.stream:
             raise bad_request("return_token_ids is only supported without stream",
                               param="return_token_ids")
+        self.structured_outputs_params()  # 400 naming the field, before any work
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The one output constraint the body asks for (``response_format``, a
+        ``guided_*`` extra or ``structured_outputs``), or None; 400 naming the field."""
+        candidates: list[tuple[str, Any]] = [
+            (name, {kind: getattr(self, name)})
+            for name, kind in (("guided_json", "json"), ("guided_regex", "regex"),
+                               ("guided_choice", "choice"), ("guided_grammar", "grammar"))
+            if getattr(self, name) is not None
+        ]
+        if self.structured_outputs is not None:  # other vLLM keys only with "off" values
+            candidates.append(("structured_outputs", {
+                k: v for k, v in self.structured_outputs.items()
+                if k in KINDS or v not in (None, False)}))
+        found: list[tuple[str, StructuredOutputsParams]] = []
+        for name, fields in candidates:
+            try:
+                found.append((name, StructuredOutputsParams.coerce(fields, name)))
+            except (ValueError, TypeError) as exc:
+                message = str(exc) if str(exc).startswith(name) else f"{name}: {exc}"
+                raise bad_request(message, param=name) from None
+        response = response_format_params(self.response_format)
+        if response is not None:
+            found.append(("response_format", response))
+        if len(found) > 1:
+            names = ", ".join(name for name, _ in found)
+            raise bad_request(f"give at most one output constraint, got {names}",
+                              param=found[1][0])
+        return found[0][1] if found else None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ``APIError`` 400 naming the field for invalid values."""
@@ -206,6 +240,7 @@ class _GenerationRequest(_Strict):
                 repetition_penalty=(1.0 if self.repetition_penalty is None
                                     else self.repetition_penalty),
                 skip_special_tokens=self.skip_special_tokens,
+                structured_outputs=self.structured_outputs_params(),
             )
         except ValueError as exc:
             raise value_error(exc) from None
@@ -218,7 +253,6 @@ class CompletionRequest(_GenerationRequest):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
-    response_format: dict[str, Any] | None = None
 
     NOT_IMPLEMENTED: ClassVar[dict[str, Any]] = _NOT_IMPLEMENTED_COMPLETION
 
@@ -230,9 +264,6 @@ class CompletionRequest(_GenerationRequest):
             raise bad_request("suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of other than n is not supported", param="best_of")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise bad_request("response_format other than text is not supported",
-                              param="response_format")
 
 
 class TextPart(_Strict):
@@ -263,7 +294,6 @@ class ChatCompletionRequest(_GenerationRequest):
     continue_final_message: bool = False
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     NOT_IMPLEMENTED: ClassVar[dict[str, Any]] = _NOT_IMPLEMENTED_CHAT
 
@@ -277,9 +307,6 @@ class ChatCompletionRequest(_GenerationRequest):
             raise bad_request("continue_final_message and add_generation_prompt cannot both "
                               "be true (set add_generation_prompt=false)",
                               param="continue_final_message")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise bad_request("response_format other than text is not supported",
-                              param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
 
@@ -291,6 +318,28 @@ class ChatCompletionRequest(_GenerationRequest):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def response_format_params(response_format: dict[str, Any] | None) -> (
+        StructuredOutputsParams | None):
+    """OpenAI's ``response_format``: ``{"type": "text"}`` (no constraint),
+    ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"name": ...,
+    "schema": {...}, "strict": ...}}``; a 400 naming the field otherwise."""
+    if not response_format:
+        return None
+    kind = response_format.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind != "json_schema":
+        raise bad_request(f"response_format.type must be text, json_object or json_schema, "
+                          f"got {kind!r}", param="response_format")
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise bad_request("response_format.json_schema.schema must be a JSON schema object",
+                          param="response_format")
+    return StructuredOutputsParams(json=spec["schema"])
 
 
 def value_error(exc: ValueError) -> APIError:

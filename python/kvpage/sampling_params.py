@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvpage.runner.sampling_params import SamplingParams as DeviceSamplingParams
+from kvpage.structured_outputs.params import StructuredOutputsParams
 
 DEFAULT_MAX_TOKENS = 256
 """A usable default (vLLM's 16 cuts most answers short)."""
@@ -33,7 +34,11 @@ class SamplingParams:
     suppressed before that); ``stop`` strings (excluded from the text unless
     ``include_stop_str_in_output``); ``stop_token_ids``; ``ignore_eos``;
     ``logprobs`` (top-N per token, the sampled one always included);
-    presence / frequency / repetition penalties; ``skip_special_tokens``.
+    presence / frequency / repetition penalties; ``skip_special_tokens``;
+    ``structured_outputs`` (or its older name ``guided_decoding``): a
+    :class:`~kvpage.structured_outputs.StructuredOutputsParams` (or a dict of its fields)
+    constraining the output to a JSON schema, regex, choice or grammar; a sample whose
+    constraint is complete finishes with ``"stop"``.
     """
 
     n: int = 1
@@ -53,6 +58,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None
     stop_strings: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -129,6 +136,13 @@ class SamplingParams:
             "a list of non-negative token ids",
         )
         self.stop_token_ids = ids
+        structured = StructuredOutputsParams.coerce(self.structured_outputs, "structured_outputs")
+        guided = StructuredOutputsParams.coerce(self.guided_decoding, "guided_decoding")
+        if structured is not None and guided is not None and structured != guided:
+            raise ValueError(
+                "structured_outputs and guided_decoding (its older name) differ: set one"
+            )
+        self.structured_outputs = self.guided_decoding = structured or guided
 
     @property
     def uses_penalties(self) -> bool:

@@ -6,7 +6,9 @@ copy-on-write block copies, the forward pass over all tokens of the step (prefil
 and decodes together; K/V written at the slot mapping, paged attention, logits only at
 sampled positions), sampling and the sampling-state update -- and returns the sampled
 tokens with their log-probabilities. The KV pools and the sampling table are donated to
-that function, so they are updated in place.
+that function, so they are updated in place. A step with structured-output rows whose
+grammar masks are computed during the step runs as two executables instead (forward,
+then sampling with the masks; see :meth:`ModelRunner.dispatch`), compiled on first use.
 
 Every executable is compiled explicitly and counted in :attr:`ModelRunner.num_compilations`;
 after :meth:`ModelRunner.warmup` that number stays fixed for any plan within the
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -73,6 +76,7 @@ from kvpage.runner.sampling_table import (
 from kvpage.runner.step_inputs import PackedLayout, PaddingValues
 from kvpage.runner.step_output import StepOutput
 from kvpage.runner.step_plan import StepPlanLike
+from kvpage.runner.token_bitmask import ALLOW_ALL, bitmask_words, pad_bitmask
 
 _COPY_CHUNK = 64  # block copies per call of the stand-alone copy executable
 
@@ -236,7 +240,15 @@ class ModelRunner:
         self._base_key_seed = seed
         self._step_counter = 0
 
+        self._allow_all_masks: dict[int, jax.Array] = {}
+        self.last_enqueue_time = 0.0
+        """``time.perf_counter()`` when the last step's device work was enqueued (with
+        overlapped masks: the forward pass, before the masks are computed)."""
+        self.last_bitmask_overlapped = False
+        """Whether the forward pass was still running when the last step's
+        ``token_bitmask_fn`` returned (its host work hidden behind the device)."""
         self._step_executables: dict[StepKey, jax.stages.Compiled] = {}
+        self._split_executables: dict[StepKey, tuple[Any, Any]] = {}
         self._layouts: dict[tuple[int, int], tuple[PackedLayout, np.ndarray]] = {}
         self._write_slot_executable: jax.stages.Compiled | None = None
         self._copy_executable: jax.stages.Compiled | None = None
@@ -347,7 +359,12 @@ class ModelRunner:
         )
         return jitted.lower(*args)
 
-    def _make_step(self, layout: PackedLayout, decode_only: bool) -> Callable[..., Any]:
+    def _make_step_parts(
+        self, layout: PackedLayout, decode_only: bool
+    ) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        """The step's two halves: ``forward`` (block copies, the model, logits at the
+        sampled positions) and ``finish`` (sampling, with the grammar bitmask, and the
+        sampling-state update)."""
         config, backend = self.config, self.backend
         num_top, base_seed = self.max_logprobs, self._base_key_seed
         replicated = self._replicated if self.mesh is not None else None
@@ -356,9 +373,7 @@ class ModelRunner:
             vocab_split = NamedSharding(self.mesh, PartitionSpec(None, TP_AXIS))
         copy = self._copy_blocks
 
-        def step(
-            params: Params, pools: KVPools, table: SamplingTable, packed: jax.Array
-        ) -> tuple[Any, KVPools, SamplingTable]:
+        def forward(params: Params, pools: KVPools, packed: jax.Array) -> tuple[Any, KVPools]:
             arrays = layout.unpack(packed)
             if layout.num_copies:
                 pools = copy(pools, arrays.copy_src, arrays.copy_dst)
@@ -378,25 +393,84 @@ class ModelRunner:
                 logits = jax.lax.with_sharding_constraint(logits, vocab_split)
             if replicated is not None:  # sample on full rows: identical on every device
                 logits = jax.lax.with_sharding_constraint(logits, replicated)
+            return logits.astype(jnp.float32), pools
+
+        def finish(
+            table: SamplingTable, packed: jax.Array, logits: jax.Array, token_bitmask: jax.Array
+        ) -> tuple[Any, SamplingTable]:
+            arrays = layout.unpack(packed)
             inputs = gather_inputs(table, arrays.sample_rows)
             step_key = jax.random.fold_in(jax.random.key(base_seed), arrays.step_counter)
-            out = sample(logits, inputs, step_key, num_top, arrays.want_top_logprobs)
+            out = sample(
+                logits, inputs, step_key, num_top, arrays.want_top_logprobs, token_bitmask
+            )
             valid = jnp.arange(layout.num_seqs) < arrays.num_sampled
             table = record_sampled(table, arrays.sample_rows, out.token_ids, valid)
+            return out, table
+
+        return forward, finish
+
+    def _make_step(self, layout: PackedLayout, decode_only: bool) -> Callable[..., Any]:
+        forward, finish = self._make_step_parts(layout, decode_only)
+
+        def step(
+            params: Params,
+            pools: KVPools,
+            table: SamplingTable,
+            packed: jax.Array,
+            token_bitmask: jax.Array,
+        ) -> tuple[Any, KVPools, SamplingTable]:
+            logits, pools = forward(params, pools, packed)
+            out, table = finish(table, packed, logits, token_bitmask)
             return out, pools, table
 
         return step
 
+    def _compile_split_step(self, key: StepKey) -> tuple[Any, Any]:
+        """The step as two executables, forward (KV pools donated) then sampling
+        (sampling table donated), for steps whose grammar masks are computed on the
+        host while the forward runs. Compiled on first use of a bucket by such a step."""
+        layout, _ = self._layout(key[:2])
+        rep = self._replicated
+        packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=rep)
+        logits = jax.ShapeDtypeStruct(
+            (layout.num_seqs, self.config.vocab_size), jnp.float32, sharding=rep
+        )
+        bitmask = jax.ShapeDtypeStruct(
+            (layout.num_seqs, bitmask_words(self.config.vocab_size)), jnp.int32, sharding=rep
+        )
+        pools = self._shardings(self.kv_pools, self._pool_sharding)
+        table = self._shardings(self.sampling_table)
+        forward, finish = self._make_step_parts(layout, key[2])
+        compiled = (
+            self._jit(
+                forward, (1,), (self.params, self.kv_pools, packed),
+                (self._param_shardings, pools, rep), (rep, pools),
+            ).compile(),
+            self._jit(
+                finish, (0,), (self.sampling_table, packed, logits, bitmask),
+                (table, rep, rep, rep), (rep, table),
+            ).compile(),
+        )
+        self._split_executables[key] = compiled
+        self._num_compilations += 2
+        return compiled
+
     def _lower_step(self, key: StepKey) -> jax.stages.Lowered:
         layout, _ = self._layout(key[:2])
         packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=self._replicated)
+        bitmask = jax.ShapeDtypeStruct(
+            (layout.num_seqs, bitmask_words(self.config.vocab_size)),
+            jnp.int32,
+            sharding=self._replicated,
+        )
         pools = self._shardings(self.kv_pools, self._pool_sharding)
         table = self._shardings(self.sampling_table)
         return self._jit(
             self._make_step(layout, key[2]),
             (1, 2),
-            (self.params, self.kv_pools, self.sampling_table, packed),
-            (self._param_shardings, pools, table, self._replicated),
+            (self.params, self.kv_pools, self.sampling_table, packed, bitmask),
+            (self._param_shardings, pools, table, self._replicated, self._replicated),
             (self._replicated, pools, table),
         )
 
@@ -631,10 +705,19 @@ class ModelRunner:
         """
         return self.dispatch(plan).result()
 
-    def dispatch(self, plan: StepPlanLike) -> PendingStep:
+    def dispatch(
+        self,
+        plan: StepPlanLike,
+        token_bitmask_fn: Callable[[], np.ndarray | None] | None = None,
+    ) -> PendingStep:
         """Enqueue one step on the device and return at once (JAX dispatch is
         asynchronous); ``result()`` waits for the sampled tokens. The host can
-        do other work, such as detokenizing the previous step, in between."""
+        do other work, such as detokenizing the previous step, in between.
+
+        Grammar masks come either with the plan (``plan.token_bitmask``) or from
+        ``token_bitmask_fn``: then the forward pass is enqueued first and the function
+        runs on the host while the device computes it; sampling is enqueued with its
+        result (two executables instead of one)."""
         num_sampled = len(plan.logits_indices)
         if self.validate_plans:
             self._check_plan(plan, num_sampled)
@@ -658,11 +741,27 @@ class ModelRunner:
             plan, template, self.block_size, self._step_counter, want_top, fuse_copies
         )
         key = (t_pad, s_pad, decode_only)
-        executable = self._step_executables.get(key) or self._compile_step(key)
         try:
-            out, self.kv_pools, self.sampling_table = executable(
-                self.params, self.kv_pools, self.sampling_table, self._host_input(packed)
-            )
+            if token_bitmask_fn is None:
+                executable = self._step_executables.get(key) or self._compile_step(key)
+                bitmask = self._token_bitmask_input(getattr(plan, "token_bitmask", None), s_pad)
+                out, self.kv_pools, self.sampling_table = executable(
+                    self.params, self.kv_pools, self.sampling_table, self._host_input(packed),
+                    bitmask,
+                )
+                self.last_enqueue_time = time.perf_counter()
+            else:
+                forward, finish = self._split_executables.get(key) or self._compile_split_step(
+                    key
+                )
+                packed_input = self._host_input(packed)
+                logits, self.kv_pools = forward(self.params, self.kv_pools, packed_input)
+                self.last_enqueue_time = time.perf_counter()
+                bitmask = self._token_bitmask_input(token_bitmask_fn(), s_pad)  # overlaps
+                self.last_bitmask_overlapped = not logits.is_ready()
+                out, self.sampling_table = finish(
+                    self.sampling_table, packed_input, logits, bitmask
+                )
         except Exception as exc:
             if any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(self.params)):
                 raise RuntimeError(
@@ -672,6 +771,21 @@ class ModelRunner:
             raise
         self._step_counter += 1
         return PendingStep(out, num_sampled, want_top)
+
+    def _token_bitmask_input(self, bitmask: np.ndarray | None, rows: int) -> Any:
+        """The step's grammar bitmask: the plan's rows padded to ``rows``, or (no
+        constrained row) an allow-all mask kept on the device, so unconstrained steps
+        transfer nothing extra."""
+        if bitmask is not None:
+            return self._host_input(pad_bitmask(bitmask, rows, self.config.vocab_size))
+        cached = self._allow_all_masks.get(rows)
+        if cached is None:
+            words = bitmask_words(self.config.vocab_size)
+            cached = jax.device_put(
+                self._host_input(np.full((rows, words), ALLOW_ALL, np.int32)), self._replicated
+            )
+            self._allow_all_masks[rows] = cached
+        return cached
 
     def _host_input(self, value: np.ndarray) -> Any:
         """A host array as a step input: as is on one process; with a mesh spanning

@@ -9,6 +9,10 @@ function serves any mix of greedy and random rows and any parameter values:
 2b. min_tokens (vLLM semantics): while a row has generated fewer than ``min_tokens`` tokens,
    its stop tokens (EOS unless ``ignore_eos``, and ``stop_token_ids``) are masked, so
    neither greedy nor random sampling can pick them;
+2c. structured outputs: the grammar's token bitmask (:mod:`kvpage.runner.token_bitmask`)
+   sets disallowed tokens to -inf, before temperature, min-p, top-k and top-p. When
+   min_tokens would mask every token the grammar allows (the grammar is complete and
+   allows only EOS), the grammar wins;
 3. greedy rows (temperature 0) take the argmax of the penalised logits;
 4. other rows: divide by temperature, apply min-p, then top-k and top-p, then draw with the
    Gumbel-max trick using a per-row key. A seeded row's key depends only on
@@ -27,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from kvpage.runner.sampling_params import GREEDY_EPSILON
+from kvpage.runner.token_bitmask import apply_token_bitmask
 
 
 class SamplingInputs(NamedTuple):
@@ -211,11 +216,14 @@ def sample(
     unseeded_key: jax.Array,
     num_top_logprobs: int,
     want_top_logprobs: jax.Array | bool = True,
+    token_bitmask: jax.Array | None = None,
 ) -> SamplerOutput:
     """Pick one token per row of float32 ``logits [N, vocab]``.
 
     ``num_top_logprobs`` (static) is the width K of the top-N lists; they are computed only
-    when ``want_top_logprobs`` is true (zeros otherwise).
+    when ``want_top_logprobs`` is true (zeros otherwise). ``token_bitmask`` (int32
+    ``[N, ceil(vocab / 32)]``, see :mod:`kvpage.runner.token_bitmask`) restricts each row
+    to the tokens its grammar allows; None or all-ones rows restrict nothing.
     """
     logits = logits.astype(jnp.float32)
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
@@ -238,6 +246,9 @@ def sample(
             lambda x: x,
             logits,
         )
+    if token_bitmask is not None:
+        logits = apply_token_bitmask(logits, token_bitmask)
+    grammar_logits = logits
     if inputs.min_tokens is not None and inputs.stop_mask is not None:
         logits = jax.lax.cond(
             jnp.any(inputs.step < inputs.min_tokens),
@@ -245,6 +256,9 @@ def sample(
             lambda x: x,
             logits,
         )
+        if token_bitmask is not None:  # never leave a row without a candidate
+            dead = jnp.all(logits == -jnp.inf, axis=-1, keepdims=True)
+            logits = jnp.where(dead, grammar_logits, logits)
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     is_greedy = inputs.temperature < GREEDY_EPSILON
     random_tokens = jax.lax.cond(

@@ -22,6 +22,9 @@ sample_rows        [S'] int32          request slot whose sampling state applies
 copy_src/copy_dst  [C] int32           whole-block copy-on-write copies, run before the step
 num_seqs           int                 S
 num_tokens         int                 T
+token_bitmask      [S', W] int32       optional: allowed tokens of each sampled row (structured
+                                       outputs; W = ceil(vocab / 32), see
+                                       :mod:`kvpage.runner.token_bitmask`); None allows all
 =================  ==================  ==============================================
 """
 
@@ -68,6 +71,7 @@ class StepPlan:
     copy_dst: np.ndarray = field(default_factory=_empty)
     num_seqs: int = -1
     num_tokens: int = -1
+    token_bitmask: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.num_seqs < 0:
