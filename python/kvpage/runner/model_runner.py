@@ -59,6 +59,7 @@ from kvpage.runner.buckets import (
 )
 from kvpage.runner.kv_cache import KVCacheSpec, KVPools, allocate_kv_cache, copy_blocks
 from kvpage.runner.kv_cache_sizing import KVCacheDecision, decide_num_blocks
+from kvpage.runner.prompt_logprobs import PromptScores, score_prompt_tokens
 from kvpage.runner.sampler import sample
 from kvpage.runner.sampling_params import SamplingParams
 from kvpage.runner.sampling_table import (
@@ -237,6 +238,7 @@ class ModelRunner:
         self._step_counter = 0
 
         self._step_executables: dict[StepKey, jax.stages.Compiled] = {}
+        self._prompt_step_executables: dict[tuple[int, int], jax.stages.Compiled] = {}
         self._layouts: dict[tuple[int, int], tuple[PackedLayout, np.ndarray]] = {}
         self._write_slot_executable: jax.stages.Compiled | None = None
         self._copy_executable: jax.stages.Compiled | None = None
@@ -347,7 +349,12 @@ class ModelRunner:
         )
         return jitted.lower(*args)
 
-    def _make_step(self, layout: PackedLayout, decode_only: bool) -> Callable[..., Any]:
+    def _make_step(
+        self, layout: PackedLayout, decode_only: bool, score_prompts: bool = False
+    ) -> Callable[..., Any]:
+        """The step function of one bucket. ``score_prompts``: the prompt-logprobs variant
+        (:mod:`kvpage.runner.prompt_logprobs`), which takes a fifth argument, the int32
+        ``[T]`` targets, and returns ``((sampled, PromptScores), pools, table)``."""
         config, backend = self.config, self.backend
         num_top, base_seed = self.max_logprobs, self._base_key_seed
         replicated = self._replicated if self.mesh is not None else None
@@ -356,8 +363,20 @@ class ModelRunner:
             vocab_split = NamedSharding(self.mesh, PartitionSpec(None, TP_AXIS))
         copy = self._copy_blocks
 
+        def logits_of(params: Params, hidden: jax.Array) -> jax.Array:
+            logits = compute_logits(params, config, hidden)
+            if vocab_split is not None:  # each device: its vocab rows of the lm_head
+                logits = jax.lax.with_sharding_constraint(logits, vocab_split)
+            if replicated is not None:  # sample on full rows: identical on every device
+                logits = jax.lax.with_sharding_constraint(logits, replicated)
+            return logits
+
         def step(
-            params: Params, pools: KVPools, table: SamplingTable, packed: jax.Array
+            params: Params,
+            pools: KVPools,
+            table: SamplingTable,
+            packed: jax.Array,
+            targets: jax.Array | None = None,
         ) -> tuple[Any, KVPools, SamplingTable]:
             arrays = layout.unpack(packed)
             if layout.num_copies:
@@ -372,33 +391,52 @@ class ModelRunner:
                 backend,
                 decode_only,
             )
+            scores = None
+            if score_prompts:
+                scores = score_prompt_tokens(
+                    hidden, targets, lambda rows: logits_of(params, rows), max(num_top, 1)
+                )
             hidden = jnp.take(hidden, arrays.logits_indices, axis=0)
-            logits = compute_logits(params, config, hidden)
-            if vocab_split is not None:  # each device: its vocab rows of the lm_head
-                logits = jax.lax.with_sharding_constraint(logits, vocab_split)
-            if replicated is not None:  # sample on full rows: identical on every device
-                logits = jax.lax.with_sharding_constraint(logits, replicated)
+            logits = logits_of(params, hidden)
             inputs = gather_inputs(table, arrays.sample_rows)
             step_key = jax.random.fold_in(jax.random.key(base_seed), arrays.step_counter)
             out = sample(logits, inputs, step_key, num_top, arrays.want_top_logprobs)
             valid = jnp.arange(layout.num_seqs) < arrays.num_sampled
             table = record_sampled(table, arrays.sample_rows, out.token_ids, valid)
+            if score_prompts:
+                return (out, scores), pools, table
             return out, pools, table
 
         return step
 
-    def _lower_step(self, key: StepKey) -> jax.stages.Lowered:
+    def _lower_step(self, key: StepKey, score_prompts: bool = False) -> jax.stages.Lowered:
         layout, _ = self._layout(key[:2])
-        packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=self._replicated)
+        rep = self._replicated
+        packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=rep)
         pools = self._shardings(self.kv_pools, self._pool_sharding)
         table = self._shardings(self.sampling_table)
+        args: tuple[Any, ...] = (self.params, self.kv_pools, self.sampling_table, packed)
+        shardings: tuple[Any, ...] = (self._param_shardings, pools, table, rep)
+        if score_prompts:
+            args += (jax.ShapeDtypeStruct((layout.num_tokens,), jnp.int32, sharding=rep),)
+            shardings += (rep,)
         return self._jit(
-            self._make_step(layout, key[2]),
+            self._make_step(layout, key[2], score_prompts),
             (1, 2),
-            (self.params, self.kv_pools, self.sampling_table, packed),
-            (self._param_shardings, pools, table, self._replicated),
-            (self._replicated, pools, table),
+            args,
+            shardings,
+            (rep, pools, table),
         )
+
+    def _prompt_step(self, key: tuple[int, int]) -> jax.stages.Compiled:
+        """The prompt-logprobs variant of bucket ``key`` (compiled on first use; never by
+        :meth:`warmup`, so servers whose clients never ask for prompt logprobs never pay)."""
+        executable = self._prompt_step_executables.get(key)
+        if executable is None:
+            executable = self._lower_step((*key, False), score_prompts=True).compile()
+            self._prompt_step_executables[key] = executable
+            self._num_compilations += 1
+        return executable
 
     def _compile_step(self, key: StepKey) -> jax.stages.Compiled:
         executable = self._lower_step(key).compile()
@@ -624,17 +662,27 @@ class ModelRunner:
         self._slot_logprobs[:] = 0
         return True
 
-    def execute(self, plan: StepPlanLike) -> StepOutput:
+    def execute(
+        self, plan: StepPlanLike, prompt_targets: np.ndarray | None = None
+    ) -> StepOutput:
         """Run one step plan; returns the tokens sampled at ``plan.logits_indices``.
 
         ``plan.sample_rows`` name request slots bound with :meth:`set_request`.
         """
-        return self.dispatch(plan).result()
+        return self.dispatch(plan, prompt_targets).result()
 
-    def dispatch(self, plan: StepPlanLike) -> PendingStep:
+    def dispatch(
+        self, plan: StepPlanLike, prompt_targets: np.ndarray | None = None
+    ) -> PendingStep:
         """Enqueue one step on the device and return at once (JAX dispatch is
         asynchronous); ``result()`` waits for the sampled tokens. The host can
-        do other work, such as detokenizing the previous step, in between."""
+        do other work, such as detokenizing the previous step, in between.
+
+        ``prompt_targets`` (int32 ``[num_tokens]``, -1 = none; see
+        :func:`kvpage.runner.prompt_logprobs.prompt_targets`) asks for the
+        log-probability of each target token under the distribution at that step
+        token, from this same forward pass; the result then carries
+        ``prompt_logprobs`` and friends."""
         num_sampled = len(plan.logits_indices)
         if self.validate_plans:
             self._check_plan(plan, num_sampled)
@@ -658,10 +706,19 @@ class ModelRunner:
             plan, template, self.block_size, self._step_counter, want_top, fuse_copies
         )
         key = (t_pad, s_pad, decode_only)
-        executable = self._step_executables.get(key) or self._compile_step(key)
+        extra: tuple[Any, ...] = ()
+        if prompt_targets is not None:
+            targets = np.full(t_pad, -1, np.int32)
+            targets[:num_tokens] = np.asarray(prompt_targets, np.int32)[:num_tokens]
+            if targets.max() >= self.config.vocab_size:
+                raise ValueError("prompt_targets hold a token id outside the vocabulary")
+            executable = self._prompt_step((t_pad, s_pad))
+            extra = (self._host_input(targets),)
+        else:
+            executable = self._step_executables.get(key) or self._compile_step(key)
         try:
             out, self.kv_pools, self.sampling_table = executable(
-                self.params, self.kv_pools, self.sampling_table, self._host_input(packed)
+                self.params, self.kv_pools, self.sampling_table, self._host_input(packed), *extra
             )
         except Exception as exc:
             if any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(self.params)):
@@ -671,7 +728,10 @@ class ModelRunner:
                 ) from exc
             raise
         self._step_counter += 1
-        return PendingStep(out, num_sampled, want_top)
+        scores = None
+        if prompt_targets is not None:
+            out, scores = out
+        return PendingStep(out, num_sampled, want_top, scores, num_tokens)
 
     def _host_input(self, value: np.ndarray) -> Any:
         """A host array as a step input: as is on one process; with a mesh spanning
@@ -684,12 +744,21 @@ class ModelRunner:
 class PendingStep:
     """A dispatched step whose sampled tokens are still on the device."""
 
-    __slots__ = ("_out", "_num_sampled", "_want_top")
+    __slots__ = ("_out", "_num_sampled", "_want_top", "_scores", "_num_tokens")
 
-    def __init__(self, out: Any, num_sampled: int, want_top: bool) -> None:
+    def __init__(
+        self,
+        out: Any,
+        num_sampled: int,
+        want_top: bool,
+        scores: PromptScores | None = None,
+        num_tokens: int = 0,
+    ) -> None:
         self._out = out
         self._num_sampled = num_sampled
         self._want_top = want_top
+        self._scores = scores
+        self._num_tokens = num_tokens
 
     def result(self) -> StepOutput:
         """Wait for the step and copy its sampled rows to the host."""
@@ -700,9 +769,20 @@ class PendingStep:
                     (out.token_ids, out.logprobs, out.ranks, out.top_token_ids, out.top_logprobs)
                 )
             )
-            return StepOutput(tokens[:n], logprobs[:n], ranks[:n], top_ids[:n], top_lps[:n])
-        tokens, logprobs, ranks = jax.device_get(_local((out.token_ids, out.logprobs, out.ranks)))
-        return StepOutput(tokens[:n], logprobs[:n], ranks[:n])
+            result = StepOutput(tokens[:n], logprobs[:n], ranks[:n], top_ids[:n], top_lps[:n])
+        else:
+            tokens, logprobs, ranks = jax.device_get(
+                _local((out.token_ids, out.logprobs, out.ranks))
+            )
+            result = StepOutput(tokens[:n], logprobs[:n], ranks[:n])
+        if self._scores is not None:
+            t = self._num_tokens
+            lps, rks, top_ids, top_lps = jax.device_get(_local(tuple(self._scores)))
+            result.prompt_logprobs = lps[:t]
+            result.prompt_ranks = rks[:t]
+            result.prompt_top_token_ids = top_ids[:t]
+            result.prompt_top_logprobs = top_lps[:t]
+        return result
 
 
 def _local(arrays: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
