@@ -413,7 +413,10 @@ class LLMEngine:
                 targets = step_prompt_targets(
                     plan.num_tokens, plan.positions, plan.cu_q_lens, scoring
                 )
-            pending = self.runner.dispatch(runner_plan, targets)
+            if targets is None:
+                pending = self.runner.dispatch(runner_plan)
+            else:
+                pending = self.runner.dispatch(runner_plan, targets)
             dispatched = time.perf_counter()
             if self._last_result_time is not None:
                 self.timing.record_host_gap(dispatched - self._last_result_time)
