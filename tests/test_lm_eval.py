@@ -60,7 +60,7 @@ def hermetic_hf(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, hermetic_hf: Path) -> Iterator[InProcessServer]:
     # few buckets to compile: the test's time is mostly XLA compiling on a CPU
-    config = EngineConfig(model=str(tiny_model_dir), max_num_seqs=4, max_model_len=128,
+    config = EngineConfig(model=str(tiny_model_dir), max_num_seqs=4, max_model_len=256,
                           max_num_batched_tokens=32, block_size=8, compilation_cache_dir=None)
     with InProcessServer(config, model_name=MODEL) as served:
         yield served
@@ -136,7 +136,7 @@ def test_local_completions_mc_and_generate_until(
         model="local-completions",
         model_args={"model": MODEL, "base_url": f"{server.url}/v1/completions",
                     "tokenizer": str(tiny_model_dir), "tokenizer_backend": "huggingface",
-                    "num_concurrent": 4, "max_retries": 1, "max_length": 120},
+                    "num_concurrent": 4, "max_retries": 1, "max_length": 250},
         tasks=tasks, limit=LIMIT, log_samples=True, bootstrap_iters=0,
     )
     assert results is not None
