@@ -174,3 +174,11 @@ def test_engine_limit_names_the_field(tiny_model_dir: Path) -> None:
     small = make_llm(tiny_model_dir, max_logprobs=2)
     with pytest.raises(ValueError, match=r"prompt_logprobs must be <= 2 \(max_logprobs\)"):
         score(small, k=3)
+
+
+def test_tensor_parallel_gives_the_same_numbers(tiny_model_dir: Path, llm: LLM) -> None:
+    expected = as_arrays(score(llm))
+    sharded = make_llm(tiny_model_dir, enable_prefix_caching=False, tensor_parallel_size=2)
+    for a, b in zip(expected, as_arrays(score(sharded)), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    assert_all_blocks_back(sharded)
