@@ -584,8 +584,7 @@ async def _completion_events(srv: _Server, gen: _Generation) -> AsyncIterator[by
                 echoed.add(index)
                 text = echo.prompt_texts[index // gen.n] + text
                 if gen.num_logprobs is not None:
-                    generated = logprobs if logprobs is not None else None
-                    logprobs = srv.echoed_logprobs(gen, index, generated)
+                    logprobs = srv.echoed_logprobs(gen, index, logprobs)
             if logprobs is not None:
                 offsets[index] = offsets.get(index, 0) + sum(map(len, logprobs["tokens"]))
             yield _sse({"id": gen.request_id, "object": "text_completion",
