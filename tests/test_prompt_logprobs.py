@@ -182,3 +182,22 @@ def test_tensor_parallel_gives_the_same_numbers(tiny_model_dir: Path, llm: LLM) 
     for a, b in zip(expected, as_arrays(score(sharded)), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5)
     assert_all_blocks_back(sharded)
+
+
+def test_chunks_without_targets_skip_the_projection(tiny_model_dir: Path, llm: LLM) -> None:
+    """A long plain prompt fills the step's first 128-row scoring chunk (skipped: no
+    target in it); the scoring request's tokens land in the next chunk."""
+    expected = as_arrays(score(llm))
+    wide = make_llm(tiny_model_dir, enable_prefix_caching=False, max_num_batched_tokens=256,
+                    max_model_len=512)
+    long_prompt = [(7 * i) % 400 + 10 for i in range(200)]
+    plain = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    scoring = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, prompt_logprobs=K)
+    outs = wide.generate([{"prompt_token_ids": long_prompt}, {"prompt_token_ids": PROMPT}],
+                         [plain, scoring], use_tqdm=False)
+    assert wide.engine.counters["steps"] == 3  # both prompts prefilled in one 219-token step
+    for a, b in zip(expected, as_arrays(outs[1]), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    alone = wide.generate([{"prompt_token_ids": long_prompt}], plain, use_tqdm=False)[0]
+    assert outs[0].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert_all_blocks_back(wide)

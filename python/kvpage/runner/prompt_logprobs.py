@@ -16,7 +16,10 @@ next chunk but the host knows it, so the target of the chunk's last position is 
 ``prompt[b]`` and chunked prefill needs no state carried between steps.
 
 The log-softmax is taken in float32 over the vocabulary, ``lax.map``-ped over row
-chunks so that a long prefill never materializes a ``[T, vocab]`` logits matrix at once.
+chunks so that a long prefill never materializes a ``[T, vocab]`` logits matrix at once;
+a chunk holding no target (other requests' tokens) skips the projection. The price is
+one lm_head projection per scored prompt token (on CPU, SmolLM2: about +50 % prefill
+time when every token scores; benches/prompt_logprobs_cost.py, benches/RESULTS.md).
 Plain steps never run any of this: the runner compiles the variant separately, on first
 use, per bucket.
 """
@@ -63,8 +66,7 @@ def score_prompt_tokens(
         hidden = jnp.pad(hidden, ((0, padded - num_rows), (0, 0)))
         targets = jnp.pad(targets, (0, padded - num_rows), constant_values=-1)
 
-    def score(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
-        rows, wanted = args
+    def project(rows: jax.Array, wanted: jax.Array) -> tuple[jax.Array, ...]:
         logprobs = jax.nn.log_softmax(logits_fn(rows).astype(jnp.float32), axis=-1)
         safe = jnp.maximum(wanted, 0)
         chosen = jnp.take_along_axis(logprobs, safe[:, None], axis=-1)[:, 0]
@@ -77,6 +79,20 @@ def score_prompt_tokens(
             top_ids.astype(jnp.int32),
             top_values,
         )
+
+    def skip(rows: jax.Array, wanted: jax.Array) -> tuple[jax.Array, ...]:
+        n = rows.shape[0]
+        return (
+            jnp.zeros(n, jnp.float32),
+            jnp.zeros(n, jnp.int32),
+            jnp.zeros((n, num_top), jnp.int32),
+            jnp.zeros((n, num_top), jnp.float32),
+        )
+
+    def score(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
+        # chunks without a target (other requests' tokens) skip the vocabulary projection
+        rows, wanted = args
+        return jax.lax.cond(jnp.any(wanted >= 0), project, skip, rows, wanted)
 
     outs = jax.lax.map(
         score,
