@@ -441,7 +441,9 @@ HOSTILE: list[tuple[str, str, str, Any, int]] = [
         400,
     ),
     ("unsupported", "tools", "/v1/chat/completions", {**_CHAT, "tools": [{"type": "f"}]}, 400),
-    ("unsupported", "echo", "/v1/completions", {**_CMPL, "echo": True}, 400),
+    ("unsupported", "chat-echo", "/v1/chat/completions", {**_CHAT, "echo": True}, 400),
+    ("integer overflow", "prompt-logprobs-huge", "/v1/completions",
+     {**_CMPL, "prompt_logprobs": 2**40}, 400),
     ("unknown model", "gpt-4", "/v1/completions", {**_CMPL, "model": "gpt-4"}, 404),
     ("unknown model", "chat-empty-name", "/v1/chat/completions", {**_CHAT, "model": ""}, 404),
 ]

@@ -105,7 +105,7 @@ def test_stream_options_without_stream_is_400(served: InProcessServer) -> None:
 
 
 @pytest.mark.parametrize("field, value", [
-    ("use_beam_search", True), ("guided_decoding_backend", "xgrammar"), ("prompt_logprobs", 1),
+    ("use_beam_search", True), ("guided_decoding_backend", "xgrammar"),
     ("return_tokens_as_token_ids", True), ("truncate_prompt_tokens", 4),
     ("allowed_token_ids", [1, 2]), ("chat_template", "{{ x }}"),
     ("chat_template_kwargs", {"enable_thinking": False}), ("vllm_xargs", {"a": 1}),

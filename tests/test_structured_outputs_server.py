@@ -16,8 +16,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from kvpage.bench.servers import InProcessServer
 from kvpage.engine_config import EngineConfig
-from kvpage.loadtest import InProcessServer
 from random_schemas import random_schema
 
 MODEL = "tiny"

@@ -33,6 +33,7 @@ from kvpage.model.config import ModelConfig
 from kvpage.model.gguf_loader import is_gguf, load_gguf
 from kvpage.model.loader import load_model
 from kvpage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvpage.prompt_logprobs import PromptLogprobsRecord, step_prompt_targets
 from kvpage.runner.model_runner import ModelRunner
 from kvpage.runner.step_plan import StepPlan as RunnerPlan
 from kvpage.sampling_params import SamplingParams
@@ -111,6 +112,8 @@ class _Request:
     finished: bool = False
     error: str | None = None
     num_cached_tokens: int = 0
+    prompt_scores: PromptLogprobsRecord | None = None
+    prompt_logprobs_sent: bool = False
 
 
 def _merge_eos_ids(config: ModelConfig, model_dir: Path | None, tokenizer: Any) -> list[int]:
@@ -232,6 +235,8 @@ class LLMEngine:
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
         self.finished_counts: dict[str, int] = {}
         self._deferred: dict[int, _Request] = {}
+        self._scoring: dict[int, _Request] = {}  # requests whose prompt is being scored
+        self._private_salts = 0
         self._last_result_time: float | None = None
         self.timing = StepTiming()
         self._grammar_compiler: GrammarCompiler | None = None
@@ -325,6 +330,14 @@ class LLMEngine:
                 f"logprobs must be <= {self.config.max_logprobs} (max_logprobs), "
                 f"got {params.logprobs}"
             )
+        if (
+            params.prompt_logprobs is not None
+            and params.prompt_logprobs > self.config.max_logprobs
+        ):
+            raise ValueError(
+                f"prompt_logprobs must be <= {self.config.max_logprobs} (max_logprobs), "
+                f"got {params.prompt_logprobs}"
+            )
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
@@ -340,6 +353,11 @@ class LLMEngine:
         grammar = None
         if params.structured_outputs is not None:  # compile errors: ValueError, nothing queued
             grammar = self.grammar_compiler.compile(params.structured_outputs)
+        if params.prompt_logprobs is not None and self.config.enable_prefix_caching:
+            # Bypass the prefix cache (see kvpage.prompt_logprobs): a private salt no
+            # other request shares, so every prompt position is computed and scored.
+            self._private_salts += 1
+            cache_salt = f"{cache_salt or ''}\x00prompt_logprobs#{self._private_salts}"
         handle = self.scheduler.add_request(
             np.asarray(ids, np.int64),
             n=params.n,
@@ -357,6 +375,10 @@ class LLMEngine:
         request = _Request(request_id, handle, text, ids, params, metrics, delta, final_only)
         self._requests[request_id] = request
         self._by_handle[handle] = request
+        if params.prompt_logprobs is not None:
+            request.prompt_scores = PromptLogprobsRecord(ids, params.prompt_logprobs)
+            if not request.prompt_scores.complete:
+                self._scoring[handle] = request
         self.counters["prompt_tokens"] += len(ids)
 
     def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
@@ -423,13 +445,22 @@ class LLMEngine:
                 num_seqs=plan.num_seqs,
                 num_tokens=plan.num_tokens,
             )
+            scoring = self._scoring_rows(plan) if self._scoring else {}
+            targets = None
+            if scoring:
+                targets = step_prompt_targets(
+                    plan.num_tokens, plan.positions, plan.cu_q_lens, scoring
+                )
             # Constrained rows: the runner enqueues the forward pass, then the Rust
             # core computes the grammar masks (GIL released) while the device runs it.
             constrained = bool(self._constrained) and self.scheduler.num_constrained_rows() > 0
+            extra: dict[str, Any] = {}
             if constrained:
-                pending = self.runner.dispatch(runner_plan, token_bitmask_fn=self._token_bitmask)
-            else:
-                pending = self.runner.dispatch(runner_plan)
+                extra["token_bitmask_fn"] = self._token_bitmask
+            if targets is not None:
+                extra["prompt_targets"] = targets
+            # Plain steps call dispatch(plan) alone (test doubles take one argument).
+            pending = self.runner.dispatch(runner_plan, **extra)
             if constrained and self.runner.last_bitmask_overlapped:
                 self.counters["structured_mask_hidden_steps"] += 1
             dispatched = self.runner.last_enqueue_time  # the device is busy from here
@@ -440,6 +471,8 @@ class LLMEngine:
             out = pending.result()
             self._last_result_time = time.perf_counter()
             self.timing.record_step(self._last_result_time - dispatched)
+            if targets is not None:
+                self._record_prompt_scores(plan, scoring, out)
             handles, samples, tokens, codes, event_rows = self.scheduler.update(
                 out.sampled_token_ids
             )
@@ -470,6 +503,25 @@ class LLMEngine:
         if not self.config.overlap_host_work:
             outputs += self._process_text(self._take_deferred())
         return outputs
+
+    def _scoring_rows(self, plan: Any) -> dict[int, PromptLogprobsRecord]:
+        """Plan rows whose request still has prompt tokens to score."""
+        rows = {}
+        for row, handle in enumerate(plan.row_request.tolist()):
+            request = self._scoring.get(handle)
+            if request is not None and request.prompt_scores is not None:
+                rows[row] = request.prompt_scores
+        return rows
+
+    def _record_prompt_scores(
+        self, plan: Any, rows: dict[int, PromptLogprobsRecord], out: Any
+    ) -> None:
+        cu = plan.cu_q_lens
+        for row, record in rows.items():
+            record.record(out, plan.positions, int(cu[row]), int(cu[row + 1]))
+        for handle, request in list(self._scoring.items()):
+            if request.prompt_scores is None or request.prompt_scores.complete:
+                del self._scoring[handle]
 
     def _fail_step(self, plan: Any, exc: Exception) -> list[RequestOutput]:
         """A step raised: finish the requests it carried with an error, close
@@ -632,6 +684,7 @@ class LLMEngine:
         self._requests.pop(request.request_id, None)
         self._by_handle.pop(request.handle, None)
         self._constrained.discard(request.handle)
+        self._scoring.pop(request.handle, None)
         for sample in request.samples.values():
             key = sample.finish_reason or reason or "abort"
             self.finished_counts[key] = self.finished_counts.get(key, 0) + 1
@@ -662,6 +715,12 @@ class LLMEngine:
                     params_versions=list(s.versions),
                 )
             )
+        prompt_logprobs = None
+        scores = request.prompt_scores
+        if scores is not None and scores.complete:
+            if not (request.delta and request.prompt_logprobs_sent):
+                prompt_logprobs = scores.build()
+            request.prompt_logprobs_sent = True
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
@@ -671,6 +730,7 @@ class LLMEngine:
             metrics=request.metrics,
             num_cached_tokens=request.num_cached_tokens,
             error=request.error,
+            prompt_logprobs=prompt_logprobs,
         )
 
     # ---- live weights ---------------------------------------------------

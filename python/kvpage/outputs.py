@@ -77,3 +77,7 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    """With ``SamplingParams.prompt_logprobs``: None for the first prompt token, then
+    per prompt token a dict token id -> Logprob (the prompt token and the top-k). In
+    streaming deltas it comes once, with the first output."""

@@ -3,7 +3,7 @@
 This file owns the pydantic models that validate ``/v1/completions`` and
 ``/v1/chat/completions`` bodies (OpenAI's fields plus the vLLM extras
 ``top_k``, ``min_p``, ``min_tokens``, ``ignore_eos``, ``repetition_penalty``,
-``priority``, ``cache_salt``, ...), ``APIError`` (an error as an HTTP status
+``priority``, ``cache_salt``, ``prompt_logprobs``, ...), ``APIError`` (an error as an HTTP status
 plus OpenAI's ``{"error": {"message", "type", "param", "code"}}`` body) and
 the conversion of a request body into ``SamplingParams``.
 
@@ -78,7 +78,6 @@ _NOT_IMPLEMENTED_COMMON: dict[str, Any] = {
     "use_beam_search": False,
     "length_penalty": 1.0,
     "early_stopping": False,
-    "prompt_logprobs": None,
     "allowed_token_ids": None,
     "bad_words": None,
     "guided_decoding_backend": None,
@@ -168,6 +167,7 @@ class _GenerationRequest(_Strict):
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    prompt_logprobs: int | None = None
 
     NOT_IMPLEMENTED: ClassVar[dict[str, Any]] = _NOT_IMPLEMENTED_COMMON
 
@@ -187,6 +187,9 @@ class _GenerationRequest(_Strict):
         if self.return_token_ids and self.stream:
             raise bad_request("return_token_ids is only supported without stream",
                               param="return_token_ids")
+        if self.prompt_logprobs is not None and self.stream:
+            raise bad_request("prompt_logprobs is only supported without stream",
+                              param="prompt_logprobs")
         self.structured_outputs_params()  # 400 naming the field, before any work
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
@@ -218,8 +221,12 @@ class _GenerationRequest(_Strict):
                               param=found[1][0])
         return found[0][1] if found else None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Raises ``APIError`` 400 naming the field for invalid values."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """Raises ``APIError`` 400 naming the field for invalid values.
+        ``prompt_logprobs`` (default: the request's) is what the engine scores."""
+        if prompt_logprobs is None:
+            prompt_logprobs = self.prompt_logprobs
         try:
             return SamplingParams(
                 n=self.n,
@@ -235,6 +242,7 @@ class _GenerationRequest(_Strict):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=(1.0 if self.repetition_penalty is None
@@ -256,10 +264,30 @@ class CompletionRequest(_GenerationRequest):
 
     NOT_IMPLEMENTED: ClassVar[dict[str, Any]] = _NOT_IMPLEMENTED_COMPLETION
 
+    @property
+    def scores_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: the prompt and its logprobs, nothing generated
+        (the engine generates one token, which the response leaves out)."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def engine_max_tokens(self) -> int | None:
+        return 1 if self.scores_only else self.max_tokens
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """What the engine scores: enough for ``echo`` + ``logprobs`` and for
+        ``prompt_logprobs``, whichever asks more."""
+        wanted = [k for k in (self.prompt_logprobs,
+                              self.logprobs if self.echo else None) if k is not None]
+        return max(wanted) if wanted else None
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise bad_request("echo is not supported", param="echo")
+        if self.max_tokens is not None and self.max_tokens < 1 and not \
+                (self.echo and self.max_tokens == 0):
+            raise bad_request(f"max_tokens must be >= 1 (0 only with echo: true, to score the "
+                              f"prompt), got {self.max_tokens}", param="max_tokens")
         if self.suffix:
             raise bad_request("suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
@@ -294,11 +322,16 @@ class ChatCompletionRequest(_GenerationRequest):
     continue_final_message: bool = False
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    echo: bool = False
 
     NOT_IMPLEMENTED: ClassVar[dict[str, Any]] = _NOT_IMPLEMENTED_CHAT
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.echo:
+            raise bad_request("echo is not supported on chat completions; use "
+                              "/v1/completions with echo (or prompt_logprobs here)",
+                              param="echo")
         if self.tools:
             raise bad_request("tools are not supported", param="tools")
         if self.tool_choice not in (None, "none", "auto"):

@@ -34,6 +34,9 @@ class SamplingParams:
     suppressed before that); ``stop`` strings (excluded from the text unless
     ``include_stop_str_in_output``); ``stop_token_ids``; ``ignore_eos``;
     ``logprobs`` (top-N per token, the sampled one always included);
+    ``prompt_logprobs`` (top-N per prompt token, the prompt token always included;
+    scored in the prefill's own forward pass, and such a request bypasses the prefix
+    cache: see :mod:`kvpage.prompt_logprobs`);
     presence / frequency / repetition penalties; ``skip_special_tokens``;
     ``structured_outputs`` (or its older name ``guided_decoding``): a
     :class:`~kvpage.structured_outputs.StructuredOutputsParams` (or a dict of its fields)
@@ -54,6 +57,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -109,6 +113,12 @@ class SamplingParams:
             "logprobs",
             self.logprobs is None
             or (integer(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            f"None or an integer in [0, {MAX_LOGPROBS}]",
+        )
+        check(
+            "prompt_logprobs",
+            self.prompt_logprobs is None
+            or (integer(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
             f"None or an integer in [0, {MAX_LOGPROBS}]",
         )
         for name in ("presence_penalty", "frequency_penalty"):

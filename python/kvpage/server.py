@@ -4,7 +4,8 @@ This file owns:
 
 * ``build_app``: the FastAPI app over an ``AsyncLLMEngine`` with
   ``/v1/completions`` and ``/v1/chat/completions`` (SSE streaming and not,
-  ``n``, several prompts, logprobs, usage with cached prompt tokens),
+  ``n``, several prompts, logprobs, usage with cached prompt tokens, ``echo`` and
+  vLLM's ``prompt_logprobs``: :mod:`kvpage.echo`),
   ``/v1/models``, ``/health`` and ``/metrics`` (Prometheus text);
 * an ASGI guard for the API key (``Authorization: Bearer``, compared in
   constant time; every route but ``/health``, and ``/metrics`` too unless
@@ -57,6 +58,7 @@ from kvpage.async_engine import (
     RequestFailedError,
     RequestStream,
 )
+from kvpage.echo import concat_logprobs, echo_logprobs, prompt_logprobs_json
 from kvpage.engine import QueueFullError
 from kvpage.engine_config import EngineConfig
 from kvpage.outputs import CompletionOutput, Logprob, RequestOutput
@@ -292,16 +294,39 @@ class _Usage:
     prompt_tokens: list[int]
     cached: list[int]
     completion_tokens: int = 0
+    count_completion: bool = True
+    """False for ``echo`` with ``max_tokens: 0`` (the one generated token is dropped)."""
 
     def add(self, index: int, output: RequestOutput) -> None:
         self.cached[index] = max(self.cached[index], output.num_cached_tokens)
-        self.completion_tokens += sum(len(c.token_ids) for c in output.outputs)
+        if self.count_completion:
+            self.completion_tokens += sum(len(c.token_ids) for c in output.outputs)
 
     def json(self) -> dict[str, Any]:
         prompt = sum(self.prompt_tokens)
         return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
                 "total_tokens": prompt + self.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": sum(self.cached)}}
+
+
+@dataclass(slots=True)
+class _Echo:
+    """What a request asked of its prompt (``echo``, ``prompt_logprobs``) and the
+    prompt logprobs of each of its prompts, as the engine delivers them."""
+
+    prompt_ids: list[list[int]]
+    prompt_texts: list[str] | None  # set for echo
+    prompt_logprobs_k: int | None  # vLLM's prompt_logprobs field
+    scores_only: bool = False  # echo with max_tokens 0: drop what was generated
+    scores: list[list[dict[int, Logprob] | None] | None] = field(default_factory=list)
+
+    def take(self, index: int, output: RequestOutput) -> None:
+        if output.prompt_logprobs is not None:
+            self.scores[index] = output.prompt_logprobs
+        if self.scores_only:
+            output.outputs = [dataclasses.replace(c, text="", token_ids=[], logprobs=[],
+                                                  cumulative_logprob=None)
+                              for c in output.outputs]
 
 
 @dataclass(slots=True)
@@ -318,6 +343,7 @@ class _Generation:
     include_usage: bool
     prompt_token_ids: list[list[int]] | None = None
     """Set when the request asked for ``return_token_ids``."""
+    echo: _Echo | None = None
 
     def abort(self) -> None:
         for stream in self.streams:
@@ -417,7 +443,8 @@ class _Server:
         return text
 
     async def start(self, prefix: str, model: str, prompts: list[dict[str, Any]],
-                    params: SamplingParams, body: Any, num_logprobs: int | None) -> _Generation:
+                    params: SamplingParams, body: Any, num_logprobs: int | None,
+                    echo: _Echo | None = None) -> _Generation:
         """Add one engine request per prompt; all or none."""
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}"
@@ -437,8 +464,28 @@ class _Server:
         usage = _Usage([len(p["prompt_token_ids"]) for p in prompts], [0] * len(prompts))
         prompt_ids = [list(p["prompt_token_ids"]) for p in prompts] \
             if getattr(body, "return_token_ids", False) else None
+        if echo is not None:
+            echo.scores = [None] * len(prompts)
+            usage.count_completion = not echo.scores_only
         return _Generation(request_id, int(time.time()), model, params.n, streams, usage,
-                           num_logprobs, include_usage, prompt_ids)
+                           num_logprobs, include_usage, prompt_ids, echo)
+
+    def echoed_logprobs(self, gen: _Generation, index: int,
+                        generated: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The legacy ``logprobs`` of choice ``index`` with the prompt's in front."""
+        echo, prompt = gen.echo, index // gen.n
+        if echo is None or gen.num_logprobs is None or echo.scores[prompt] is None:
+            return generated
+        head = echo_logprobs(echo.prompt_ids[prompt], echo.scores[prompt], gen.num_logprobs,
+                             self.token_text, _finite)
+        return concat_logprobs(head, generated)
+
+    def prompt_logprobs_field(self, gen: _Generation, prompt: int) -> Any:
+        echo = gen.echo
+        if echo is None or echo.prompt_logprobs_k is None or echo.scores[prompt] is None:
+            return None
+        return prompt_logprobs_json(echo.prompt_ids[prompt], echo.scores[prompt],
+                                    echo.prompt_logprobs_k, self.token_text, _finite)
 
     # ---- logprobs -------------------------------------------------------
 
@@ -505,6 +552,8 @@ async def _choice_deltas(gen: _Generation) -> AsyncIterator[tuple[int, Any, bool
     and drops anything after a choice's final delta."""
     done: set[int] = set()
     async for i, out in _merge(gen.streams):
+        if gen.echo is not None:
+            gen.echo.take(i, out)
         gen.usage.add(i, out)
         for c in out.outputs:
             index = i * gen.n + c.index
@@ -521,16 +570,26 @@ async def _choice_deltas(gen: _Generation) -> AsyncIterator[tuple[int, Any, bool
 
 async def _completion_events(srv: _Server, gen: _Generation) -> AsyncIterator[bytes]:
     offsets: dict[int, int] = {}
+    echoed: set[int] = set()
     try:
         async for index, c, wants_logprobs in _choice_deltas(gen):
             logprobs = None
             if wants_logprobs:
                 logprobs = srv.completion_logprobs(c.token_ids, c.logprobs, gen.num_logprobs,
                                                    offsets.get(index, 0))
+            text = c.text
+            echo = gen.echo
+            if echo is not None and echo.prompt_texts is not None and index not in echoed:
+                # vLLM's streaming echo: the prompt comes with each choice's first chunk
+                echoed.add(index)
+                text = echo.prompt_texts[index // gen.n] + text
+                if gen.num_logprobs is not None:
+                    logprobs = srv.echoed_logprobs(gen, index, logprobs)
+            if logprobs is not None:
                 offsets[index] = offsets.get(index, 0) + sum(map(len, logprobs["tokens"]))
             yield _sse({"id": gen.request_id, "object": "text_completion",
                         "created": gen.created, "model": gen.model,
-                        "choices": [{"index": index, "text": c.text, "logprobs": logprobs,
+                        "choices": [{"index": index, "text": text, "logprobs": logprobs,
                                      "finish_reason": c.finish_reason,
                                      "stop_reason": c.stop_reason}]})
         if gen.include_usage:
@@ -548,6 +607,8 @@ async def _collect(gen: _Generation) -> list[_Choice]:
     choices = [_Choice() for _ in range(len(gen.streams) * gen.n)]
     try:
         async for i, out in _merge(gen.streams):
+            if gen.echo is not None:
+                gen.echo.take(i, out)
             gen.usage.add(i, out)
             for c in out.outputs:
                 choices[i * gen.n + c.index].add(c)
@@ -563,8 +624,15 @@ def _completion_body(srv: _Server, gen: _Generation, choices: list[_Choice]) -> 
         if gen.num_logprobs is not None:
             logprobs = srv.completion_logprobs(choice.token_ids, choice.logprobs,
                                                gen.num_logprobs, 0)
-        result.append({"index": index, "text": choice.text, "logprobs": logprobs,
+        text = choice.text
+        echo = gen.echo
+        if echo is not None and echo.prompt_texts is not None:
+            text = echo.prompt_texts[index // gen.n] + text
+            logprobs = srv.echoed_logprobs(gen, index, logprobs)
+        result.append({"index": index, "text": text, "logprobs": logprobs,
                        "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason})
+        if echo is not None and echo.prompt_logprobs_k is not None:
+            result[-1]["prompt_logprobs"] = srv.prompt_logprobs_field(gen, index // gen.n)
         if gen.prompt_token_ids is not None:
             result[-1]["prompt_token_ids"] = gen.prompt_token_ids[index // gen.n]
             result[-1]["token_ids"] = choice.token_ids
@@ -616,6 +684,8 @@ def _chat_body(srv: _Server, gen: _Generation, choices: list[_Choice]) -> dict[s
             result[-1]["token_ids"] = choice.token_ids
     response = {"id": gen.request_id, "object": "chat.completion", "created": gen.created,
                 "model": gen.model, "choices": result, "usage": gen.usage.json()}
+    if gen.echo is not None and gen.echo.prompt_logprobs_k is not None:
+        response["prompt_logprobs"] = srv.prompt_logprobs_field(gen, 0)
     if gen.prompt_token_ids is not None:
         response["prompt_token_ids"] = gen.prompt_token_ids[0]
     return response
@@ -807,8 +877,18 @@ def build_app(
             srv.check_length(len(ids), explicit, "prompt")
             prompts.append({"prompt": p if isinstance(p, str) else None,
                             "prompt_token_ids": ids})
-        params = body.sampling_params(body.max_tokens, body.logprobs)
-        gen = await srv.start("cmpl", model, prompts, params, body, body.logprobs)
+        params = body.sampling_params(body.engine_max_tokens, body.logprobs,
+                                      body.engine_prompt_logprobs)
+        echo = None
+        if body.echo or body.prompt_logprobs is not None:
+            texts = None
+            if body.echo:
+                texts = [p["prompt"] if p["prompt"] is not None else
+                         await asyncio.to_thread(srv.tokenizer.decode, p["prompt_token_ids"])
+                         for p in prompts]
+            echo = _Echo([p["prompt_token_ids"] for p in prompts], texts, body.prompt_logprobs,
+                         body.scores_only)
+        gen = await srv.start("cmpl", model, prompts, params, body, body.logprobs, echo)
         return await _respond(request, srv, gen, body.stream, _completion_events,
                               _completion_body)
 
@@ -825,8 +905,10 @@ def build_app(
                                  add_special_tokens=bool(body.add_special_tokens))
         srv.check_length(len(ids), body.output_limit, "messages")
         params = body.sampling_params(body.output_limit, body.num_logprobs)
+        echo = None if body.prompt_logprobs is None else _Echo([ids], None,
+                                                               body.prompt_logprobs)
         gen = await srv.start("chatcmpl", model, [{"prompt": text, "prompt_token_ids": ids}],
-                              params, body, body.num_logprobs)
+                              params, body, body.num_logprobs, echo)
         return await _respond(request, srv, gen, body.stream, _chat_events, _chat_body)
 
     return app

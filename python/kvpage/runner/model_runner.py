@@ -62,6 +62,7 @@ from kvpage.runner.buckets import (
 )
 from kvpage.runner.kv_cache import KVCacheSpec, KVPools, allocate_kv_cache, copy_blocks
 from kvpage.runner.kv_cache_sizing import KVCacheDecision, decide_num_blocks
+from kvpage.runner.prompt_logprobs import PromptScores, score_prompt_tokens
 from kvpage.runner.sampler import sample
 from kvpage.runner.sampling_params import SamplingParams
 from kvpage.runner.sampling_table import (
@@ -249,6 +250,7 @@ class ModelRunner:
         ``token_bitmask_fn`` returned (its host work hidden behind the device)."""
         self._step_executables: dict[StepKey, jax.stages.Compiled] = {}
         self._split_executables: dict[StepKey, tuple[Any, Any]] = {}
+        self._prompt_step_executables: dict[tuple[int, int], jax.stages.Compiled] = {}
         self._layouts: dict[tuple[int, int], tuple[PackedLayout, np.ndarray]] = {}
         self._write_slot_executable: jax.stages.Compiled | None = None
         self._copy_executable: jax.stages.Compiled | None = None
@@ -360,11 +362,13 @@ class ModelRunner:
         return jitted.lower(*args)
 
     def _make_step_parts(
-        self, layout: PackedLayout, decode_only: bool
+        self, layout: PackedLayout, decode_only: bool, score_prompts: bool = False
     ) -> tuple[Callable[..., Any], Callable[..., Any]]:
         """The step's two halves: ``forward`` (block copies, the model, logits at the
         sampled positions) and ``finish`` (sampling, with the grammar bitmask, and the
-        sampling-state update)."""
+        sampling-state update). ``score_prompts``: ``forward`` also takes the int32
+        ``[T]`` prompt targets and returns ``((logits, PromptScores), pools)``
+        (:mod:`kvpage.runner.prompt_logprobs`)."""
         config, backend = self.config, self.backend
         num_top, base_seed = self.max_logprobs, self._base_key_seed
         replicated = self._replicated if self.mesh is not None else None
@@ -373,7 +377,17 @@ class ModelRunner:
             vocab_split = NamedSharding(self.mesh, PartitionSpec(None, TP_AXIS))
         copy = self._copy_blocks
 
-        def forward(params: Params, pools: KVPools, packed: jax.Array) -> tuple[Any, KVPools]:
+        def logits_of(params: Params, hidden: jax.Array) -> jax.Array:
+            logits = compute_logits(params, config, hidden)
+            if vocab_split is not None:  # each device: its vocab rows of the lm_head
+                logits = jax.lax.with_sharding_constraint(logits, vocab_split)
+            if replicated is not None:  # sample on full rows: identical on every device
+                logits = jax.lax.with_sharding_constraint(logits, replicated)
+            return logits
+
+        def forward(
+            params: Params, pools: KVPools, packed: jax.Array, targets: jax.Array | None = None
+        ) -> tuple[Any, KVPools]:
             arrays = layout.unpack(packed)
             if layout.num_copies:
                 pools = copy(pools, arrays.copy_src, arrays.copy_dst)
@@ -387,13 +401,16 @@ class ModelRunner:
                 backend,
                 decode_only,
             )
+            scores = None
+            if score_prompts:
+                scores = score_prompt_tokens(
+                    hidden, targets, lambda rows: logits_of(params, rows), max(num_top, 1)
+                )
             hidden = jnp.take(hidden, arrays.logits_indices, axis=0)
-            logits = compute_logits(params, config, hidden)
-            if vocab_split is not None:  # each device: its vocab rows of the lm_head
-                logits = jax.lax.with_sharding_constraint(logits, vocab_split)
-            if replicated is not None:  # sample on full rows: identical on every device
-                logits = jax.lax.with_sharding_constraint(logits, replicated)
-            return logits.astype(jnp.float32), pools
+            logits = logits_of(params, hidden).astype(jnp.float32)
+            if score_prompts:
+                return (logits, scores), pools
+            return logits, pools
 
         def finish(
             table: SamplingTable, packed: jax.Array, logits: jax.Array, token_bitmask: jax.Array
@@ -410,8 +427,13 @@ class ModelRunner:
 
         return forward, finish
 
-    def _make_step(self, layout: PackedLayout, decode_only: bool) -> Callable[..., Any]:
-        forward, finish = self._make_step_parts(layout, decode_only)
+    def _make_step(
+        self, layout: PackedLayout, decode_only: bool, score_prompts: bool = False
+    ) -> Callable[..., Any]:
+        """The fused step of one bucket: forward then finish in one executable. The
+        prompt-logprobs variant (``score_prompts``) takes the targets as a sixth
+        argument and returns ``((sampled, PromptScores), pools, table)``."""
+        forward, finish = self._make_step_parts(layout, decode_only, score_prompts)
 
         def step(
             params: Params,
@@ -419,9 +441,14 @@ class ModelRunner:
             table: SamplingTable,
             packed: jax.Array,
             token_bitmask: jax.Array,
+            targets: jax.Array | None = None,
         ) -> tuple[Any, KVPools, SamplingTable]:
-            logits, pools = forward(params, pools, packed)
-            out, table = finish(table, packed, logits, token_bitmask)
+            logits_and_scores, pools = forward(params, pools, packed, targets)
+            if score_prompts:
+                logits, scores = logits_and_scores
+                out, table = finish(table, packed, logits, token_bitmask)
+                return (out, scores), pools, table
+            out, table = finish(table, packed, logits_and_scores, token_bitmask)
             return out, pools, table
 
         return step
@@ -456,23 +483,37 @@ class ModelRunner:
         self._num_compilations += 2
         return compiled
 
-    def _lower_step(self, key: StepKey) -> jax.stages.Lowered:
+    def _lower_step(self, key: StepKey, score_prompts: bool = False) -> jax.stages.Lowered:
         layout, _ = self._layout(key[:2])
-        packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=self._replicated)
+        rep = self._replicated
+        packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=rep)
         bitmask = jax.ShapeDtypeStruct(
-            (layout.num_seqs, bitmask_words(self.config.vocab_size)),
-            jnp.int32,
-            sharding=self._replicated,
+            (layout.num_seqs, bitmask_words(self.config.vocab_size)), jnp.int32, sharding=rep
         )
         pools = self._shardings(self.kv_pools, self._pool_sharding)
         table = self._shardings(self.sampling_table)
+        args: tuple[Any, ...] = (self.params, self.kv_pools, self.sampling_table, packed, bitmask)
+        shardings: tuple[Any, ...] = (self._param_shardings, pools, table, rep, rep)
+        if score_prompts:
+            args += (jax.ShapeDtypeStruct((layout.num_tokens,), jnp.int32, sharding=rep),)
+            shardings += (rep,)
         return self._jit(
-            self._make_step(layout, key[2]),
+            self._make_step(layout, key[2], score_prompts),
             (1, 2),
-            (self.params, self.kv_pools, self.sampling_table, packed, bitmask),
-            (self._param_shardings, pools, table, self._replicated, self._replicated),
-            (self._replicated, pools, table),
+            args,
+            shardings,
+            (rep, pools, table),
         )
+
+    def _prompt_step(self, key: tuple[int, int]) -> jax.stages.Compiled:
+        """The prompt-logprobs variant of bucket ``key`` (compiled on first use; never by
+        :meth:`warmup`, so servers whose clients never ask for prompt logprobs never pay)."""
+        executable = self._prompt_step_executables.get(key)
+        if executable is None:
+            executable = self._lower_step((*key, False), score_prompts=True).compile()
+            self._prompt_step_executables[key] = executable
+            self._num_compilations += 1
+        return executable
 
     def _compile_step(self, key: StepKey) -> jax.stages.Compiled:
         executable = self._lower_step(key).compile()
@@ -698,26 +739,36 @@ class ModelRunner:
         self._slot_logprobs[:] = 0
         return True
 
-    def execute(self, plan: StepPlanLike) -> StepOutput:
+    def execute(
+        self, plan: StepPlanLike, prompt_targets: np.ndarray | None = None
+    ) -> StepOutput:
         """Run one step plan; returns the tokens sampled at ``plan.logits_indices``.
 
         ``plan.sample_rows`` name request slots bound with :meth:`set_request`.
         """
-        return self.dispatch(plan).result()
+        return self.dispatch(plan, prompt_targets).result()
 
     def dispatch(
         self,
         plan: StepPlanLike,
+        prompt_targets: np.ndarray | None = None,
         token_bitmask_fn: Callable[[], np.ndarray | None] | None = None,
     ) -> PendingStep:
         """Enqueue one step on the device and return at once (JAX dispatch is
         asynchronous); ``result()`` waits for the sampled tokens. The host can
         do other work, such as detokenizing the previous step, in between.
 
+        ``prompt_targets`` (int32 ``[num_tokens]``, -1 = none; see
+        :func:`kvpage.runner.prompt_logprobs.prompt_targets`) asks for the
+        log-probability of each target token under the distribution at that step
+        token, from this same forward pass; the result then carries
+        ``prompt_logprobs`` and friends.
+
         Grammar masks come either with the plan (``plan.token_bitmask``) or from
         ``token_bitmask_fn``: then the forward pass is enqueued first and the function
         runs on the host while the device computes it; sampling is enqueued with its
-        result (two executables instead of one)."""
+        result (two executables instead of one). A step that also scores prompt tokens
+        computes its masks first (one executable, no overlap)."""
         num_sampled = len(plan.logits_indices)
         if self.validate_plans:
             self._check_plan(plan, num_sampled)
@@ -742,7 +793,21 @@ class ModelRunner:
         )
         key = (t_pad, s_pad, decode_only)
         try:
-            if token_bitmask_fn is None:
+            if prompt_targets is not None:
+                targets = np.full(t_pad, -1, np.int32)
+                targets[:num_tokens] = np.asarray(prompt_targets, np.int32)[:num_tokens]
+                if targets.max() >= self.config.vocab_size:
+                    raise ValueError("prompt_targets hold a token id outside the vocabulary")
+                executable = self._prompt_step((t_pad, s_pad))
+                masks = token_bitmask_fn() if token_bitmask_fn is not None else None
+                if masks is None:
+                    masks = getattr(plan, "token_bitmask", None)
+                out, self.kv_pools, self.sampling_table = executable(
+                    self.params, self.kv_pools, self.sampling_table, self._host_input(packed),
+                    self._token_bitmask_input(masks, s_pad), self._host_input(targets),
+                )
+                self.last_enqueue_time = time.perf_counter()
+            elif token_bitmask_fn is None:
                 executable = self._step_executables.get(key) or self._compile_step(key)
                 bitmask = self._token_bitmask_input(getattr(plan, "token_bitmask", None), s_pad)
                 out, self.kv_pools, self.sampling_table = executable(
@@ -770,7 +835,10 @@ class ModelRunner:
                 ) from exc
             raise
         self._step_counter += 1
-        return PendingStep(out, num_sampled, want_top)
+        scores = None
+        if prompt_targets is not None:
+            out, scores = out
+        return PendingStep(out, num_sampled, want_top, scores, num_tokens)
 
     def _token_bitmask_input(self, bitmask: np.ndarray | None, rows: int) -> Any:
         """The step's grammar bitmask: the plan's rows padded to ``rows``, or (no
@@ -798,12 +866,21 @@ class ModelRunner:
 class PendingStep:
     """A dispatched step whose sampled tokens are still on the device."""
 
-    __slots__ = ("_out", "_num_sampled", "_want_top")
+    __slots__ = ("_out", "_num_sampled", "_want_top", "_scores", "_num_tokens")
 
-    def __init__(self, out: Any, num_sampled: int, want_top: bool) -> None:
+    def __init__(
+        self,
+        out: Any,
+        num_sampled: int,
+        want_top: bool,
+        scores: PromptScores | None = None,
+        num_tokens: int = 0,
+    ) -> None:
         self._out = out
         self._num_sampled = num_sampled
         self._want_top = want_top
+        self._scores = scores
+        self._num_tokens = num_tokens
 
     def result(self) -> StepOutput:
         """Wait for the step and copy its sampled rows to the host."""
@@ -814,9 +891,20 @@ class PendingStep:
                     (out.token_ids, out.logprobs, out.ranks, out.top_token_ids, out.top_logprobs)
                 )
             )
-            return StepOutput(tokens[:n], logprobs[:n], ranks[:n], top_ids[:n], top_lps[:n])
-        tokens, logprobs, ranks = jax.device_get(_local((out.token_ids, out.logprobs, out.ranks)))
-        return StepOutput(tokens[:n], logprobs[:n], ranks[:n])
+            result = StepOutput(tokens[:n], logprobs[:n], ranks[:n], top_ids[:n], top_lps[:n])
+        else:
+            tokens, logprobs, ranks = jax.device_get(
+                _local((out.token_ids, out.logprobs, out.ranks))
+            )
+            result = StepOutput(tokens[:n], logprobs[:n], ranks[:n])
+        if self._scores is not None:
+            t = self._num_tokens
+            lps, rks, top_ids, top_lps = jax.device_get(_local(tuple(self._scores)))
+            result.prompt_logprobs = lps[:t]
+            result.prompt_ranks = rks[:t]
+            result.prompt_top_token_ids = top_ids[:t]
+            result.prompt_top_logprobs = top_lps[:t]
+        return result
 
 
 def _local(arrays: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:

@@ -15,6 +15,12 @@ class StepOutput:
     ``top_token_ids`` / ``top_logprobs`` (``[S', max_logprobs]``, best first) are present only
     when some sampled row's request asked for logprobs; each row should be cut to its own
     request's ``logprobs`` count.
+
+    The ``prompt_*`` arrays (``[T]`` / ``[T, K]``, one entry per token of the step) are
+    present only when the step was dispatched with prompt targets
+    (:mod:`kvpage.runner.prompt_logprobs`): the log-probability and rank of each token's
+    target, and the top-``K`` list of its distribution; entries without a target are
+    meaningless.
     """
 
     sampled_token_ids: np.ndarray  # int32 [S']
@@ -22,3 +28,7 @@ class StepOutput:
     ranks: np.ndarray  # int32 [S']
     top_token_ids: np.ndarray | None = None  # int32 [S', K]
     top_logprobs: np.ndarray | None = None  # float32 [S', K]
+    prompt_logprobs: np.ndarray | None = None  # float32 [T]
+    prompt_ranks: np.ndarray | None = None  # int32 [T]
+    prompt_top_token_ids: np.ndarray | None = None  # int32 [T, K]
+    prompt_top_logprobs: np.ndarray | None = None  # float32 [T, K]
