@@ -179,7 +179,11 @@ class LLMEngine:
         params: Any,
         tokenizer: Any = None,
         model_dir: Path | None = None,
+        *,
+        runner: Any = None,
     ) -> None:
+        """``runner`` replaces the JAX ``ModelRunner`` with any object of its
+        interface (``kvpage.bench.host`` passes an instant token source)."""
         self.config = config
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -194,7 +198,7 @@ class LLMEngine:
         if not config.enable_chunked_prefill:
             batched = max(batched, max_model_len)
         _enable_compilation_cache(config.compilation_cache_dir)
-        self.runner = ModelRunner(
+        self.runner = runner or ModelRunner(
             model_config,
             params,
             config.num_gpu_blocks,
