@@ -3,12 +3,14 @@
 //! - [`block_pool`]: fixed pool of physical KV blocks, free list, refcounts.
 //! - [`prefix_cache`]: radix tree over token blocks, LRU eviction, salts.
 //! - [`kv_cache`]: per-sequence page tables with copy-on-write over both.
+//! - [`detokenizer`]: incremental detokenization and stop strings, all sequences per call.
 //!
 //! Everything here is plain Rust: `cargo test` and `cargo bench` need no
 //! Python. The PyO3 bindings (`kvpage._core`) live in [`python`] behind the
 //! `python` feature and stay a thin layer.
 
 pub mod block_pool;
+pub mod detokenizer;
 pub mod error;
 pub mod kv_cache;
 pub mod prefix_cache;
@@ -17,6 +19,8 @@ mod reference_model_tests;
 
 #[cfg(feature = "python")]
 mod python;
+#[cfg(feature = "python")]
+mod python_detokenizer;
 
 pub use block_pool::{BlockId, BlockPool};
 pub use error::{KvError, KvResult};

@@ -649,5 +649,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<KVCacheManager>()?;
     m.add_class::<Scheduler>()?;
     m.add_class::<StepPlan>()?;
+    crate::python_detokenizer::register(m)?;
     Ok(())
 }

@@ -25,8 +25,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from kvpage._core import Scheduler
-from kvpage.detokenizer import IncrementalDetokenizer
+from kvpage._core import Detokenizer, Scheduler, detokenize_batch
+from kvpage.detokenizer import _PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer, rust_token_decoder
 from kvpage.engine_config import EngineConfig
 from kvpage.model.config import ModelConfig
 from kvpage.model.gguf_loader import is_gguf, load_gguf
@@ -83,7 +83,7 @@ class QueueFullError(RuntimeError):
 @dataclass(slots=True)
 class _Sample:
     index: int
-    detok: IncrementalDetokenizer | None
+    detok: IncrementalDetokenizer | Detokenizer | None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
@@ -214,6 +214,9 @@ class LLMEngine:
             kv_cache_memory=config.kv_cache_memory,
         )
         self.eos_token_ids = _merge_eos_ids(model_config, model_dir, tokenizer)
+        self.token_decoder = None if tokenizer is None else rust_token_decoder(tokenizer)
+        """Detokenizes every sample of a step in one Rust call; None: in Python
+        (:class:`IncrementalDetokenizer`), for tokenizers the Rust core cannot load."""
         self.scheduler = Scheduler(
             self.runner.num_blocks,
             config.block_size,
@@ -467,9 +470,10 @@ class LLMEngine:
     def _process_text(self, touched: dict[int, _Request]) -> list[RequestOutput]:
         """Detokenize new tokens, apply stop strings, build the outputs."""
         outputs = []
-        for handle, request in touched.items():
-            if self._by_handle.get(handle) is not request:
-                continue  # aborted meanwhile: its output was already returned
+        # Requests aborted meanwhile are skipped: their output was already returned.
+        live = [r for h, r in touched.items() if self._by_handle.get(h) is r]
+        self._detokenize_batch(live)
+        for request in live:
             for sample in request.samples.values():
                 self._detokenize(request, sample)
             if (
@@ -480,6 +484,26 @@ class LLMEngine:
             elif not request.final_only:
                 outputs.append(self._make_output(request))
         return outputs
+
+    def _detokenize_batch(self, requests: list[_Request]) -> None:
+        """Feed every Rust-detokenized sample's new tokens in one call; the
+        per-sample ``_detokenize`` then only applies stop decisions."""
+        if self.token_decoder is None:
+            return
+        detoks, counts, tokens, samples = [], [], [], []
+        for request in requests:
+            for sample in request.samples.values():
+                pos = sample.detok_pos
+                if pos < len(sample.token_ids) and sample.detok is not None:
+                    new = sample.token_ids[pos:]
+                    detoks.append(sample.detok)
+                    counts.append(len(new))
+                    tokens += new
+                    samples.append(sample)
+        if detoks:
+            for sample, taken in zip(samples, detokenize_batch(detoks, counts, tokens),
+                                     strict=True):
+                sample.detok_pos += taken
 
     def _detokenize(self, request: _Request, sample: _Sample) -> None:
         detok = sample.detok
@@ -532,8 +556,16 @@ class LLMEngine:
                 request.samples[index].slot = None
 
     def _new_sample(self, request: _Request, index: int) -> _Sample:
-        detok = None
-        if self.tokenizer is not None:
+        detok: IncrementalDetokenizer | Detokenizer | None = None
+        if self.token_decoder is not None:
+            detok = Detokenizer(
+                self.token_decoder,
+                request.prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:],
+                stop=list(request.params.stop_strings),
+                include_stop_str_in_output=request.params.include_stop_str_in_output,
+                skip_special_tokens=request.params.skip_special_tokens,
+            )
+        elif self.tokenizer is not None:
             detok = IncrementalDetokenizer(
                 self.tokenizer,
                 request.prompt_token_ids,
