@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from kvpage._core import Detokenizer, Scheduler, detokenize_batch
+from kvpage._core import Detokenizer, Scheduler, TokenDecoder, detokenize_batch
 from kvpage.detokenizer import _PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer, rust_token_decoder
 from kvpage.engine_config import EngineConfig
 from kvpage.model.config import ModelConfig
@@ -214,9 +214,9 @@ class LLMEngine:
             kv_cache_memory=config.kv_cache_memory,
         )
         self.eos_token_ids = _merge_eos_ids(model_config, model_dir, tokenizer)
-        self.token_decoder = None if tokenizer is None else rust_token_decoder(tokenizer)
-        """Detokenizes every sample of a step in one Rust call; None: in Python
-        (:class:`IncrementalDetokenizer`), for tokenizers the Rust core cannot load."""
+        self.rust_detokenization = True
+        """Detokenize in the Rust core when it can load the tokenizer (False: in Python)."""
+        self._token_decoder: tuple[Any, TokenDecoder | None] = (None, None)
         self.scheduler = Scheduler(
             self.runner.num_blocks,
             config.block_size,
@@ -485,16 +485,28 @@ class LLMEngine:
                 outputs.append(self._make_output(request))
         return outputs
 
+    @property
+    def token_decoder(self) -> TokenDecoder | None:
+        """The Rust decoder of ``self.tokenizer`` (reloaded if the tokenizer is
+        replaced): new samples are detokenized by the Rust core, every sample
+        of a step in one call. None: in Python (:class:`IncrementalDetokenizer`),
+        for tokenizers the Rust core cannot load, or ``rust_detokenization`` off."""
+        if not self.rust_detokenization or self.tokenizer is None:
+            return None
+        source, decoder = self._token_decoder
+        if source is not self.tokenizer:
+            decoder = rust_token_decoder(self.tokenizer)
+            self._token_decoder = (self.tokenizer, decoder)
+        return decoder
+
     def _detokenize_batch(self, requests: list[_Request]) -> None:
         """Feed every Rust-detokenized sample's new tokens in one call; the
         per-sample ``_detokenize`` then only applies stop decisions."""
-        if self.token_decoder is None:
-            return
         detoks, counts, tokens, samples = [], [], [], []
         for request in requests:
             for sample in request.samples.values():
                 pos = sample.detok_pos
-                if pos < len(sample.token_ids) and sample.detok is not None:
+                if pos < len(sample.token_ids) and isinstance(sample.detok, Detokenizer):
                     new = sample.token_ids[pos:]
                     detoks.append(sample.detok)
                     counts.append(len(new))
@@ -557,9 +569,10 @@ class LLMEngine:
 
     def _new_sample(self, request: _Request, index: int) -> _Sample:
         detok: IncrementalDetokenizer | Detokenizer | None = None
-        if self.token_decoder is not None:
+        token_decoder = self.token_decoder
+        if token_decoder is not None:
             detok = Detokenizer(
-                self.token_decoder,
+                token_decoder,
                 request.prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:],
                 stop=list(request.params.stop_strings),
                 include_stop_str_in_output=request.params.include_stop_str_in_output,

@@ -12,7 +12,14 @@ Two output modes: ``streaming`` (per-step text deltas, as the async server
 asks for them: ``delta=True``) and ``final`` (``final_only``, as ``LLM.generate``
 does: text is still made every step, outputs only at the end).
 
-Printed: host microseconds per step and per running sequence per step, and
+The engine runs as a server runs it: detokenization in the Rust core and the
+startup heap frozen for the garbage collector (``kvpage.gc_heap``, done by
+``AsyncLLMEngine.start``); ``--python-detokenizer`` and ``--no-gc-freeze`` undo
+either, to measure what each is worth.
+
+Printed: host microseconds per step and per running sequence per step (wall
+time, and the engine thread's CPU time, which a busy shared host disturbs
+less), and
 where they go -- ``schedule`` and ``update`` (the Rust scheduler through its
 binding), ``inputs`` (packing the step's device input, as the real runner does
 before a dispatch), and ``text+outputs`` (the rest: detokenization, stop
@@ -148,6 +155,7 @@ class HostResult:
     steps: int
     us_per_step: float
     us_per_seq: float
+    cpu_us_per_seq: float
     schedule_us: float
     update_us: float
     inputs_us: float
@@ -158,14 +166,15 @@ class HostResult:
     def row(self) -> list[Any]:
         return [
             self.running, self.mode, self.us_per_step / 1e3, self.us_per_seq,
+            self.cpu_us_per_seq,
             self.schedule_us / 1e3, self.update_us / 1e3, self.inputs_us / 1e3,
             self.text_outputs_us / 1e3, self.outputs_per_step, self.chars_per_step,
         ]
 
 
 HEADERS = [
-    "running", "mode", "ms/step", "us/seq/step", "schedule ms", "update ms", "inputs ms",
-    "text+outputs ms", "outputs/step", "chars/step",
+    "running", "mode", "ms/step", "us/seq/step", "cpu us/seq/step", "schedule ms", "update ms",
+    "inputs ms", "text+outputs ms", "outputs/step", "chars/step",
 ]
 
 
@@ -206,9 +215,11 @@ def build_host_engine(
 
 
 def measure(
-    running: int, mode: str, steps: int = 50, *, tokenizer: Any = None, model_config: Any = None
+    running: int, mode: str, steps: int = 50, *, tokenizer: Any = None, model_config: Any = None,
+    rust_detokenization: bool = True, gc_freeze: bool = True,
 ) -> HostResult:
     """Host microseconds per step with ``running`` sequences decoding."""
+    from kvpage.gc_heap import freeze_startup_heap
     from kvpage.sampling_params import SamplingParams
 
     if mode not in MODES:
@@ -218,6 +229,9 @@ def measure(
         running, prompt_len=prompt_len, max_model_len=max_model_len, tokenizer=tokenizer,
         model_config=model_config,
     )
+    engine.rust_detokenization = rust_detokenization
+    if gc_freeze:
+        freeze_startup_heap()
     warmup_steps = 4
     if steps + warmup_steps + 2 > max_model_len - prompt_len:
         raise ValueError(f"steps must be <= {max_model_len - prompt_len - warmup_steps - 2}")
@@ -238,7 +252,7 @@ def measure(
     runner = engine.runner
     runner.inputs_s = 0.0
     outputs = chars = 0
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.thread_time()
     for _ in range(steps):
         outs = engine.step()
         outputs += len(outs)
@@ -246,6 +260,7 @@ def measure(
             for completion in out.outputs:
                 chars += len(completion.text)
     elapsed = time.perf_counter() - start
+    cpu = time.thread_time() - cpu_start
     engine.scheduler = timed._inner
     if engine.scheduler.num_requests_running != running:
         raise AssertionError(
@@ -261,6 +276,7 @@ def measure(
         steps=steps,
         us_per_step=per_step,
         us_per_seq=per_step / running,
+        cpu_us_per_seq=1e6 * cpu / steps / running,
         schedule_us=schedule_us,
         update_us=update_us,
         inputs_us=inputs_us,
@@ -271,10 +287,10 @@ def measure(
 
 
 def run(sizes: tuple[int, ...] = SIZES, modes: tuple[str, ...] = MODES,
-        steps: int = 50) -> list[HostResult]:
+        steps: int = 50, **options: bool) -> list[HostResult]:
     tokenizer, model_config = load_tokenizer_and_config()
     return [
-        measure(n, mode, steps, tokenizer=tokenizer, model_config=model_config)
+        measure(n, mode, steps, tokenizer=tokenizer, model_config=model_config, **options)
         for n in sizes
         for mode in modes
     ]
@@ -293,12 +309,18 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--mode", choices=MODES, nargs="+", default=list(MODES),
                    help="streaming (per-step deltas) and/or final (final_only outputs)")
     p.add_argument("--steps", type=int, default=50, help="timed decode steps per size")
+    p.add_argument("--python-detokenizer", action="store_true",
+                   help="detokenize in Python (kvpage.detokenizer), not in the Rust core")
+    p.add_argument("--no-gc-freeze", action="store_true",
+                   help="leave the startup heap to the garbage collector (no gc.freeze)")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> None:
-    results = run(tuple(args.running), tuple(args.mode), args.steps)
+    results = run(tuple(args.running), tuple(args.mode), args.steps,
+                  rust_detokenization=not args.python_detokenizer,
+                  gc_freeze=not args.no_gc_freeze)
     print(format_table(HEADERS, [r.row() for r in results],
                        title="host cost per step (device replaced by an instant token source)"))
     if args.json:
