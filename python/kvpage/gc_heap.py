@@ -10,12 +10,13 @@ moves what exists then out of the collector's reach; full collections then
 walk only what requests created.
 
 Frozen objects are still freed by reference counting; only reference cycles
-among them are never reclaimed, so this runs once per process (a server
-builds one engine for its lifetime), after a collection.
+among them are never reclaimed while the process runs, so this runs once per
+process (a server builds one engine for its lifetime), after a collection.
 """
 
 from __future__ import annotations
 
+import atexit
 import gc
 
 _frozen = False
@@ -30,4 +31,7 @@ def freeze_startup_heap() -> bool:
     _frozen = True
     gc.collect()
     gc.freeze()
+    # Hand everything back at exit, so interpreter teardown frees it as usual
+    # (nanobind, under jaxlib, reports objects still alive then as leaks).
+    atexit.register(gc.unfreeze)
     return True
