@@ -114,14 +114,15 @@ impl PyDetokenizer {
 
 /// Feed ``counts[i]`` tokens (consecutive in ``tokens``) to ``detokenizers[i]``
 /// for every i, in one call with the GIL released. A detokenizer stops taking
-/// tokens at a stop string; returns how many tokens each one took.
+/// tokens at a stop string. Returns ``(i, tokens taken)`` for each detokenizer
+/// that has met a stop string (every other one took all its tokens).
 #[pyfunction]
 pub fn detokenize_batch(
     py: Python<'_>,
     mut detokenizers: Vec<PyRefMut<'_, PyDetokenizer>>,
     counts: Vec<usize>,
     tokens: &Bound<'_, PyAny>,
-) -> PyResult<Vec<usize>> {
+) -> PyResult<Vec<(usize, usize)>> {
     let tokens = extract_tokens(tokens)?;
     if counts.len() != detokenizers.len() || counts.iter().sum::<usize>() != tokens.len() {
         return Err(PyValueError::new_err(format!(
@@ -143,14 +144,15 @@ pub fn detokenize_batch(
     Ok(py.detach(move || {
         let mut scratch = Scratch::default();
         let mut start = 0;
-        seqs.iter_mut()
-            .zip(&counts)
-            .map(|((decoder, seq), &count)| {
-                let taken = seq.add_tokens(decoder, &tokens[start..start + count], &mut scratch);
-                start += count;
-                taken
-            })
-            .collect()
+        let mut stopped = Vec::new();
+        for (i, ((decoder, seq), &count)) in seqs.iter_mut().zip(&counts).enumerate() {
+            let taken = seq.add_tokens(decoder, &tokens[start..start + count], &mut scratch);
+            start += count;
+            if seq.stop_reason().is_some() {
+                stopped.push((i, taken));
+            }
+        }
+        stopped
     }))
 }
 

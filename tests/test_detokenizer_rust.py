@@ -155,8 +155,9 @@ def test_batches_take_the_same_tokens_as_one_at_a_time(tokenizer: Any) -> None:
             owners.append((i, chunk))
         if not batch:
             break
-        taken = detokenize_batch(batch, counts, tokens)
-        for (i, chunk), took in zip(owners, taken, strict=True):
+        stopped = dict(detokenize_batch(batch, counts, tokens))
+        for j, (i, chunk) in enumerate(owners):
+            took = stopped.get(j, len(chunk))
             py = pairs[i][0]
             py_took = 0
             for token in chunk:
@@ -165,6 +166,7 @@ def test_batches_take_the_same_tokens_as_one_at_a_time(tokenizer: Any) -> None:
                 py.add_token(token)
                 py_took += 1
             assert took == py_took
+            assert (j in stopped) == (py.stop_reason is not None)
             fed[i] += len(chunk)
             done[i] = done[i] or py.stop_reason is not None
             assert pairs[i][1].text == py.text and pairs[i][1].stop_reason == py.stop_reason

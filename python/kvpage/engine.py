@@ -472,13 +472,12 @@ class LLMEngine:
         outputs = []
         # Requests aborted meanwhile are skipped: their output was already returned.
         live = [r for h, r in touched.items() if self._by_handle.get(h) is r]
-        self._detokenize_batch(live)
+        for request, sample in self._detokenize_batch(live):
+            self._detokenize(request, sample)
         for request in live:
-            for sample in request.samples.values():
-                self._detokenize(request, sample)
-            if (
-                all(s.finish_reason is not None for s in request.samples.values())
-                and len(request.samples) == request.params.n
+            samples = request.samples
+            if len(samples) == request.params.n and all(
+                s.finish_reason is not None for s in samples.values()
             ):
                 outputs.append(self._finish(request, None))
             elif not request.final_only:
@@ -499,23 +498,34 @@ class LLMEngine:
             self._token_decoder = (self.tokenizer, decoder)
         return decoder
 
-    def _detokenize_batch(self, requests: list[_Request]) -> None:
-        """Feed every Rust-detokenized sample's new tokens in one call; the
-        per-sample ``_detokenize`` then only applies stop decisions."""
-        detoks, counts, tokens, samples = [], [], [], []
+    def _detokenize_batch(self, requests: list[_Request]) -> list[tuple[_Request, _Sample]]:
+        """Feed every Rust-detokenized sample's new tokens in one call. Returns
+        the samples ``_detokenize`` must still see: those that met a stop
+        string, and those detokenized in Python."""
+        rest: list[tuple[_Request, _Sample]] = []
+        detoks: list[Detokenizer] = []
+        counts: list[int] = []
+        tokens: list[int] = []
+        fed: list[tuple[_Request, _Sample, int]] = []
         for request in requests:
             for sample in request.samples.values():
-                pos = sample.detok_pos
-                if pos < len(sample.token_ids) and isinstance(sample.detok, Detokenizer):
-                    new = sample.token_ids[pos:]
-                    detoks.append(sample.detok)
-                    counts.append(len(new))
-                    tokens += new
-                    samples.append(sample)
+                detok, pos, end = sample.detok, sample.detok_pos, len(sample.token_ids)
+                if pos == end or detok is None:
+                    continue
+                if type(detok) is not Detokenizer:
+                    rest.append((request, sample))
+                    continue
+                detoks.append(detok)
+                counts.append(end - pos)
+                tokens += sample.token_ids[pos:]
+                fed.append((request, sample, pos))
+                sample.detok_pos = end
         if detoks:
-            for sample, taken in zip(samples, detokenize_batch(detoks, counts, tokens),
-                                     strict=True):
-                sample.detok_pos += taken
+            for i, taken in detokenize_batch(detoks, counts, tokens):
+                request, sample, pos = fed[i]
+                sample.detok_pos = pos + taken
+                rest.append((request, sample))
+        return rest
 
     def _detokenize(self, request: _Request, sample: _Sample) -> None:
         detok = sample.detok
