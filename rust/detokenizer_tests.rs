@@ -150,7 +150,7 @@ fn precomputed_bytes_decode_exactly_as_the_crate_on_random_windows() {
     let added = tokenizer.token_to_id("<tool>").unwrap();
     let mut rng = SplitMix64::new(7);
     for _ in 0..3000 {
-        let len = rng.below(8) as usize;
+        let len = rng.below(8);
         // Mostly bytes >= 0x80 (broken and whole characters), some words and specials.
         let ids: Vec<u32> = (0..len)
             .map(|_| match rng.below(10) {
