@@ -5,6 +5,7 @@
 //! - [`kv_cache`]: per-sequence page tables with copy-on-write over both.
 //! - [`cpu_attention`] + [`xla_ffi`]: paged decode attention on the host CPU,
 //!   exported as an XLA FFI custom call for the `xla` attention backend.
+//! - [`detokenizer`]: incremental detokenization and stop strings, all sequences per call.
 //!
 //! Everything here is plain Rust: `cargo test` and `cargo bench` need no
 //! Python. The PyO3 bindings (`kvpage._core`) live in [`python`] behind the
@@ -12,6 +13,7 @@
 
 pub mod block_pool;
 pub mod cpu_attention;
+pub mod detokenizer;
 pub mod error;
 pub mod kv_cache;
 pub mod prefix_cache;
@@ -20,6 +22,8 @@ mod reference_model_tests;
 
 #[cfg(feature = "python")]
 mod python;
+#[cfg(feature = "python")]
+mod python_detokenizer;
 
 pub use block_pool::{BlockId, BlockPool};
 pub use error::{KvError, KvResult};

@@ -681,5 +681,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<StepPlan>()?;
     m.add_class::<GrammarVocab>()?;
     m.add_class::<Grammar>()?;
+    crate::python_detokenizer::register(m)?;
     Ok(())
 }

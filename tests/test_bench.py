@@ -98,7 +98,8 @@ def test_every_bench_flag_has_help(capsys: pytest.CaptureFixture) -> None:
     bench = sub.choices["bench"]
     bench_sub = next(a for a in bench._actions if a.dest == "bench_command")
     assert set(bench_sub.choices) == {
-        "throughput", "serve", "scheduler", "compare", "vs-hf", "step-profile", "roofline"
+        "throughput", "serve", "scheduler", "host", "compare", "vs-hf", "step-profile",
+        "roofline",
     }
     for name, p in bench_sub.choices.items():
         for action in p._actions:

@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 
 from kvpage.engine import LLMEngine, PromptType
 from kvpage.engine_config import EngineConfig
+from kvpage.gc_heap import freeze_startup_heap
 from kvpage.metrics import EngineMetrics, cache_config_info
 from kvpage.outputs import RequestOutput
 from kvpage.sampling_params import SamplingParams
@@ -224,6 +225,7 @@ class AsyncLLMEngine:
     def start(self) -> None:
         if not self._started:
             self._started = True
+            freeze_startup_heap()  # a serving process: keep full GCs off the step loop
             self._thread.start()
 
     async def add_request(

@@ -16,7 +16,12 @@ so a client never receives text that a later stop match removes.
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol
+
+from kvpage._core import TokenDecoder
+
+logger = logging.getLogger("kvpage.detokenizer")
 
 _PROMPT_CONTEXT_TOKENS = 6
 """Prompt tokens decoded with the output so leading spaces come out right."""
@@ -34,6 +39,22 @@ def _fast_decoder(tokenizer: Decoder) -> Decoder:
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return tokenizer
     return backend
+
+
+def rust_token_decoder(tokenizer: object) -> TokenDecoder | None:
+    """The Rust core's decoder for ``tokenizer`` (``kvpage._core.Detokenizer``
+    then produces exactly this module's text, for all samples of a step in one
+    call), or None when only :class:`IncrementalDetokenizer` can: a tokenizer
+    without a ``tokenizers`` backend, or one whose Python wrapper cleans up
+    tokenization spaces."""
+    to_str = getattr(_fast_decoder(tokenizer), "to_str", None)  # type: ignore[arg-type]
+    if to_str is None:
+        return None
+    try:
+        return TokenDecoder(to_str())
+    except ValueError as err:
+        logger.warning("detokenizing in Python: the Rust core cannot load the tokenizer: %s", err)
+        return None
 
 
 class IncrementalDetokenizer:

@@ -26,8 +26,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from kvpage._core import Scheduler
-from kvpage.detokenizer import IncrementalDetokenizer
+from kvpage._core import Detokenizer, Scheduler, TokenDecoder, detokenize_batch
+from kvpage.detokenizer import _PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer, rust_token_decoder
 from kvpage.engine_config import EngineConfig
 from kvpage.model.config import ModelConfig
 from kvpage.model.gguf_loader import is_gguf, load_gguf
@@ -86,7 +86,7 @@ class QueueFullError(RuntimeError):
 @dataclass(slots=True)
 class _Sample:
     index: int
-    detok: IncrementalDetokenizer | None
+    detok: IncrementalDetokenizer | Detokenizer | None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
@@ -184,7 +184,11 @@ class LLMEngine:
         params: Any,
         tokenizer: Any = None,
         model_dir: Path | None = None,
+        *,
+        runner: Any = None,
     ) -> None:
+        """``runner`` replaces the JAX ``ModelRunner`` with any object of its
+        interface (``kvpage.bench.host`` passes an instant token source)."""
         self.config = config
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -199,7 +203,7 @@ class LLMEngine:
         if not config.enable_chunked_prefill:
             batched = max(batched, max_model_len)
         _enable_compilation_cache(config.compilation_cache_dir)
-        self.runner = ModelRunner(
+        self.runner = runner or ModelRunner(
             model_config,
             params,
             config.num_gpu_blocks,
@@ -215,6 +219,13 @@ class LLMEngine:
             kv_cache_memory=config.kv_cache_memory,
         )
         self.eos_token_ids = _merge_eos_ids(model_config, model_dir, tokenizer)
+        self.rust_detokenization = True
+        """Detokenize in the Rust core when it can load the tokenizer (False: in Python)."""
+        # Loaded now (~0.5 s for a 49k vocabulary), not on the first request.
+        self._token_decoder: tuple[Any, TokenDecoder | None] = (
+            tokenizer,
+            None if tokenizer is None else rust_token_decoder(tokenizer),
+        )
         self.scheduler = Scheduler(
             self.runner.num_blocks,
             config.block_size,
@@ -561,19 +572,62 @@ class LLMEngine:
     def _process_text(self, touched: dict[int, _Request]) -> list[RequestOutput]:
         """Detokenize new tokens, apply stop strings, build the outputs."""
         outputs = []
-        for handle, request in touched.items():
-            if self._by_handle.get(handle) is not request:
-                continue  # aborted meanwhile: its output was already returned
-            for sample in request.samples.values():
-                self._detokenize(request, sample)
-            if (
-                all(s.finish_reason is not None for s in request.samples.values())
-                and len(request.samples) == request.params.n
+        # Requests aborted meanwhile are skipped: their output was already returned.
+        live = [r for h, r in touched.items() if self._by_handle.get(h) is r]
+        for request, sample in self._detokenize_batch(live):
+            self._detokenize(request, sample)
+        for request in live:
+            samples = request.samples
+            if len(samples) == request.params.n and all(
+                s.finish_reason is not None for s in samples.values()
             ):
                 outputs.append(self._finish(request, None))
             elif not request.final_only:
                 outputs.append(self._make_output(request))
         return outputs
+
+    @property
+    def token_decoder(self) -> TokenDecoder | None:
+        """The Rust decoder of ``self.tokenizer`` (reloaded if the tokenizer is
+        replaced): new samples are detokenized by the Rust core, every sample
+        of a step in one call. None: in Python (:class:`IncrementalDetokenizer`),
+        for tokenizers the Rust core cannot load, or ``rust_detokenization`` off."""
+        if not self.rust_detokenization or self.tokenizer is None:
+            return None
+        source, decoder = self._token_decoder
+        if source is not self.tokenizer:
+            decoder = rust_token_decoder(self.tokenizer)
+            self._token_decoder = (self.tokenizer, decoder)
+        return decoder
+
+    def _detokenize_batch(self, requests: list[_Request]) -> list[tuple[_Request, _Sample]]:
+        """Feed every Rust-detokenized sample's new tokens in one call. Returns
+        the samples ``_detokenize`` must still see: those that met a stop
+        string, and those detokenized in Python."""
+        rest: list[tuple[_Request, _Sample]] = []
+        detoks: list[Detokenizer] = []
+        counts: list[int] = []
+        tokens: list[int] = []
+        fed: list[tuple[_Request, _Sample, int]] = []
+        for request in requests:
+            for sample in request.samples.values():
+                detok, pos, end = sample.detok, sample.detok_pos, len(sample.token_ids)
+                if pos == end or detok is None:
+                    continue
+                if type(detok) is not Detokenizer:
+                    rest.append((request, sample))
+                    continue
+                detoks.append(detok)
+                counts.append(end - pos)
+                tokens += sample.token_ids[pos:]
+                fed.append((request, sample, pos))
+                sample.detok_pos = end
+        if detoks:
+            for i, taken in detokenize_batch(detoks, counts, tokens):
+                request, sample, pos = fed[i]
+                sample.detok_pos = pos + taken
+                rest.append((request, sample))
+        return rest
 
     def _detokenize(self, request: _Request, sample: _Sample) -> None:
         detok = sample.detok
@@ -626,8 +680,17 @@ class LLMEngine:
                 request.samples[index].slot = None
 
     def _new_sample(self, request: _Request, index: int) -> _Sample:
-        detok = None
-        if self.tokenizer is not None:
+        detok: IncrementalDetokenizer | Detokenizer | None = None
+        token_decoder = self.token_decoder
+        if token_decoder is not None:
+            detok = Detokenizer(
+                token_decoder,
+                request.prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:],
+                stop=list(request.params.stop_strings),
+                include_stop_str_in_output=request.params.include_stop_str_in_output,
+                skip_special_tokens=request.params.skip_special_tokens,
+            )
+        elif self.tokenizer is not None:
             detok = IncrementalDetokenizer(
                 self.tokenizer,
                 request.prompt_token_ids,

@@ -3,6 +3,7 @@
     kvpage bench throughput [MODEL_DIR | --random-weights CONFIG]   offline tokens/s
     kvpage bench serve --base-url URL                               online, over HTTP
     kvpage bench scheduler                                          host cost per step
+    kvpage bench host                                               full host path, no device
     kvpage bench compare                                            static vs continuous
     kvpage bench vs-hf [MODEL]                                      vs a naive HF loop
     kvpage bench step-profile [MODEL]                               where a step's time goes
@@ -21,11 +22,20 @@ from typing import Any
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``bench`` and its subcommands to the ``kvpage`` CLI's subparsers."""
-    from kvpage.bench import compare, roofline, scheduler, serve, step_profile, throughput, vs_hf
+    from kvpage.bench import (
+        compare,
+        host,
+        roofline,
+        scheduler,
+        serve,
+        step_profile,
+        throughput,
+        vs_hf,
+    )
 
     bench = subparsers.add_parser(
         "bench",
-        help="benchmarks: throughput, serve, scheduler, compare, vs-hf, step-profile",
+        help="benchmarks: throughput, serve, scheduler, host, compare, vs-hf, step-profile",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -33,6 +43,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     throughput.add_parser(sub)
     serve.add_parser(sub)
     scheduler.add_parser(sub)
+    host.add_parser(sub)
     compare.add_parser(sub)
     vs_hf.add_parser(sub)
     step_profile.add_parser(sub)

@@ -1,0 +1,340 @@
+"""``kvpage bench host``: what the host costs per step, device excluded.
+
+The full ``LLMEngine`` -- schedule, step inputs, update, detokenization, stop
+strings and the ``RequestOutput``s -- runs with the device replaced by an
+instant token source (:class:`InstantRunner`): every sampled row gets the
+next token of a fixed English text (with multi-byte characters), so the
+detokenizer does real work on a real byte-level BPE vocabulary (the default
+model's). ``running`` sequences decode together; after they are all past
+their prompts, ``steps`` steps are timed.
+
+Two output modes: ``streaming`` (per-step text deltas, as the async server
+asks for them: ``delta=True``) and ``final`` (``final_only``, as ``LLM.generate``
+does: text is still made every step, outputs only at the end).
+
+The engine runs as a server runs it: detokenization in the Rust core and the
+startup heap frozen for the garbage collector (``kvpage.gc_heap``, done by
+``AsyncLLMEngine.start``); ``--python-detokenizer`` and ``--no-gc-freeze`` undo
+either, to measure what each is worth.
+
+Printed: host microseconds per step and per running sequence per step (wall
+time, and the engine thread's CPU time, which a busy shared host disturbs
+less), and
+where they go -- ``schedule`` and ``update`` (the Rust scheduler through its
+binding), ``inputs`` (packing the step's device input, as the real runner does
+before a dispatch), and ``text+outputs`` (the rest: detokenization, stop
+strings, output assembly, per-token bookkeeping).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvpage.bench.common import format_table, write_json
+from kvpage.runner.step_inputs import PackedLayout, PaddingValues
+from kvpage.runner.step_output import StepOutput
+
+SIZES = (256, 1024, 4096)
+MODES = ("streaming", "final")
+TEXT = (
+    "The engine schedules one step at a time: finished sequences leave and waiting ones join. "
+    "Blocks of the KV cache are shared copy-on-write between a prompt and its samples. "
+    "Ünïcödé text, émojis 🙂🚀 and 中文字符 must round-trip byte by byte, "
+    "even when one character spans two tokens.\n"
+    "def step(self):\n    plan = self.scheduler.schedule()\n    return plan\n"
+)
+"""The text the instant runner generates, token by token, from a per-slot offset."""
+NEVER_STOP = "\n###END###"
+"""A stop string every request carries and none meets, so stop matching is timed."""
+
+
+class _Pending:
+    __slots__ = ("_out",)
+
+    def __init__(self, out: StepOutput) -> None:
+        self._out = out
+
+    def result(self) -> StepOutput:
+        return self._out
+
+
+class InstantRunner:
+    """A ``ModelRunner`` stand-in that needs no device: ``dispatch`` packs the
+    step's input buffer exactly as the real runner does (that host cost is
+    real) and then returns, for each sampled row, the next token of
+    ``token_cycle`` for that row's slot. Deterministic; costs O(rows) numpy."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        token_cycle: list[int],
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self._cycle = np.asarray(token_cycle, np.int32)
+        self._pos = np.zeros(max_num_seqs, np.int64)
+        self._padding = PaddingValues(num_blocks * block_size, num_blocks, max_num_seqs, num_blocks)
+        self._layouts: dict[tuple[int, int], tuple[PackedLayout, np.ndarray]] = {}
+        self._step_counter = 0
+        self.inputs_s = 0.0
+        """Seconds spent packing step inputs."""
+
+    # The parts of the ModelRunner interface the engine calls.
+    def warmup(self, progress: bool = True) -> None:
+        return None
+
+    def set_request(self, slot: int, params: Any, prompt: Any, output: Any) -> None:
+        self._pos[slot] = (slot * 7919 + len(prompt)) % len(self._cycle)
+
+    def free_request(self, slot: int) -> None:
+        return None
+
+    def update_params(self, params: Any) -> int:
+        return 0
+
+    def recover_device_state(self) -> bool:
+        return False
+
+    def dispatch(self, plan: Any) -> _Pending:
+        start = time.perf_counter()
+        t, s = int(plan.num_tokens), int(plan.num_seqs)
+        n = len(plan.logits_indices)
+        key = (1 << max(t - 1, 0).bit_length(), 1 << max(max(s, n) - 1, 0).bit_length())
+        entry = self._layouts.get(key)
+        if entry is None:
+            layout = PackedLayout(key[0], key[1], 64, self.max_blocks_per_seq)
+            entry = self._layouts[key] = (layout, layout.template(self._padding))
+        layout, template = entry
+        layout.pack(plan, template, self.block_size, self._step_counter, False, True)
+        self._step_counter += 1
+        rows = np.asarray(plan.sample_rows)
+        pos = self._pos[rows]
+        tokens = self._cycle[pos % len(self._cycle)]
+        self._pos[rows] = pos + 1
+        self.inputs_s += time.perf_counter() - start
+        return _Pending(StepOutput(tokens, np.full(n, -1.0, np.float32), np.ones(n, np.int32)))
+
+
+class _TimedScheduler:
+    """The engine's scheduler, with the time of ``schedule`` and ``update`` added up."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.schedule_s = 0.0
+        self.update_s = 0.0
+
+    def schedule(self) -> Any:
+        start = time.perf_counter()
+        plan = self._inner.schedule()
+        self.schedule_s += time.perf_counter() - start
+        return plan
+
+    def update(self, *args: Any) -> Any:
+        start = time.perf_counter()
+        out = self._inner.update(*args)
+        self.update_s += time.perf_counter() - start
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+@dataclass(slots=True)
+class HostResult:
+    running: int
+    mode: str
+    steps: int
+    us_per_step: float
+    us_per_seq: float
+    cpu_us_per_seq: float
+    schedule_us: float
+    update_us: float
+    inputs_us: float
+    text_outputs_us: float
+    outputs_per_step: float
+    chars_per_step: float
+
+    def row(self) -> list[Any]:
+        return [
+            self.running, self.mode, self.us_per_step / 1e3, self.us_per_seq,
+            self.cpu_us_per_seq,
+            self.schedule_us / 1e3, self.update_us / 1e3, self.inputs_us / 1e3,
+            self.text_outputs_us / 1e3, self.outputs_per_step, self.chars_per_step,
+        ]
+
+
+HEADERS = [
+    "running", "mode", "ms/step", "us/seq/step", "cpu us/seq/step", "schedule ms", "update ms",
+    "inputs ms", "text+outputs ms", "outputs/step", "chars/step",
+]
+
+
+def load_tokenizer_and_config() -> tuple[Any, Any]:
+    """The default model's byte-level BPE tokenizer and its model config."""
+    from kvpage.assets import default_model_dir
+    from kvpage.engine import load_tokenizer
+    from kvpage.model.config import ModelConfig
+
+    path = default_model_dir()
+    return load_tokenizer(path), ModelConfig.from_json_file(path / "config.json")
+
+
+def build_host_engine(
+    running: int, *, prompt_len: int = 16, max_model_len: int = 256, tokenizer: Any = None,
+    model_config: Any = None,
+) -> Any:
+    """An ``LLMEngine`` over :class:`InstantRunner`, sized for ``running`` sequences."""
+    from kvpage.engine import LLMEngine
+    from kvpage.engine_config import EngineConfig
+
+    if tokenizer is None or model_config is None:
+        tokenizer, model_config = load_tokenizer_and_config()
+    block_size = 16
+    num_blocks = running * (-(-max_model_len // block_size)) + 8
+    config = EngineConfig(
+        max_num_seqs=running,
+        max_num_batched_tokens=max(2048, running * prompt_len),
+        block_size=block_size,
+        num_gpu_blocks=num_blocks,
+        max_model_len=max_model_len,
+        enable_prefix_caching=False,
+        compilation_cache_dir=None,
+    )
+    cycle = tokenizer(TEXT * 4)["input_ids"]
+    runner = InstantRunner(num_blocks, block_size, max_model_len, running, cycle)
+    return LLMEngine(config, model_config, None, tokenizer, runner=runner)
+
+
+def measure(
+    running: int, mode: str, steps: int = 50, *, tokenizer: Any = None, model_config: Any = None,
+    rust_detokenization: bool = True, gc_freeze: bool = True,
+) -> HostResult:
+    """Host microseconds per step with ``running`` sequences decoding."""
+    from kvpage.gc_heap import freeze_startup_heap
+    from kvpage.sampling_params import SamplingParams
+
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    prompt_len, max_model_len = 16, 256
+    engine = build_host_engine(
+        running, prompt_len=prompt_len, max_model_len=max_model_len, tokenizer=tokenizer,
+        model_config=model_config,
+    )
+    engine.rust_detokenization = rust_detokenization
+    if gc_freeze:
+        freeze_startup_heap()
+    warmup_steps = 4
+    if steps + warmup_steps + 2 > max_model_len - prompt_len:
+        raise ValueError(f"steps must be <= {max_model_len - prompt_len - warmup_steps - 2}")
+    params = SamplingParams(
+        max_tokens=max_model_len - prompt_len, ignore_eos=True, stop=[NEVER_STOP], temperature=0
+    )
+    vocab = engine.model_config.vocab_size
+    for r in range(running):
+        prompt = [(r * 31 + i * 17) % (vocab - 16) + 16 for i in range(prompt_len)]
+        engine.add_request(
+            f"r{r}", prompt, params, delta=mode == "streaming", final_only=mode == "final"
+        )
+    # Prefill, then a few decode steps, before timing.
+    while engine.scheduler.num_requests_waiting or engine.counters["steps"] < warmup_steps:
+        engine.step()
+    timed = _TimedScheduler(engine.scheduler)
+    engine.scheduler = timed
+    runner = engine.runner
+    runner.inputs_s = 0.0
+    outputs = chars = 0
+    start, cpu_start = time.perf_counter(), time.thread_time()
+    for _ in range(steps):
+        outs = engine.step()
+        outputs += len(outs)
+        for out in outs:
+            for completion in out.outputs:
+                chars += len(completion.text)
+    elapsed = time.perf_counter() - start
+    cpu = time.thread_time() - cpu_start
+    engine.scheduler = timed._inner
+    if engine.scheduler.num_requests_running != running:
+        raise AssertionError(
+            f"expected {running} running sequences, got {engine.scheduler.num_requests_running}"
+        )
+    per_step = 1e6 * elapsed / steps
+    schedule_us = 1e6 * timed.schedule_s / steps
+    update_us = 1e6 * timed.update_s / steps
+    inputs_us = 1e6 * runner.inputs_s / steps
+    return HostResult(
+        running=running,
+        mode=mode,
+        steps=steps,
+        us_per_step=per_step,
+        us_per_seq=per_step / running,
+        cpu_us_per_seq=1e6 * cpu / steps / running,
+        schedule_us=schedule_us,
+        update_us=update_us,
+        inputs_us=inputs_us,
+        text_outputs_us=per_step - schedule_us - update_us - inputs_us,
+        outputs_per_step=outputs / steps,
+        chars_per_step=chars / steps,
+    )
+
+
+def run(sizes: tuple[int, ...] = SIZES, modes: tuple[str, ...] = MODES,
+        steps: int = 50, repeats: int = 3, **options: bool) -> list[HostResult]:
+    """Each configuration ``repeats`` times on a fresh engine; the fastest run
+    counts (other jobs on the host only ever add time)."""
+    tokenizer, model_config = load_tokenizer_and_config()
+    return [
+        min(
+            (
+                measure(n, mode, steps, tokenizer=tokenizer, model_config=model_config,
+                        **options)
+                for _ in range(max(repeats, 1))
+            ),
+            key=lambda r: r.us_per_step,
+        )
+        for n in sizes
+        for mode in modes
+    ]
+
+
+def add_parser(sub: Any) -> None:
+    """Add ``host`` to the ``kvpage bench`` subcommands."""
+    p = sub.add_parser(
+        "host",
+        help="host cost per step of the full engine, device replaced by an instant token source",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--running", type=int, nargs="+", default=list(SIZES),
+                   help="numbers of running sequences to measure (default 256 1024 4096)")
+    p.add_argument("--mode", choices=MODES, nargs="+", default=list(MODES),
+                   help="streaming (per-step deltas) and/or final (final_only outputs)")
+    p.add_argument("--steps", type=int, default=50, help="timed decode steps per size")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs per configuration, each on a fresh engine; the fastest is shown")
+    p.add_argument("--python-detokenizer", action="store_true",
+                   help="detokenize in Python (kvpage.detokenizer), not in the Rust core")
+    p.add_argument("--no-gc-freeze", action="store_true",
+                   help="leave the startup heap to the garbage collector (no gc.freeze)")
+    p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> None:
+    results = run(tuple(args.running), tuple(args.mode), args.steps, args.repeats,
+                  rust_detokenization=not args.python_detokenizer,
+                  gc_freeze=not args.no_gc_freeze)
+    print(format_table(HEADERS, [r.row() for r in results],
+                       title="host cost per step (device replaced by an instant token source)"))
+    if args.json:
+        write_json(args.json, {"host": [
+            {name: getattr(r, name) for name in HostResult.__slots__} for r in results
+        ]})
