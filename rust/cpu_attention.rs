@@ -99,7 +99,7 @@ pub fn validate<T>(
     out: &[f32],
 ) -> Result<(), String> {
     let s = shape;
-    if s.kv_heads == 0 || s.q_heads % s.kv_heads != 0 {
+    if s.kv_heads == 0 || !s.q_heads.is_multiple_of(s.kv_heads) {
         return Err(format!(
             "q_heads {} is not a multiple of kv_heads {}",
             s.q_heads, s.kv_heads
