@@ -41,3 +41,24 @@ def test_bench_host_cli_prints_a_table(capsys: pytest.CaptureFixture) -> None:
     main(["bench", "host", "--running", "4", "--mode", "streaming", "--steps", "3"])
     out = capsys.readouterr().out
     assert "us/seq/step" in out and "streaming" in out
+
+
+def test_constrained_fraction_runs_grammar_masks_every_step() -> None:
+    """Half the sequences follow the JSON schema: their masks are computed each step,
+    and what they stream stays a prefix of a valid JSON array of strings."""
+    result = host.measure(8, "streaming", steps=6, constrained_fraction=0.5)
+    assert result.constrained == 4
+    assert result.mask_us_per_constrained_seq > 0
+    assert result.outputs_per_step == 8  # nobody finished: the array never has to end
+    with pytest.raises(ValueError, match="constrained_fraction"):
+        host.measure(2, "final", steps=2, constrained_fraction=1.5)
+
+
+def test_allowed_tokens_keeps_allowed_and_replaces_masked() -> None:
+    import numpy as np
+
+    masks = np.zeros((2, 2), np.int32)
+    masks[0, 0] = 1 << 5  # row 0 allows token 5 only
+    masks[1, :] = -1  # row 1 allows everything
+    out = host._allowed_tokens(np.array([7, 40], np.int32), masks)
+    assert out.tolist() == [5, 40]

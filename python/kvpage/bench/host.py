@@ -17,6 +17,13 @@ startup heap frozen for the garbage collector (``kvpage.gc_heap``, done by
 ``AsyncLLMEngine.start``); ``--python-detokenizer`` and ``--no-gc-freeze`` undo
 either, to measure what each is worth.
 
+``--constrained-fraction 0.5``: half the requests follow a JSON schema (an
+array of strings, which never has to end); the engine computes their grammar
+masks in the Rust core each step, as with a real device, and the instant runner
+picks each constrained row's text token where the grammar allows it, else the
+lowest token id it allows. The mask time per constrained sequence per step is
+printed too.
+
 Printed: host microseconds per step and per running sequence per step (wall
 time, and the engine thread's CPU time, which a busy shared host disturbs
 less), and
@@ -87,6 +94,8 @@ class InstantRunner:
         self._step_counter = 0
         self.inputs_s = 0.0
         """Seconds spent packing step inputs."""
+        self.mask_s = 0.0
+        """Seconds spent computing grammar masks (the engine's ``token_bitmask_fn``)."""
 
     # The parts of the ModelRunner interface the engine calls.
     def warmup(self, progress: bool = True) -> None:
@@ -104,7 +113,12 @@ class InstantRunner:
     def recover_device_state(self) -> bool:
         return False
 
-    def dispatch(self, plan: Any) -> _Pending:
+    def dispatch(
+        self,
+        plan: Any,
+        prompt_targets: Any = None,
+        token_bitmask_fn: Any = None,
+    ) -> _Pending:
         start = time.perf_counter()
         t, s = int(plan.num_tokens), int(plan.num_seqs)
         n = len(plan.logits_indices)
@@ -121,7 +135,30 @@ class InstantRunner:
         tokens = self._cycle[pos % len(self._cycle)]
         self._pos[rows] = pos + 1
         self.inputs_s += time.perf_counter() - start
+        if token_bitmask_fn is not None:  # as the real runner: masks while the "device" runs
+            mask_start = time.perf_counter()
+            masks = token_bitmask_fn()
+            self.mask_s += time.perf_counter() - mask_start
+            tokens = _allowed_tokens(tokens, masks)
         return _Pending(StepOutput(tokens, np.full(n, -1.0, np.float32), np.ones(n, np.int32)))
+
+
+def _allowed_tokens(tokens: np.ndarray, masks: np.ndarray) -> np.ndarray:
+    """Each row's token if its grammar mask allows it, else the lowest allowed token id
+    (so a constrained row keeps following the text wherever its grammar permits)."""
+    tokens = tokens.copy()
+    words = masks.view(np.uint32)
+    rows = np.arange(len(tokens))
+    allowed = (words[rows, tokens >> 5] >> (tokens & 31).astype(np.uint32)) & 1
+    for row in np.flatnonzero(allowed == 0):
+        bits = np.unpackbits(words[row].view(np.uint8), bitorder="little")
+        tokens[row] = int(np.flatnonzero(bits)[0])
+    return tokens
+
+
+CONSTRAINT_SCHEMA = {"type": "array", "items": {"type": "string"}}
+"""What constrained requests follow: a JSON array of strings never has to end, so a
+constrained sequence keeps running; the text's tokens fit inside its strings."""
 
 
 class _TimedScheduler:
@@ -162,6 +199,10 @@ class HostResult:
     text_outputs_us: float
     outputs_per_step: float
     chars_per_step: float
+    constrained: int = 0
+    """Sequences following a grammar (``--constrained-fraction``)."""
+    mask_us_per_constrained_seq: float = 0.0
+    """Host microseconds of grammar masks per constrained sequence per step."""
 
     def row(self) -> list[Any]:
         return [
@@ -169,12 +210,14 @@ class HostResult:
             self.cpu_us_per_seq,
             self.schedule_us / 1e3, self.update_us / 1e3, self.inputs_us / 1e3,
             self.text_outputs_us / 1e3, self.outputs_per_step, self.chars_per_step,
+            self.constrained, self.mask_us_per_constrained_seq,
         ]
 
 
 HEADERS = [
     "running", "mode", "ms/step", "us/seq/step", "cpu us/seq/step", "schedule ms", "update ms",
-    "inputs ms", "text+outputs ms", "outputs/step", "chars/step",
+    "inputs ms", "text+outputs ms", "outputs/step", "chars/step", "constrained",
+    "mask us/constrained seq",
 ]
 
 
@@ -216,7 +259,7 @@ def build_host_engine(
 
 def measure(
     running: int, mode: str, steps: int = 50, *, tokenizer: Any = None, model_config: Any = None,
-    rust_detokenization: bool = True, gc_freeze: bool = True,
+    rust_detokenization: bool = True, gc_freeze: bool = True, constrained_fraction: float = 0.0,
 ) -> HostResult:
     """Host microseconds per step with ``running`` sequences decoding."""
     from kvpage.gc_heap import freeze_startup_heap
@@ -238,11 +281,26 @@ def measure(
     params = SamplingParams(
         max_tokens=max_model_len - prompt_len, ignore_eos=True, stop=[NEVER_STOP], temperature=0
     )
+    if not 0.0 <= constrained_fraction <= 1.0:
+        raise ValueError(f"constrained_fraction must be in [0, 1], got {constrained_fraction}")
+    constrained_params = None
+    if constrained_fraction:
+        from dataclasses import replace
+
+        from kvpage.structured_outputs import StructuredOutputsParams
+
+        constrained_params = replace(
+            params, structured_outputs=StructuredOutputsParams(json=CONSTRAINT_SCHEMA)
+        )
     vocab = engine.model_config.vocab_size
+    constrained = 0
     for r in range(running):
         prompt = [(r * 31 + i * 17) % (vocab - 16) + 16 for i in range(prompt_len)]
+        follows_grammar = int((r + 1) * constrained_fraction) > int(r * constrained_fraction)
+        constrained += follows_grammar
         engine.add_request(
-            f"r{r}", prompt, params, delta=mode == "streaming", final_only=mode == "final"
+            f"r{r}", prompt, constrained_params if follows_grammar else params,
+            delta=mode == "streaming", final_only=mode == "final",
         )
     # Prefill, then a few decode steps, before timing.
     while engine.scheduler.num_requests_waiting or engine.counters["steps"] < warmup_steps:
@@ -250,7 +308,8 @@ def measure(
     timed = _TimedScheduler(engine.scheduler)
     engine.scheduler = timed
     runner = engine.runner
-    runner.inputs_s = 0.0
+    runner.inputs_s = runner.mask_s = 0.0
+    mask_rows_before = engine.counters["structured_mask_rows"]
     outputs = chars = 0
     start, cpu_start = time.perf_counter(), time.thread_time()
     for _ in range(steps):
@@ -270,6 +329,8 @@ def measure(
     schedule_us = 1e6 * timed.schedule_s / steps
     update_us = 1e6 * timed.update_s / steps
     inputs_us = 1e6 * runner.inputs_s / steps
+    mask_rows = engine.counters["structured_mask_rows"] - mask_rows_before
+    mask_us = 1e6 * runner.mask_s / mask_rows if mask_rows else 0.0
     return HostResult(
         running=running,
         mode=mode,
@@ -283,11 +344,13 @@ def measure(
         text_outputs_us=per_step - schedule_us - update_us - inputs_us,
         outputs_per_step=outputs / steps,
         chars_per_step=chars / steps,
+        constrained=constrained,
+        mask_us_per_constrained_seq=mask_us,
     )
 
 
 def run(sizes: tuple[int, ...] = SIZES, modes: tuple[str, ...] = MODES,
-        steps: int = 50, repeats: int = 3, **options: bool) -> list[HostResult]:
+        steps: int = 50, repeats: int = 3, **options: Any) -> list[HostResult]:
     """Each configuration ``repeats`` times on a fresh engine; the fastest run
     counts (other jobs on the host only ever add time)."""
     tokenizer, model_config = load_tokenizer_and_config()
@@ -324,6 +387,9 @@ def add_parser(sub: Any) -> None:
                    help="detokenize in Python (kvpage.detokenizer), not in the Rust core")
     p.add_argument("--no-gc-freeze", action="store_true",
                    help="leave the startup heap to the garbage collector (no gc.freeze)")
+    p.add_argument("--constrained-fraction", type=float, default=0.0,
+                   help="fraction of requests following a JSON schema (structured outputs): "
+                   "their grammar masks are computed in the Rust core each step (default 0)")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.set_defaults(func=main)
 
@@ -331,7 +397,8 @@ def add_parser(sub: Any) -> None:
 def main(args: argparse.Namespace) -> None:
     results = run(tuple(args.running), tuple(args.mode), args.steps, args.repeats,
                   rust_detokenization=not args.python_detokenizer,
-                  gc_freeze=not args.no_gc_freeze)
+                  gc_freeze=not args.no_gc_freeze,
+                  constrained_fraction=args.constrained_fraction)
     print(format_table(HEADERS, [r.row() for r in results],
                        title="host cost per step (device replaced by an instant token source)"))
     if args.json:
