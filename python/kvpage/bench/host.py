@@ -96,6 +96,9 @@ class InstantRunner:
         """Seconds spent packing step inputs."""
         self.mask_s = 0.0
         """Seconds spent computing grammar masks (the engine's ``token_bitmask_fn``)."""
+        self.last_enqueue_time = 0.0
+        """As ``ModelRunner.last_enqueue_time``: when the last step was "enqueued"."""
+        self.last_bitmask_overlapped = False
 
     # The parts of the ModelRunner interface the engine calls.
     def warmup(self, progress: bool = True) -> None:
@@ -134,7 +137,8 @@ class InstantRunner:
         pos = self._pos[rows]
         tokens = self._cycle[pos % len(self._cycle)]
         self._pos[rows] = pos + 1
-        self.inputs_s += time.perf_counter() - start
+        self.last_enqueue_time = time.perf_counter()
+        self.inputs_s += self.last_enqueue_time - start
         if token_bitmask_fn is not None:  # as the real runner: masks while the "device" runs
             mask_start = time.perf_counter()
             masks = token_bitmask_fn()
@@ -303,8 +307,14 @@ def measure(
             delta=mode == "streaming", final_only=mode == "final",
         )
     # Prefill, then a few decode steps, before timing.
-    while engine.scheduler.num_requests_waiting or engine.counters["steps"] < warmup_steps:
-        engine.step()
+    for _ in range(warmup_steps + running):
+        if not (engine.scheduler.num_requests_waiting or engine.counters["steps"] < warmup_steps):
+            break
+        for out in engine.step():
+            if out.error:
+                raise RuntimeError(f"the engine failed a request: {out.error}")
+    else:
+        raise RuntimeError("the engine made no progress through the warm-up steps")
     timed = _TimedScheduler(engine.scheduler)
     engine.scheduler = timed
     runner = engine.runner
