@@ -37,6 +37,7 @@ def served(tiny_model_dir: Path) -> Iterator[InProcessServer]:
         max_model_len=256,
         max_num_batched_tokens=32,
         max_num_waiting=16,
+        warmup=True,  # as `kvpage serve` does: no bucket compiles during the load phase
     )
     with InProcessServer(config, model_name="tiny", api_key="load-key") as server:
         yield server
