@@ -16,9 +16,15 @@ def hermetic_compilation_cache(tmp_path_factory: pytest.TempPathFactory) -> Iter
     sets its default (``EngineConfig.compilation_cache_dir``, under ``~``) when none is
     configured, so no test writes compiled executables into the user's home."""
     previous = jax.config.jax_compilation_cache_dir
+    previous_enabled = jax.config.jax_enable_compilation_cache
     cache_dir = tmp_path_factory.mktemp("xla-compilation-cache")
     jax.config.update("jax_compilation_cache_dir", str(cache_dir))
+    # Writing CPU executables to the persistent cache segfaulted twice in full-suite runs
+    # (jax's put_executable_and_time, after the structured-outputs tests); off until
+    # understood. The engine does not enable it on CPU either (engine.py).
+    jax.config.update("jax_enable_compilation_cache", False)
     yield cache_dir
+    jax.config.update("jax_enable_compilation_cache", previous_enabled)
     jax.config.update("jax_compilation_cache_dir", previous)
 
 
