@@ -3,6 +3,7 @@ hermetic JAX compilation cache (a session temp dir, never the user's home)."""
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,13 +20,26 @@ def hermetic_compilation_cache(tmp_path_factory: pytest.TempPathFactory) -> Iter
     previous_enabled = jax.config.jax_enable_compilation_cache
     cache_dir = tmp_path_factory.mktemp("xla-compilation-cache")
     jax.config.update("jax_compilation_cache_dir", str(cache_dir))
-    # Writing CPU executables to the persistent cache segfaulted twice in full-suite runs
-    # (jax's put_executable_and_time, after the structured-outputs tests); off until
-    # understood. The engine does not enable it on CPU either (engine.py).
-    jax.config.update("jax_enable_compilation_cache", False)
+    jax.config.update("jax_enable_compilation_cache", True)
     yield cache_dir
     jax.config.update("jax_enable_compilation_cache", previous_enabled)
     jax.config.update("jax_compilation_cache_dir", previous)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def release_compiled_executables() -> Iterator[None]:
+    """Free each module's compiled executables when it ends.
+
+    Every XLA:CPU executable keeps its JIT-compiled code in a few memory mappings, and
+    the kernel caps a process at ``vm.max_map_count`` (65,530 by default). Engines
+    dropped by a module sit in reference cycles that CPython's full collection reaches
+    only rarely on a large heap, and ``jax.jit`` caches keep their executables too: the
+    whole suite in one process passed 60k mappings and XLA segfaulted when an mmap
+    failed inside a compile. A collection plus ``jax.clear_caches()`` after each module
+    keeps the count near one module's worth."""
+    yield
+    gc.collect()
+    jax.clear_caches()
 
 
 @pytest.fixture(scope="session")

@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 
 from kvpage.engine import LLMEngine, PromptType
 from kvpage.engine_config import EngineConfig
-from kvpage.gc_heap import freeze_startup_heap
+from kvpage.gc_heap import freeze_startup_heap, release_startup_heap
 from kvpage.metrics import EngineMetrics, cache_config_info
 from kvpage.outputs import RequestOutput
 from kvpage.sampling_params import SamplingParams
@@ -225,7 +225,9 @@ class AsyncLLMEngine:
     def start(self) -> None:
         if not self._started:
             self._started = True
-            freeze_startup_heap()  # a serving process: keep full GCs off the step loop
+            # Full GCs stay off the step loop while the engine thread runs; the thread
+            # releases the hold when it ends (kvpage.gc_heap).
+            freeze_startup_heap()
             self._thread.start()
 
     async def add_request(
@@ -344,6 +346,8 @@ class AsyncLLMEngine:
             raise
         else:
             self._fail_leftovers(EngineClosedError("the engine was shut down"))
+        finally:
+            release_startup_heap()
 
     def _serve(self) -> None:
         engine = self.engine

@@ -137,11 +137,6 @@ def _enable_compilation_cache(path: str | None) -> None:
     already configured one."""
     if not path or jax.config.jax_compilation_cache_dir:
         return
-    if jax.default_backend() == "cpu":
-        # Serializing CPU executables into the persistent cache segfaulted (jax 0.10.2,
-        # put_executable_and_time) in full test-suite runs; not enabled on CPU until the
-        # cause is known.
-        return
     cache_dir = Path(path).expanduser()
     cache_dir.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(cache_dir))

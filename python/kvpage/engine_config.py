@@ -49,9 +49,8 @@ class EngineConfig:
     """Compile every step bucket at startup (with a progress bar) instead of
     on first use; servers want it, one-off scripts usually do not."""
     compilation_cache_dir: str | None = "~/.cache/kvpage/xla"
-    """JAX's persistent compilation cache, so a restart skips compiles (accelerators
-    only for now: on CPU it is not enabled, see ``engine._enable_compilation_cache``);
-    None leaves JAX's own setting alone."""
+    """JAX's persistent compilation cache, so a restart skips compiles; None leaves
+    JAX's own setting alone."""
 
     def __post_init__(self) -> None:
         def positive(name: str, upper: int = 1 << 24) -> None:

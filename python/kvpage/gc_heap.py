@@ -9,29 +9,61 @@ else the engine does (``kvpage bench host``). ``gc.freeze()`` after startup
 moves what exists then out of the collector's reach; full collections then
 walk only what requests created.
 
-Frozen objects are still freed by reference counting; only reference cycles
-among them are never reclaimed while the process runs, so this runs once per
-process (a server builds one engine for its lifetime), after a collection.
+Frozen objects are still freed by reference counting, but reference cycles
+among them are never reclaimed while they stay frozen. An engine is such a
+cycle, and it owns compiled executables (memory mappings of JIT code, which the
+kernel caps per process): so the heap is frozen while at least one holder (a
+started ``AsyncLLMEngine``, a host benchmark) runs, and handed back to the
+collector when the last one releases it. A process that starts and stops engines
+again and again (tests, notebooks, RL loops) therefore leaks nothing.
+
+Invariant: the heap is frozen exactly while ``holders() > 0``.
 """
 
 from __future__ import annotations
 
 import atexit
 import gc
+import threading
 
-_frozen = False
+_lock = threading.Lock()
+_holders = 0
+_atexit_registered = False
 
 
 def freeze_startup_heap() -> bool:
-    """Collect, then freeze every object alive now; only the first call in a
-    process does anything. Returns whether this call froze the heap."""
-    global _frozen
-    if _frozen:
-        return False
-    _frozen = True
-    gc.collect()
-    gc.freeze()
-    # Hand everything back at exit, so interpreter teardown frees it as usual
-    # (nanobind, under jaxlib, reports objects still alive then as leaks).
-    atexit.register(gc.unfreeze)
-    return True
+    """Take a hold on the frozen heap: the first holder collects, then freezes
+    every object alive now. Returns whether this call froze the heap. Pair each
+    call with :func:`release_startup_heap`."""
+    global _holders, _atexit_registered
+    with _lock:
+        _holders += 1
+        if _holders > 1:
+            return False
+        gc.collect()
+        gc.freeze()
+        if not _atexit_registered:
+            # Hand everything back at exit, so interpreter teardown frees it as usual
+            # (nanobind, under jaxlib, reports objects still alive then as leaks).
+            atexit.register(gc.unfreeze)
+            _atexit_registered = True
+        return True
+
+
+def release_startup_heap() -> bool:
+    """Drop a hold; the last one unfreezes the heap, so the next collection can
+    reclaim engines dropped since. Returns whether this call unfroze it."""
+    global _holders
+    with _lock:
+        if _holders == 0:
+            raise RuntimeError("release_startup_heap() without a matching freeze_startup_heap()")
+        _holders -= 1
+        if _holders:
+            return False
+        gc.unfreeze()
+        return True
+
+
+def holders() -> int:
+    """How many holders keep the heap frozen now."""
+    return _holders

@@ -350,6 +350,11 @@ class _Generation:
             stream.abort()
 
 
+def _state(request: Request) -> _Server:
+    """The server state behind the app handling ``request``."""
+    return request.app.state.kvpage
+
+
 class _Server:
     """The state behind the routes."""
 
@@ -768,9 +773,11 @@ def build_app(
         else list(served_model_name)
     if not names:
         raise ValueError("served_model_name must name at least one model")
-    srv = _Server(async_engine, names)
+    # Routes find their state through the request (app.state.kvpage), never through a
+    # closure: FastAPI caches endpoint functions process-wide, and a closure over the
+    # engine would pin its compiled executables after the app is gone.
     app = FastAPI(title="kvpage", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.kvpage = srv
+    app.state.kvpage = _Server(async_engine, names)
     open_paths = OPEN_PATHS | {"/metrics"} if public_metrics else OPEN_PATHS
     app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes,
                        open_paths=open_paths)
@@ -792,20 +799,20 @@ def build_app(
                                     "internal_server_error"))
 
     @app.get("/health")
-    async def health() -> Response:
-        if not async_engine.is_running:
+    async def health(request: Request) -> Response:
+        if not _state(request).engine.is_running:
             return _error_json(APIError(503, "the engine is not running",
                                         "service_unavailable_error", code="engine_dead"))
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        body, content_type = async_engine.metrics.render()
+    async def metrics(request: Request) -> Response:
+        body, content_type = _state(request).engine.metrics.render()
         return Response(body, media_type=content_type)
 
     @app.api_route("/ping", methods=["GET", "POST"])
-    async def ping() -> Response:
-        return await health()
+    async def ping(request: Request) -> Response:
+        return await health(request)
 
     @app.get("/version")
     async def version() -> JSONResponse:
@@ -814,15 +821,19 @@ def build_app(
         return JSONResponse({"version": __version__})
 
     @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [srv.model_card(n) for n in names]})
+    async def models(request: Request) -> JSONResponse:
+        srv = _state(request)
+        return JSONResponse({"object": "list",
+                             "data": [srv.model_card(n) for n in srv.model_names]})
 
     @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str) -> JSONResponse:
+    async def model(model_id: str, request: Request) -> JSONResponse:
+        srv = _state(request)
         return JSONResponse(srv.model_card(srv.model_name(model_id)))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
+        srv = _state(request)
         body = await _parse(request, TokenizeRequest)
         srv.model_name(body.model)
         body.check_supported()
@@ -836,11 +847,12 @@ def build_app(
             special = True if body.add_special_tokens is None else body.add_special_tokens
             ids = await srv.tokenize(body.prompt or "", "prompt", add_special_tokens=special)
         strs = [srv.token_text(t) for t in ids] if body.return_token_strs else None
-        return JSONResponse({"count": len(ids), "max_model_len": async_engine.max_model_len,
+        return JSONResponse({"count": len(ids), "max_model_len": srv.engine.max_model_len,
                              "tokens": ids, "token_strs": strs})
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> JSONResponse:
+        srv = _state(request)
         body = await _parse(request, DetokenizeRequest)
         srv.model_name(body.model)
         tokenizer = srv.tokenizer
@@ -854,6 +866,7 @@ def build_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        srv = _state(request)
         body = await _parse(request, CompletionRequest)
         model = srv.model_name(body.model)
         body.check_supported()
@@ -894,6 +907,7 @@ def build_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        srv = _state(request)
         body = await _parse(request, ChatCompletionRequest)
         model = srv.model_name(body.model)
         body.check_supported()

@@ -261,24 +261,39 @@ def build_host_engine(
     return LLMEngine(config, model_config, None, tokenizer, runner=runner)
 
 
+HOST_PROMPT_LEN, HOST_MAX_MODEL_LEN = 16, 256
+
+
 def measure(
     running: int, mode: str, steps: int = 50, *, tokenizer: Any = None, model_config: Any = None,
     rust_detokenization: bool = True, gc_freeze: bool = True, constrained_fraction: float = 0.0,
 ) -> HostResult:
-    """Host microseconds per step with ``running`` sequences decoding."""
-    from kvpage.gc_heap import freeze_startup_heap
-    from kvpage.sampling_params import SamplingParams
+    """Host microseconds per step with ``running`` sequences decoding; with
+    ``gc_freeze`` the startup heap is frozen while it runs, as a server's is."""
+    from kvpage.gc_heap import freeze_startup_heap, release_startup_heap
 
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    prompt_len, max_model_len = 16, 256
     engine = build_host_engine(
-        running, prompt_len=prompt_len, max_model_len=max_model_len, tokenizer=tokenizer,
-        model_config=model_config,
+        running, prompt_len=HOST_PROMPT_LEN, max_model_len=HOST_MAX_MODEL_LEN,
+        tokenizer=tokenizer, model_config=model_config,
     )
     engine.rust_detokenization = rust_detokenization
     if gc_freeze:
-        freeze_startup_heap()
+        freeze_startup_heap()  # the engine is part of the startup heap, as in a server
+    try:
+        return _measure(engine, running, mode, steps, constrained_fraction)
+    finally:
+        if gc_freeze:
+            release_startup_heap()
+
+
+def _measure(
+    engine: Any, running: int, mode: str, steps: int, constrained_fraction: float
+) -> HostResult:
+    from kvpage.sampling_params import SamplingParams
+
+    prompt_len, max_model_len = HOST_PROMPT_LEN, HOST_MAX_MODEL_LEN
     warmup_steps = 4
     if steps + warmup_steps + 2 > max_model_len - prompt_len:
         raise ValueError(f"steps must be <= {max_model_len - prompt_len - warmup_steps - 2}")
