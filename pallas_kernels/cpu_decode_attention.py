@@ -17,8 +17,6 @@ other platform (``lax.platform_dependent``), so one traced program still lowers 
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import os
 from collections.abc import Callable
 
@@ -26,24 +24,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels._host_ffi import register
+
 TARGET = "kvpage_paged_decode_attention"
 
 
-@functools.cache
 def available() -> bool:
     """Whether the Rust kernel is registered for the ``cpu`` platform (registers it once)."""
-    if os.environ.get("KVPAGE_CPU_ATTENTION", "1") == "0":
-        return False
-    try:
-        from kvpage import _core
-    except ImportError:  # pallas_kernels without kvpage's compiled core
-        return False
-    library = ctypes.CDLL(_core.__file__)
-    handler = getattr(library, TARGET, None)
-    if handler is None:  # a core built before the kernel existed
-        return False
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
-    return True
+    return os.environ.get("KVPAGE_CPU_ATTENTION", "1") != "0" and register(TARGET)
 
 
 def cpu_paged_decode_attention(

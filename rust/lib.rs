@@ -5,6 +5,7 @@
 //! - [`kv_cache`]: per-sequence page tables with copy-on-write over both.
 //! - [`cpu_attention`] + [`xla_ffi`]: paged decode attention on the host CPU,
 //!   exported as an XLA FFI custom call for the `xla` attention backend.
+//! - [`cpu_matmul`] + [`xla_ffi`]: linear layers of few rows (decode steps) on the host CPU.
 //! - [`detokenizer`]: incremental detokenization and stop strings, all sequences per call.
 //!
 //! Everything here is plain Rust: `cargo test` and `cargo bench` need no
@@ -13,6 +14,7 @@
 
 pub mod block_pool;
 pub mod cpu_attention;
+pub mod cpu_matmul;
 pub mod detokenizer;
 pub mod error;
 pub mod kv_cache;

@@ -3,8 +3,13 @@
 //! Owns the `#[no_mangle]` symbols that JAX registers as CPU custom-call targets
 //! (`jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(ctypes.CDLL(_core.__file__).<symbol>))`),
 //! and the slice of XLA's FFI C API they need (`xla/ffi/api/c_api.h`, API 0.x):
-//! the call frame, buffers, the metadata query and error creation. Nothing else
-//! of that API is used, so only those structs are declared.
+//! the call frame, buffers, the metadata query, error creation and XLA:CPU's
+//! intra-op thread pool. Nothing else of that API is used, so only those structs
+//! are declared.
+//!
+//! Handlers run their parallel work on XLA's own thread pool
+//! ([`parallel_for`]), never on threads of their own: the pool is already sized
+//! to the machine, and a kernel and XLA's dots never compete for cores.
 //!
 //! Invariants:
 //! - a handler never panics across the FFI boundary (panics become errors);
@@ -14,8 +19,11 @@
 
 use std::ffi::{c_char, c_void, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use crate::cpu_attention::{paged_decode_attention, Bf16, DecodeShape};
+use crate::cpu_matmul::{self, MatmulShape, OutPtr};
 
 /// FFI API version these declarations follow (`XLA_FFI_API_MAJOR/MINOR`).
 const API_MAJOR: i32 = 0;
@@ -69,7 +77,40 @@ struct ErrorCreateArgs {
 
 type ErrorCreate = unsafe extern "C" fn(*mut ErrorCreateArgs) -> *mut c_void;
 
-/// The head of `XLA_FFI_Api`: only `XLA_FFI_Error_Create` is called.
+#[repr(C)]
+struct ErrorDestroyArgs {
+    struct_size: usize,
+    extension_start: *mut ExtensionBase,
+    error: *mut c_void,
+}
+
+type ErrorDestroy = unsafe extern "C" fn(*mut ErrorDestroyArgs);
+
+type Task = unsafe extern "C" fn(*mut c_void);
+
+#[repr(C)]
+struct ThreadPoolScheduleArgs {
+    struct_size: usize,
+    extension_start: *mut ExtensionBase,
+    ctx: *mut c_void,
+    task: Option<Task>,
+    data: *mut c_void,
+}
+
+type ThreadPoolSchedule = unsafe extern "C" fn(*mut ThreadPoolScheduleArgs) -> *mut c_void;
+
+#[repr(C)]
+struct ThreadPoolNumThreadsArgs {
+    struct_size: usize,
+    extension_start: *mut ExtensionBase,
+    ctx: *mut c_void,
+    num_threads: *mut i64,
+}
+
+type ThreadPoolNumThreads = unsafe extern "C" fn(*mut ThreadPoolNumThreadsArgs) -> *mut c_void;
+
+/// `XLA_FFI_Api` up to the thread pool (API 0.3); fields past `struct_size` of
+/// an older XLA are never read.
 #[repr(C)]
 struct Api {
     struct_size: usize,
@@ -77,6 +118,18 @@ struct Api {
     api_version: ApiVersion,
     internal_api: *const c_void,
     error_create: Option<ErrorCreate>,
+    error_get_message: *const c_void,
+    error_destroy: Option<ErrorDestroy>,
+    handler_register: *const c_void,
+    stream_get: *const c_void,
+    type_register: *const c_void,
+    execution_context_get: *const c_void,
+    state_set: *const c_void,
+    state_get: *const c_void,
+    device_memory_allocate: *const c_void,
+    device_memory_free: *const c_void,
+    thread_pool_schedule: Option<ThreadPoolSchedule>,
+    thread_pool_num_threads: Option<ThreadPoolNumThreads>,
 }
 
 #[repr(C)]
@@ -182,6 +235,144 @@ unsafe fn error(frame: &CallFrame, code: i32, message: &str) -> *mut c_void {
         code,
     };
     create(&mut args) // XLA copies the message
+}
+
+/// Work shared by the caller and the pool tasks of one [`parallel_for`].
+///
+/// A unit is claimed by exactly one thread (`next`); the caller returns only
+/// after every unit is `finished`. A task that starts late claims nothing and
+/// never touches `work`, which lives on the caller's stack.
+struct SharedJob {
+    next: AtomicUsize,
+    finished: AtomicUsize,
+    panicked: AtomicBool,
+    units: usize,
+    work: *const (dyn Fn(usize) + Sync),
+}
+
+// SAFETY: `work` is only called for claimed units, all of which finish before
+// the caller (who owns the closure) returns.
+unsafe impl Send for SharedJob {}
+unsafe impl Sync for SharedJob {}
+
+impl SharedJob {
+    fn claim_until_done(&self) {
+        loop {
+            let unit = self.next.fetch_add(1, Ordering::Relaxed);
+            if unit >= self.units {
+                return;
+            }
+            // SAFETY: see the struct docs.
+            let work = unsafe { &*self.work };
+            if catch_unwind(AssertUnwindSafe(|| work(unit))).is_err() {
+                self.panicked.store(true, Ordering::Relaxed);
+            }
+            self.finished.fetch_add(1, Ordering::Release);
+        }
+    }
+}
+
+unsafe extern "C" fn run_pool_task(data: *mut c_void) {
+    let job = Arc::from_raw(data as *const SharedJob);
+    job.claim_until_done();
+}
+
+unsafe fn destroy_error(api: &Api, error: *mut c_void) {
+    if let Some(destroy) = api.error_destroy {
+        let mut args = ErrorDestroyArgs {
+            struct_size: std::mem::size_of::<ErrorDestroyArgs>(),
+            extension_start: std::ptr::null_mut(),
+            error,
+        };
+        destroy(&mut args);
+    }
+}
+
+/// Threads of XLA's intra-op pool for this call (1 without a pool).
+unsafe fn pool_threads(frame: &CallFrame) -> usize {
+    let api = &*frame.api;
+    let has_pool = api.struct_size >= std::mem::size_of::<Api>();
+    let (Some(_), Some(num_threads)) = (
+        has_pool.then_some(api.thread_pool_schedule).flatten(),
+        has_pool.then_some(api.thread_pool_num_threads).flatten(),
+    ) else {
+        return 1;
+    };
+    let mut threads: i64 = 0;
+    let mut args = ThreadPoolNumThreadsArgs {
+        struct_size: std::mem::size_of::<ThreadPoolNumThreadsArgs>(),
+        extension_start: std::ptr::null_mut(),
+        ctx: frame.ctx,
+        num_threads: &mut threads,
+    };
+    let error = num_threads(&mut args);
+    if !error.is_null() {
+        destroy_error(api, error);
+        return 1;
+    }
+    threads.max(1) as usize
+}
+
+/// Run `work(0..units)` on the calling thread and up to `max_threads - 1` tasks
+/// of XLA's pool; returns when every unit has run. Never waits for a task that
+/// has not started: the caller claims units too, so a busy or absent pool only
+/// makes it slower.
+unsafe fn parallel_for(
+    frame: &CallFrame,
+    units: usize,
+    max_threads: usize,
+    work: &(dyn Fn(usize) + Sync),
+) -> Result<(), String> {
+    let helpers = pool_threads(frame)
+        .min(max_threads)
+        .min(units)
+        .saturating_sub(1);
+    if helpers == 0 {
+        (0..units).for_each(work);
+        return Ok(());
+    }
+    // SAFETY: erase the closure's lifetime; it outlives every use (struct docs).
+    let work: *const (dyn Fn(usize) + Sync + '_) = work;
+    let work: *const (dyn Fn(usize) + Sync) = std::mem::transmute(work);
+    let job = Arc::new(SharedJob {
+        next: AtomicUsize::new(0),
+        finished: AtomicUsize::new(0),
+        panicked: AtomicBool::new(false),
+        units,
+        work,
+    });
+    let api = &*frame.api;
+    let schedule = api.thread_pool_schedule.expect("checked by pool_threads");
+    for _ in 0..helpers {
+        let data = Arc::into_raw(Arc::clone(&job)) as *mut c_void;
+        let mut args = ThreadPoolScheduleArgs {
+            struct_size: std::mem::size_of::<ThreadPoolScheduleArgs>(),
+            extension_start: std::ptr::null_mut(),
+            ctx: frame.ctx,
+            task: Some(run_pool_task),
+            data,
+        };
+        let error = schedule(&mut args);
+        if !error.is_null() {
+            drop(Arc::from_raw(data as *const SharedJob));
+            destroy_error(api, error);
+            break;
+        }
+    }
+    job.claim_until_done();
+    let mut spins = 0u32;
+    while job.finished.load(Ordering::Acquire) < units {
+        spins += 1;
+        if spins < 1 << 12 {
+            std::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
+        }
+    }
+    if job.panicked.load(Ordering::Relaxed) {
+        return Err("a parallel unit panicked".into());
+    }
+    Ok(())
 }
 
 /// Run `body` for an execute call frame, turning errors and panics into XLA errors.
@@ -292,4 +483,51 @@ unsafe fn run_paged_decode_attention(frame: &CallFrame) -> Result<(), String> {
         }
         other => Err(format!("k_pages dtype {other} is not float32 or bfloat16")),
     }
+}
+
+/// XLA FFI handler: `y = x · wᵀ` for few rows ([`crate::cpu_matmul`]).
+/// Arguments: `x [T, K]` f32, `w [N, K]` f32 (an `[out, in]` weight); result
+/// `y [T, N]` f32. Tiles of output columns run on XLA's intra-op pool.
+///
+/// # Safety
+/// Called by XLA with a valid call frame.
+#[no_mangle]
+pub unsafe extern "C" fn kvpage_matmul_nt(frame: *mut c_void) -> *mut c_void {
+    handle(frame.cast(), "kvpage_matmul_nt", run_matmul_nt)
+}
+
+unsafe fn run_matmul_nt(frame: &CallFrame) -> Result<(), String> {
+    let args = buffers(&frame.args, "arguments", 2)?;
+    let mut rets = buffers(&frame.rets, "results", 1)?;
+    let [x, w] = &args[..] else {
+        unreachable!("two arguments checked")
+    };
+    let y = &mut rets[0];
+    for (view, name) in [(x, "x"), (w, "w"), (&*y, "y")] {
+        if view.dims.len() != 2 {
+            return Err(format!("{name} has rank {}, expected 2", view.dims.len()));
+        }
+        if view.dtype != DTYPE_F32 {
+            return Err(format!("{name} must be float32"));
+        }
+    }
+    let shape = MatmulShape {
+        rows: x.dims[0],
+        inner: x.dims[1],
+        outs: w.dims[0],
+    };
+    if w.dims[1] != shape.inner || y.dims != [shape.rows, shape.outs] {
+        return Err(format!(
+            "inconsistent shapes: x {:?}, w {:?}, y {:?}",
+            x.dims, w.dims, y.dims
+        ));
+    }
+    let x_s = std::slice::from_raw_parts(x.data as *const f32, x.len());
+    let w_s = std::slice::from_raw_parts(w.data as *const f32, w.len());
+    let y_s = std::slice::from_raw_parts_mut(y.data as *mut f32, y.len());
+    cpu_matmul::validate(&shape, x_s, w_s, y_s)?;
+    let out = OutPtr::new(y_s);
+    // SAFETY: validated; each tile is claimed by exactly one thread.
+    let tile = |index: usize| unsafe { cpu_matmul::matmul_nt_tile(&shape, x_s, w_s, out, index) };
+    parallel_for(frame, cpu_matmul::tiles(&shape), usize::MAX, &tile)
 }

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from kvpage.model.attention import AttentionBackend
 from kvpage.model.config import ModelConfig
+from kvpage.model.linear_kernels import matmul_nt
 from kvpage.model.params import Params
 from kvpage.model.rope import apply_rope, config_inverse_frequencies, rope_cos_sin
 
@@ -49,7 +50,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 def linear(x: jax.Array, layer: dict[str, jax.Array]) -> jax.Array:
     """``x @ weight.T (+ bias)`` with an HF-oriented ``[out, in]`` weight."""
-    y = jax.lax.dot_general(x, layer["weight"], (((x.ndim - 1,), (1,)), ((), ())))
+    y = matmul_nt(x, layer["weight"])
     if "bias" in layer:
         y = y + layer["bias"]
     return y.astype(x.dtype)
@@ -149,9 +150,7 @@ def compute_logits(params: Params, config: ModelConfig, hidden: jax.Array) -> ja
         if config.tie_word_embeddings
         else params["lm_head"]["weight"]
     )
-    return jax.lax.dot_general(
-        normed, head, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-    )
+    return matmul_nt(normed, head, preferred_element_type=jnp.float32)
 
 
 def forward(

@@ -43,6 +43,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from kvpage.model.attention import get_attention_backend
 from kvpage.model.config import ModelConfig
+from kvpage.model.linear_kernels import host_matmuls
 from kvpage.model.llama import compute_logits, decoder_hidden_states
 from kvpage.model.params import Params, validate_params
 from kvpage.parallel import (
@@ -353,9 +354,11 @@ class ModelRunner:
         in_shardings: tuple[Any, ...],
         out_shardings: Any,
     ) -> jax.stages.Lowered:
-        """Lower ``fn`` with explicit shardings on a mesh; plain ``jax.jit`` without one."""
+        """Lower ``fn`` with explicit shardings on a mesh; plain ``jax.jit`` without one
+        (and then small linear layers may run on the host kernel: ``linear_kernels``)."""
         if self.mesh is None:
-            return jax.jit(fn, donate_argnums=donate).lower(*args)
+            with host_matmuls():
+                return jax.jit(fn, donate_argnums=donate).lower(*args)
         jitted = jax.jit(
             fn, donate_argnums=donate, in_shardings=in_shardings, out_shardings=out_shardings
         )

@@ -1,0 +1,29 @@
+"""Registration of kvpage's Rust XLA FFI handlers as ``cpu`` custom-call targets.
+
+Owns :func:`register`: the one place that finds a handler symbol in the compiled core
+(``rust/xla_ffi.rs`` exports them from ``kvpage._core``'s shared library) and registers
+it with JAX. The kernels that use it (``cpu_decode_attention.py``, ``cpu_matmul.py``)
+only ask whether their target is there.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import jax
+
+
+@functools.cache
+def register(target: str) -> bool:
+    """Register ``target`` for the ``cpu`` platform once; False without kvpage's core or
+    with a core built before the handler existed."""
+    try:
+        from kvpage import _core
+    except ImportError:  # pallas_kernels without kvpage's compiled core
+        return False
+    handler = getattr(ctypes.CDLL(_core.__file__), target, None)
+    if handler is None:
+        return False
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
+    return True

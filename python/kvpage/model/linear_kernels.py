@@ -1,0 +1,53 @@
+"""Which kernel the linear layers of a traced model run on.
+
+Owns :func:`matmul_nt` (``x . w^T`` with an HF-oriented ``[out, in]`` weight, the
+product behind every linear layer and the vocab projection) and the switch
+:func:`host_matmuls`. With the switch on, products of a few rows lowered for CPU go to
+kvpage's Rust kernel (``pallas_kernels/cpu_matmul.py``: policy and measurements); with
+it off, or on any other platform, they are XLA's ``dot_general``.
+
+The switch is off by default: the kernel has no derivative, so the training path
+(:mod:`kvpage.model.dense` under ``jax.grad``) never meets it. The model runner turns
+it on while it traces its step, and only without a device mesh (a custom call between
+sharded weights would make the partitioner gather them). The switch is read when a
+function is traced, and JAX caches traces per function object: trace a function with
+the switch in one state only (the runner builds a fresh step function per executable).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+import jax
+from jax import lax
+
+from pallas_kernels.cpu_matmul import cpu_matmul_nt
+
+_HOST_MATMULS = contextvars.ContextVar("kvpage_host_matmuls", default=False)
+
+
+@contextlib.contextmanager
+def host_matmuls(enabled: bool = True) -> Iterator[None]:
+    """Within the block, :func:`matmul_nt` may trace the host kernel (see module docs)."""
+    token = _HOST_MATMULS.set(enabled)
+    try:
+        yield
+    finally:
+        _HOST_MATMULS.reset(token)
+
+
+def matmul_nt(
+    x: jax.Array, w: jax.Array, preferred_element_type: jax.typing.DTypeLike | None = None
+) -> jax.Array:
+    """``x [..., in] . w [out, in]^T`` (``lax.dot_general`` contracting ``x``'s last axis
+    with ``w``'s axis 1)."""
+
+    def xla() -> jax.Array:
+        dims = (((x.ndim - 1,), (1,)), ((), ()))
+        return lax.dot_general(x, w, dims, preferred_element_type=preferred_element_type)
+
+    if not _HOST_MATMULS.get():
+        return xla()
+    return cpu_matmul_nt(x, w, otherwise=xla)

@@ -1,0 +1,354 @@
+//! Linear layers of small batches on the host CPU: `y = x · wᵀ` for a few rows.
+//!
+//! Owns [`matmul_nt`], the math behind the decode-sized linear layers of a CPU
+//! step (XLA calls it through [`crate::xla_ffi`]). A decode step of a small model
+//! is a chain of `[T, in] x [out, in]ᵀ` products with T = 1..16 rows: pure weight
+//! streaming. XLA:CPU's dot runs T = 2..8 at about half the bandwidth of its
+//! one-row GEMV (60 products `[T, 576] x [1536, 576]ᵀ`: 7.8 ms at T = 1, 15.5 ms at
+//! T = 2..8 on the 2-core EPYC of benches/RESULTS.md), so a 4-row step cost twice
+//! a 1-row step. Here each weight row is loaded once and multiplied against every
+//! input row while it is in registers, so T rows cost one pass over the weights
+//! until the FMAs, not the memory, are the limit.
+//!
+//! Layout (row-major, f32): `x [rows, inner]`, `w [outs, inner]` (a Hugging Face
+//! `[out_features, in_features]` weight, not transposed), `y [rows, outs]`.
+//!
+//! Invariants:
+//! - every buffer has the size its shape says (checked before any read);
+//! - each element of `y` is computed by exactly one worker, with a summation
+//!   order that depends only on `inner` and the instruction set, so the result
+//!   does not depend on the number of threads or on the other rows.
+
+use std::sync::OnceLock;
+
+/// Shapes of one call (see the module docs for the layout).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MatmulShape {
+    pub rows: usize,
+    pub inner: usize,
+    pub outs: usize,
+}
+
+/// Input rows multiplied against one pass over a tile of weights (the register
+/// budget of the AVX-512 kernel: 2 x 8 accumulators).
+const ROW_GROUP: usize = 8;
+
+/// Weight rows per unit of parallel work: ~150 KB of weights at 576 inputs, so a
+/// unit's weights stay in L2 while every row group of a larger call passes over them.
+pub const OUTS_PER_TILE: usize = 64;
+
+/// Check the invariants in the module docs; `Err` names the first violation.
+pub fn validate(shape: &MatmulShape, x: &[f32], w: &[f32], y: &[f32]) -> Result<(), String> {
+    let s = shape;
+    let sizes = [
+        ("x", x.len(), s.rows * s.inner),
+        ("w", w.len(), s.outs * s.inner),
+        ("y", y.len(), s.rows * s.outs),
+    ];
+    for (name, got, want) in sizes {
+        if got != want {
+            return Err(format!("{name} has {got} elements, its shape says {want}"));
+        }
+    }
+    Ok(())
+}
+
+/// A raw pointer to `y` that workers writing disjoint columns may share.
+#[derive(Clone, Copy)]
+pub struct OutPtr(*mut f32);
+
+// SAFETY: workers write disjoint elements (disjoint column ranges) of one buffer
+// that outlives them; see `matmul_nt_tile`.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    pub fn new(y: &mut [f32]) -> Self {
+        OutPtr(y.as_mut_ptr())
+    }
+}
+
+/// Number of tiles of [`OUTS_PER_TILE`] weight rows a call splits into.
+pub fn tiles(shape: &MatmulShape) -> usize {
+    shape.outs.div_ceil(OUTS_PER_TILE)
+}
+
+/// `y = x · wᵀ` on the calling thread.
+pub fn matmul_nt(shape: &MatmulShape, x: &[f32], w: &[f32], y: &mut [f32]) -> Result<(), String> {
+    validate(shape, x, w, y)?;
+    let out = OutPtr::new(y);
+    for tile in 0..tiles(shape) {
+        // SAFETY: sizes validated above; one thread writes every tile.
+        unsafe { matmul_nt_tile(shape, x, w, out, tile) };
+    }
+    Ok(())
+}
+
+/// Columns `tile * OUTS_PER_TILE ..` (one tile) of `y = x · wᵀ`.
+///
+/// # Safety
+/// `x`, `w` and the buffer behind `y` passed [`validate`] for `shape`; no other
+/// thread writes the same tile concurrently.
+pub unsafe fn matmul_nt_tile(shape: &MatmulShape, x: &[f32], w: &[f32], y: OutPtr, tile: usize) {
+    let start = tile * OUTS_PER_TILE;
+    let end = (start + OUTS_PER_TILE).min(shape.outs);
+    if start >= end {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        for first_row in (0..shape.rows).step_by(ROW_GROUP) {
+            let rows = (shape.rows - first_row).min(ROW_GROUP);
+            avx512::rows_times_tile(shape, x, w, y, first_row, rows, start, end);
+        }
+        return;
+    }
+    portable::tile(shape, x, w, y, start, end);
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_avx512() -> bool {
+    static AVX512: OnceLock<bool> = OnceLock::new();
+    *AVX512.get_or_init(|| {
+        std::env::var("KVPAGE_CPU_MATMUL_PORTABLE").as_deref() != Ok("1")
+            && is_x86_feature_detected!("avx512f")
+    })
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+#[allow(dead_code)]
+fn has_avx512() -> bool {
+    let _ = OnceLock::<bool>::new();
+    false
+}
+
+/// Any CPU: 8-lane partial sums the compiler vectorizes.
+mod portable {
+    use super::{MatmulShape, OutPtr};
+
+    const LANES: usize = 8;
+
+    pub(super) unsafe fn tile(
+        shape: &MatmulShape,
+        x: &[f32],
+        w: &[f32],
+        y: OutPtr,
+        start: usize,
+        end: usize,
+    ) {
+        let k = shape.inner;
+        for row in 0..shape.rows {
+            let x_row = &x[row * k..][..k];
+            for out in start..end {
+                let w_row = &w[out * k..][..k];
+                let mut lanes = [0.0f32; LANES];
+                let mut x_chunks = x_row.chunks_exact(LANES);
+                let mut w_chunks = w_row.chunks_exact(LANES);
+                for (xc, wc) in (&mut x_chunks).zip(&mut w_chunks) {
+                    for lane in 0..LANES {
+                        lanes[lane] = xc[lane].mul_add(wc[lane], lanes[lane]);
+                    }
+                }
+                let tail: f32 = x_chunks
+                    .remainder()
+                    .iter()
+                    .zip(w_chunks.remainder())
+                    .map(|(a, b)| a * b)
+                    .sum();
+                *y.0.add(row * shape.outs + out) = lanes.iter().sum::<f32>() + tail;
+            }
+        }
+    }
+}
+
+/// x86-64 with AVX-512F: two weight rows x up to eight input rows per pass.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{MatmulShape, OutPtr, ROW_GROUP};
+    use std::arch::x86_64::*;
+
+    /// Prefetch distance in weight rows (4 rows of 576 floats: ~9 KB ahead).
+    const PREFETCH_ROWS: usize = 4;
+
+    /// `y[first_row .. first_row + rows, start..end]`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn rows_times_tile(
+        shape: &MatmulShape,
+        x: &[f32],
+        w: &[f32],
+        y: OutPtr,
+        first_row: usize,
+        rows: usize,
+        start: usize,
+        end: usize,
+    ) {
+        macro_rules! dispatch {
+            ($($n:literal)*) => {
+                match rows {
+                    $($n => group::<$n>(shape, x, w, y, first_row, start, end),)*
+                    _ => unreachable!("row groups hold 1..={ROW_GROUP} rows"),
+                }
+            };
+        }
+        dispatch!(1 2 3 4 5 6 7 8);
+    }
+
+    #[target_feature(enable = "avx512f")]
+    unsafe fn group<const R: usize>(
+        shape: &MatmulShape,
+        x: &[f32],
+        w: &[f32],
+        y: OutPtr,
+        first_row: usize,
+        start: usize,
+        end: usize,
+    ) {
+        let k = shape.inner;
+        let x = x.as_ptr().add(first_row * k);
+        let w = w.as_ptr();
+        let mut out = start;
+        while out + 2 <= end {
+            let (a, b) = dot_pair::<R>(x, w.add(out * k), w.add((out + 1) * k), k);
+            for r in 0..R {
+                let y_row = y.0.add((first_row + r) * shape.outs);
+                *y_row.add(out) = a[r];
+                *y_row.add(out + 1) = b[r];
+            }
+            out += 2;
+        }
+        if out < end {
+            // An odd last row: pair it with itself and keep one result.
+            let (a, _) = dot_pair::<R>(x, w.add(out * k), w.add(out * k), k);
+            for (r, value) in a.iter().enumerate() {
+                *y.0.add((first_row + r) * shape.outs + out) = *value;
+            }
+        }
+    }
+
+    /// Dot products of `R` rows of `x` (stride `k`) with weight rows `w0` and `w1`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn dot_pair<const R: usize>(
+        x: *const f32,
+        w0: *const f32,
+        w1: *const f32,
+        k: usize,
+    ) -> ([f32; R], [f32; R]) {
+        let mut acc0 = [_mm512_setzero_ps(); R];
+        let mut acc1 = [_mm512_setzero_ps(); R];
+        // The weight rows this loop will read PREFETCH_ROWS rows from now: the
+        // hardware prefetcher alone leaves the loads waiting on memory.
+        let ahead0 = w0.wrapping_add(PREFETCH_ROWS * k);
+        let ahead1 = w1.wrapping_add(PREFETCH_ROWS * k);
+        let mut i = 0;
+        while i + 16 <= k {
+            _mm_prefetch::<_MM_HINT_T0>(ahead0.wrapping_add(i) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(ahead1.wrapping_add(i) as *const i8);
+            let a = _mm512_loadu_ps(w0.add(i));
+            let b = _mm512_loadu_ps(w1.add(i));
+            for r in 0..R {
+                let xv = _mm512_loadu_ps(x.add(r * k + i));
+                acc0[r] = _mm512_fmadd_ps(xv, a, acc0[r]);
+                acc1[r] = _mm512_fmadd_ps(xv, b, acc1[r]);
+            }
+            i += 16;
+        }
+        if i < k {
+            let mask: __mmask16 = (1u32 << (k - i)).wrapping_sub(1) as __mmask16;
+            let a = _mm512_maskz_loadu_ps(mask, w0.add(i));
+            let b = _mm512_maskz_loadu_ps(mask, w1.add(i));
+            for r in 0..R {
+                let xv = _mm512_maskz_loadu_ps(mask, x.add(r * k + i));
+                acc0[r] = _mm512_fmadd_ps(xv, a, acc0[r]);
+                acc1[r] = _mm512_fmadd_ps(xv, b, acc1[r]);
+            }
+        }
+        let mut sums0 = [0.0f32; R];
+        let mut sums1 = [0.0f32; R];
+        for r in 0..R {
+            sums0[r] = _mm512_reduce_add_ps(acc0[r]);
+            sums1[r] = _mm512_reduce_add_ps(acc1[r]);
+        }
+        (sums0, sums1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_rng::SplitMix64 as TestRng;
+
+    fn reference(shape: &MatmulShape, x: &[f32], w: &[f32]) -> Vec<f64> {
+        let mut y = vec![0.0f64; shape.rows * shape.outs];
+        for r in 0..shape.rows {
+            for o in 0..shape.outs {
+                y[r * shape.outs + o] = (0..shape.inner)
+                    .map(|i| x[r * shape.inner + i] as f64 * w[o * shape.inner + i] as f64)
+                    .sum();
+            }
+        }
+        y
+    }
+
+    fn random(rng: &mut TestRng, n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|_| rng.below(2001) as f32 / 1000.0 - 1.0)
+            .collect()
+    }
+
+    #[test]
+    fn matches_a_float64_reference_on_random_shapes() {
+        let mut rng = TestRng::new(7);
+        for case in 0..200 {
+            let shape = MatmulShape {
+                rows: 1 + rng.below(20),
+                inner: 1 + rng.below(300),
+                outs: 1 + rng.below(150),
+            };
+            let x = random(&mut rng, shape.rows * shape.inner);
+            let w = random(&mut rng, shape.outs * shape.inner);
+            let mut y = vec![f32::NAN; shape.rows * shape.outs];
+            matmul_nt(&shape, &x, &w, &mut y).unwrap();
+            for (i, (got, want)) in y.iter().zip(reference(&shape, &x, &w)).enumerate() {
+                let tolerance = 1e-5 * (shape.inner as f64).sqrt() * 4.0;
+                assert!(
+                    (*got as f64 - want).abs() <= tolerance,
+                    "case {case} {shape:?} element {i}: {got} vs {want}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_row_does_not_depend_on_the_other_rows() {
+        let mut rng = TestRng::new(11);
+        let shape = MatmulShape {
+            rows: 13,
+            inner: 576,
+            outs: 130,
+        };
+        let x = random(&mut rng, shape.rows * shape.inner);
+        let w = random(&mut rng, shape.outs * shape.inner);
+        let mut all = vec![0.0; shape.rows * shape.outs];
+        matmul_nt(&shape, &x, &w, &mut all).unwrap();
+        for row in [0, 7, 12] {
+            let one = MatmulShape { rows: 1, ..shape };
+            let mut y = vec![0.0; shape.outs];
+            matmul_nt(&one, &x[row * shape.inner..][..shape.inner], &w, &mut y).unwrap();
+            assert_eq!(y, all[row * shape.outs..][..shape.outs]);
+        }
+    }
+
+    #[test]
+    fn wrong_sizes_are_errors_before_any_read() {
+        let shape = MatmulShape {
+            rows: 2,
+            inner: 3,
+            outs: 4,
+        };
+        let err = matmul_nt(&shape, &[0.0; 5], &[0.0; 12], &mut [0.0; 8]).unwrap_err();
+        assert!(err.contains("x has 5 elements"), "{err}");
+        let err = matmul_nt(&shape, &[0.0; 6], &[0.0; 12], &mut [0.0; 7]).unwrap_err();
+        assert!(err.contains("y has 7 elements"), "{err}");
+    }
+}
