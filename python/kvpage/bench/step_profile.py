@@ -86,7 +86,15 @@ def engine_decode_step(llm: Any, rows: int, context: int, steps: int) -> dict[st
 
 
 def component_times(llm: Any, rows: int, context: int, repeats: int) -> dict[str, float]:
-    """Median ms of each component executable at the runner's padded decode shapes."""
+    """Median ms of each component executable at the runner's padded decode shapes,
+    traced with the runner's kernel choices (the host matmul where the step uses it)."""
+    from kvpage.model.linear_kernels import host_matmuls
+
+    with host_matmuls(llm.engine.runner.mesh is None):
+        return _component_times(llm, rows, context, repeats)
+
+
+def _component_times(llm: Any, rows: int, context: int, repeats: int) -> dict[str, float]:
     from kvpage.model.attention import AttentionBackend
     from kvpage.model.llama import AttentionMetadata, compute_logits, decoder_hidden_states
     from kvpage.runner.kv_cache import KVCacheSpec, allocate_kv_cache
