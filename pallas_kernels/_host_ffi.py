@@ -15,14 +15,21 @@ import jax
 
 
 @functools.cache
-def register(target: str) -> bool:
-    """Register ``target`` for the ``cpu`` platform once; False without kvpage's core or
-    with a core built before the handler existed."""
+def core_library() -> ctypes.CDLL | None:
+    """kvpage's compiled core as a C library (None without it)."""
     try:
         from kvpage import _core
     except ImportError:  # pallas_kernels without kvpage's compiled core
-        return False
-    handler = getattr(ctypes.CDLL(_core.__file__), target, None)
+        return None
+    return ctypes.CDLL(_core.__file__)
+
+
+@functools.cache
+def register(target: str) -> bool:
+    """Register ``target`` for the ``cpu`` platform once; False without kvpage's core or
+    with a core built before the handler existed."""
+    library = core_library()
+    handler = None if library is None else getattr(library, target, None)
     if handler is None:
         return False
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")

@@ -11,8 +11,9 @@ Contract: ``q [S, Hq, D]`` (one query token per row), the paged pools, ``kv_lens
 has the target: :func:`cpu_paged_decode_attention` takes the function to lower on any
 other platform (``lax.platform_dependent``), so one traced program still lowers for GPUs.
 
-``KVPAGE_CPU_ATTENTION=0`` turns the kernel off (the ``lax`` loop is used everywhere);
-``KVPAGE_CPU_ATTENTION_THREADS`` caps its threads (default: every core).
+``KVPAGE_CPU_ATTENTION=0`` turns the kernel off (the ``lax`` loop is used everywhere).
+Under XLA its rows are split over XLA's own intra-op thread pool (``rust/parallel.rs``);
+``KVPAGE_CPU_ATTENTION_THREADS`` caps the threads of direct (non-XLA) calls only.
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ model cost twice a 1-row step. The Rust kernel (``rust/cpu_matmul.rs``, exported
 ``rust/xla_ffi.rs``) streams each weight row once against every input row, on XLA's
 own intra-op thread pool.
 
-Policy: ``MIN_ROWS <= T <= MAX_ROWS`` rows, float32 operands, ``cpu`` platform. One
+Policy: ``MIN_ROWS <= T <= MAX_ROWS`` rows, float32 operands, ``cpu`` platform, a CPU
+the core has a vectorized kernel for (AVX-512 today; elsewhere XLA's dot is faster than
+the portable loop, which stays for tests: ``KVPAGE_CPU_MATMUL=1`` forces it). One
 row stays with XLA (its GEMV is as fast), and so do prefill-sized products (its GEMM
 is). Measured with 120 chained products of SmolLM2's MLP shape on the 2-core EPYC of
 benches/RESULTS.md: XLA 14 / 29 / 34 / 40 / 47 / 73 ms at T = 1 / 2 / 4 / 8 / 16 / 32,
@@ -17,6 +19,7 @@ Only the ``cpu`` platform has the target: :func:`cpu_matmul_nt` takes the functi
 lower on any other platform (``lax.platform_dependent``), so one traced program still
 lowers for GPUs. The call has no derivative: callers decide when it may be traced
 (:mod:`kvpage.model.linear_kernels`). ``KVPAGE_CPU_MATMUL=0`` turns it off.
+``KVPAGE_CPU_MATMUL_PORTABLE=1`` (read by the core) makes it use the portable loop.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._host_ffi import register
+from pallas_kernels._host_ffi import core_library, register
 
 TARGET = "kvpage_matmul_nt"
 MIN_ROWS = 2
@@ -36,8 +39,18 @@ MAX_ROWS = 32
 
 
 def available() -> bool:
-    """Whether the Rust kernel is registered for the ``cpu`` platform (registers it once)."""
-    return os.environ.get("KVPAGE_CPU_MATMUL", "1") != "0" and register(TARGET)
+    """Whether the Rust kernel is registered for the ``cpu`` platform (registers it once)
+    and worth routing to (see the policy in the module docs)."""
+    setting = os.environ.get("KVPAGE_CPU_MATMUL", "auto")
+    if setting == "0" or not register(TARGET):
+        return False
+    return setting == "1" or _vectorized()
+
+
+def _vectorized() -> bool:
+    library = core_library()
+    probe = getattr(library, "kvpage_matmul_nt_vectorized", None)
+    return probe is not None and bool(probe())
 
 
 def serves(x: jax.Array, w: jax.Array) -> bool:

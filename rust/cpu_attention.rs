@@ -25,7 +25,9 @@
 //! A row with `kv_len == 0` gets zeros. Rows are split across threads by their
 //! context length; each row's result does not depend on the split.
 
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
+
+use crate::parallel::{Parallel, ScopedThreads};
 
 /// A K/V pool element: f32, or bf16 kept as its bit pattern.
 pub trait KvElement: Copy + Send + Sync {
@@ -73,20 +75,9 @@ impl DecodeShape {
     }
 }
 
-/// Context tokens below which a call runs on the calling thread only (spawning
-/// costs more than the work).
-const MIN_TOKENS_PER_THREAD: usize = 2048;
-
-fn max_threads() -> usize {
-    static THREADS: OnceLock<usize> = OnceLock::new();
-    *THREADS.get_or_init(|| {
-        std::env::var("KVPAGE_CPU_ATTENTION_THREADS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|&n: &usize| n > 0)
-            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
-    })
-}
+/// Context tokens below which a call runs on the calling thread only (handing
+/// work to another thread costs more than the work: a few us on XLA's pool).
+const MIN_TOKENS_PER_THREAD: usize = 512;
 
 /// Check the invariants in the module docs; `Err` names the first violation.
 pub fn validate<T>(
@@ -142,8 +133,33 @@ pub fn validate<T>(
     Ok(())
 }
 
-/// Decode attention for every row (module docs: layout and invariants).
+/// Decode attention for every row (module docs: layout and invariants), on
+/// scoped threads.
 pub fn paged_decode_attention<T: KvElement>(
+    shape: &DecodeShape,
+    q: &[f32],
+    k_pages: &[T],
+    v_pages: &[T],
+    kv_lens: &[i32],
+    block_tables: &[i32],
+    out: &mut [f32],
+) -> Result<(), String> {
+    paged_decode_attention_on(
+        &ScopedThreads,
+        shape,
+        q,
+        k_pages,
+        v_pages,
+        kv_lens,
+        block_tables,
+        out,
+    )
+}
+
+/// [`paged_decode_attention`] with its rows split over `parallel`.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_decode_attention_on<T: KvElement>(
+    parallel: &dyn Parallel,
     shape: &DecodeShape,
     q: &[f32],
     k_pages: &[T],
@@ -158,7 +174,8 @@ pub fn paged_decode_attention<T: KvElement>(
         return Ok(());
     }
     let total_tokens: usize = kv_lens.iter().map(|&n| n as usize).sum();
-    let threads = max_threads()
+    let threads = parallel
+        .threads()
         .min(shape.rows)
         .min(total_tokens / MIN_TOKENS_PER_THREAD)
         .max(1);
@@ -180,7 +197,7 @@ pub fn paged_decode_attention<T: KvElement>(
         }
         return Ok(());
     }
-    // Longest rows first, each to the least loaded thread.
+    // Longest rows first, each to the least loaded share; one share per thread.
     rows.sort_by_key(|(row, _)| std::cmp::Reverse(kv_lens[*row]));
     let mut shares: Vec<(usize, Vec<RowOut>)> = (0..threads).map(|_| (0, Vec::new())).collect();
     for (row, dst) in rows {
@@ -191,24 +208,14 @@ pub fn paged_decode_attention<T: KvElement>(
         lightest.0 += kv_lens[row] as usize + 1;
         lightest.1.push((row, dst));
     }
+    let shares: Vec<Mutex<Vec<RowOut>>> = shares
+        .into_iter()
+        .map(|(_, share)| Mutex::new(share))
+        .collect();
     let pools = &pools;
-    std::thread::scope(|scope| {
-        let mut shares = shares.into_iter();
-        let mine = shares.next().expect("at least one thread").1;
-        for (_, share) in shares {
-            scope.spawn(move || {
-                for (row, dst) in share {
-                    pools.row(
-                        row,
-                        &q[row * row_len..][..row_len],
-                        kv_lens,
-                        block_tables,
-                        dst,
-                    );
-                }
-            });
-        }
-        for (row, dst) in mine {
+    parallel.run(threads, &|unit| {
+        let share = std::mem::take(&mut *shares[unit].lock().unwrap_or_else(|e| e.into_inner()));
+        for (row, dst) in share {
             pools.row(
                 row,
                 &q[row * row_len..][..row_len],
@@ -217,11 +224,9 @@ pub fn paged_decode_attention<T: KvElement>(
                 dst,
             );
         }
-    });
-    Ok(())
+    })
 }
 
-/// A row index and the row's slice of the result.
 type RowOut<'o> = (usize, &'o mut [f32]);
 
 struct Pools<'a, T> {

@@ -106,6 +106,12 @@ pub unsafe fn matmul_nt_tile(shape: &MatmulShape, x: &[f32], w: &[f32], y: OutPt
     portable::tile(shape, x, w, y, start, end);
 }
 
+/// Whether calls run a vectorized kernel (AVX-512 here); without one the portable
+/// loop is correct but slower than XLA's dot, and callers should not route to it.
+pub fn vectorized() -> bool {
+    has_avx512()
+}
+
 #[cfg(target_arch = "x86_64")]
 fn has_avx512() -> bool {
     static AVX512: OnceLock<bool> = OnceLock::new();
@@ -146,7 +152,8 @@ mod portable {
                 let mut w_chunks = w_row.chunks_exact(LANES);
                 for (xc, wc) in (&mut x_chunks).zip(&mut w_chunks) {
                     for lane in 0..LANES {
-                        lanes[lane] = xc[lane].mul_add(wc[lane], lanes[lane]);
+                        // Not `mul_add`: without FMA in the target it is a libm call.
+                        lanes[lane] += xc[lane] * wc[lane];
                     }
                 }
                 let tail: f32 = x_chunks
@@ -161,7 +168,7 @@ mod portable {
     }
 }
 
-/// x86-64 with AVX-512F: two weight rows x up to eight input rows per pass.
+/// x86-64 with AVX-512F: 2-4 weight rows x up to eight input rows per pass.
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::{MatmulShape, OutPtr, ROW_GROUP};
@@ -193,8 +200,29 @@ mod avx512 {
         dispatch!(1 2 3 4 5 6 7 8);
     }
 
+    /// Rows `first_row .. first_row + R`, weight rows `start..end`: `W` weight rows
+    /// per pass (4 for few input rows, where more independent streams and sums keep
+    /// the loads in flight; 2 for many, within the 32 vector registers).
     #[target_feature(enable = "avx512f")]
     unsafe fn group<const R: usize>(
+        shape: &MatmulShape,
+        x: &[f32],
+        w: &[f32],
+        y: OutPtr,
+        first_row: usize,
+        start: usize,
+        end: usize,
+    ) {
+        if R <= 4 {
+            group_by::<R, 4>(shape, x, w, y, first_row, start, end);
+        } else {
+            group_by::<R, 2>(shape, x, w, y, first_row, start, end);
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn group_by<const R: usize, const W: usize>(
         shape: &MatmulShape,
         x: &[f32],
         w: &[f32],
@@ -206,70 +234,73 @@ mod avx512 {
         let k = shape.inner;
         let x = x.as_ptr().add(first_row * k);
         let w = w.as_ptr();
-        let mut out = start;
-        while out + 2 <= end {
-            let (a, b) = dot_pair::<R>(x, w.add(out * k), w.add((out + 1) * k), k);
-            for r in 0..R {
-                let y_row = y.0.add((first_row + r) * shape.outs);
-                *y_row.add(out) = a[r];
-                *y_row.add(out + 1) = b[r];
-            }
-            out += 2;
-        }
-        if out < end {
-            // An odd last row: pair it with itself and keep one result.
-            let (a, _) = dot_pair::<R>(x, w.add(out * k), w.add(out * k), k);
-            for (r, value) in a.iter().enumerate() {
+        let store = |out: usize, sums: &[f32; R]| {
+            for (r, value) in sums.iter().enumerate() {
                 *y.0.add((first_row + r) * shape.outs + out) = *value;
             }
+        };
+        let mut out = start;
+        while out + W <= end {
+            let sums = dot_rows::<R, W>(x, w.add(out * k), k);
+            for (j, row_sums) in sums.iter().enumerate() {
+                store(out + j, row_sums);
+            }
+            out += W;
+        }
+        while out < end {
+            let [sums] = dot_rows::<R, 1>(x, w.add(out * k), k);
+            store(out, &sums);
+            out += 1;
         }
     }
 
-    /// Dot products of `R` rows of `x` (stride `k`) with weight rows `w0` and `w1`.
+    /// Dot products of `R` rows of `x` (stride `k`) with the `W` consecutive weight
+    /// rows at `w` (stride `k`): `sums[j][r] = x[r] . w[j]`. Each sum is
+    /// accumulated in the same order whatever `R` and `W` are.
     #[inline]
     #[target_feature(enable = "avx512f")]
-    unsafe fn dot_pair<const R: usize>(
+    #[allow(clippy::needless_range_loop)] // index loops name the register blocking
+    unsafe fn dot_rows<const R: usize, const W: usize>(
         x: *const f32,
-        w0: *const f32,
-        w1: *const f32,
+        w: *const f32,
         k: usize,
-    ) -> ([f32; R], [f32; R]) {
-        let mut acc0 = [_mm512_setzero_ps(); R];
-        let mut acc1 = [_mm512_setzero_ps(); R];
+    ) -> [[f32; R]; W] {
+        let mut acc = [[_mm512_setzero_ps(); R]; W];
         // The weight rows this loop will read PREFETCH_ROWS rows from now: the
         // hardware prefetcher alone leaves the loads waiting on memory.
-        let ahead0 = w0.wrapping_add(PREFETCH_ROWS * k);
-        let ahead1 = w1.wrapping_add(PREFETCH_ROWS * k);
+        let ahead = w.wrapping_add(PREFETCH_ROWS * k);
         let mut i = 0;
         while i + 16 <= k {
-            _mm_prefetch::<_MM_HINT_T0>(ahead0.wrapping_add(i) as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(ahead1.wrapping_add(i) as *const i8);
-            let a = _mm512_loadu_ps(w0.add(i));
-            let b = _mm512_loadu_ps(w1.add(i));
+            let mut wv = [_mm512_setzero_ps(); W];
+            for j in 0..W {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(j * k + i) as *const i8);
+                wv[j] = _mm512_loadu_ps(w.add(j * k + i));
+            }
             for r in 0..R {
                 let xv = _mm512_loadu_ps(x.add(r * k + i));
-                acc0[r] = _mm512_fmadd_ps(xv, a, acc0[r]);
-                acc1[r] = _mm512_fmadd_ps(xv, b, acc1[r]);
+                for j in 0..W {
+                    acc[j][r] = _mm512_fmadd_ps(xv, wv[j], acc[j][r]);
+                }
             }
             i += 16;
         }
         if i < k {
             let mask: __mmask16 = (1u32 << (k - i)).wrapping_sub(1) as __mmask16;
-            let a = _mm512_maskz_loadu_ps(mask, w0.add(i));
-            let b = _mm512_maskz_loadu_ps(mask, w1.add(i));
             for r in 0..R {
                 let xv = _mm512_maskz_loadu_ps(mask, x.add(r * k + i));
-                acc0[r] = _mm512_fmadd_ps(xv, a, acc0[r]);
-                acc1[r] = _mm512_fmadd_ps(xv, b, acc1[r]);
+                for j in 0..W {
+                    let wv = _mm512_maskz_loadu_ps(mask, w.add(j * k + i));
+                    acc[j][r] = _mm512_fmadd_ps(xv, wv, acc[j][r]);
+                }
             }
         }
-        let mut sums0 = [0.0f32; R];
-        let mut sums1 = [0.0f32; R];
-        for r in 0..R {
-            sums0[r] = _mm512_reduce_add_ps(acc0[r]);
-            sums1[r] = _mm512_reduce_add_ps(acc1[r]);
+        let mut sums = [[0.0f32; R]; W];
+        for j in 0..W {
+            for r in 0..R {
+                sums[j][r] = _mm512_reduce_add_ps(acc[j][r]);
+            }
         }
-        (sums0, sums1)
+        sums
     }
 }
 
@@ -314,6 +345,30 @@ mod tests {
                 assert!(
                     (*got as f64 - want).abs() <= tolerance,
                     "case {case} {shape:?} element {i}: {got} vs {want}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_portable_loop_matches_the_reference_too() {
+        let mut rng = TestRng::new(3);
+        for _ in 0..50 {
+            let shape = MatmulShape {
+                rows: 1 + rng.below(12),
+                inner: 1 + rng.below(200),
+                outs: 1 + rng.below(150),
+            };
+            let x = random(&mut rng, shape.rows * shape.inner);
+            let w = random(&mut rng, shape.outs * shape.inner);
+            let mut y = vec![f32::NAN; shape.rows * shape.outs];
+            let out = OutPtr::new(&mut y);
+            // SAFETY: sizes match the shape; one thread.
+            unsafe { portable::tile(&shape, &x, &w, out, 0, shape.outs) };
+            for (got, want) in y.iter().zip(reference(&shape, &x, &w)) {
+                assert!(
+                    (*got as f64 - want).abs() <= 1e-4,
+                    "{shape:?}: {got} vs {want}"
                 );
             }
         }

@@ -6,6 +6,7 @@
 //! - [`cpu_attention`] + [`xla_ffi`]: paged decode attention on the host CPU,
 //!   exported as an XLA FFI custom call for the `xla` attention backend.
 //! - [`cpu_matmul`] + [`xla_ffi`]: linear layers of few rows (decode steps) on the host CPU.
+//! - [`parallel`]: where those kernels' parallel work runs (XLA's pool or scoped threads).
 //! - [`detokenizer`]: incremental detokenization and stop strings, all sequences per call.
 //!
 //! Everything here is plain Rust: `cargo test` and `cargo bench` need no
@@ -18,6 +19,7 @@ pub mod cpu_matmul;
 pub mod detokenizer;
 pub mod error;
 pub mod kv_cache;
+pub mod parallel;
 pub mod prefix_cache;
 #[cfg(test)]
 mod reference_model_tests;

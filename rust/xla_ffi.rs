@@ -22,8 +22,9 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use crate::cpu_attention::{paged_decode_attention, Bf16, DecodeShape};
+use crate::cpu_attention::{paged_decode_attention_on, Bf16, DecodeShape};
 use crate::cpu_matmul::{self, MatmulShape, OutPtr};
+use crate::parallel::Parallel;
 
 /// FFI API version these declarations follow (`XLA_FFI_API_MAJOR/MINOR`).
 const API_MAJOR: i32 = 0;
@@ -313,20 +314,32 @@ unsafe fn pool_threads(frame: &CallFrame) -> usize {
     threads.max(1) as usize
 }
 
-/// Run `work(0..units)` on the calling thread and up to `max_threads - 1` tasks
-/// of XLA's pool; returns when every unit has run. Never waits for a task that
-/// has not started: the caller claims units too, so a busy or absent pool only
-/// makes it slower.
+/// XLA's intra-op pool as seen from one call frame.
+struct XlaPool<'f> {
+    frame: &'f CallFrame,
+}
+
+impl Parallel for XlaPool<'_> {
+    fn threads(&self) -> usize {
+        // SAFETY: the frame is XLA's, valid for the whole call.
+        unsafe { pool_threads(self.frame) }
+    }
+
+    fn run(&self, units: usize, work: &(dyn Fn(usize) + Sync)) -> Result<(), String> {
+        // SAFETY: as above.
+        unsafe { parallel_for(self.frame, units, work) }
+    }
+}
+
+/// Run `work(0..units)` on the calling thread and pool tasks; returns when every
+/// unit has run. Never waits for a task that has not started: the caller claims
+/// units too, so a busy or absent pool only makes it slower.
 unsafe fn parallel_for(
     frame: &CallFrame,
     units: usize,
-    max_threads: usize,
     work: &(dyn Fn(usize) + Sync),
 ) -> Result<(), String> {
-    let helpers = pool_threads(frame)
-        .min(max_threads)
-        .min(units)
-        .saturating_sub(1);
+    let helpers = pool_threads(frame).min(units).saturating_sub(1);
     if helpers == 0 {
         (0..units).for_each(work);
         return Ok(());
@@ -466,8 +479,10 @@ unsafe fn run_paged_decode_attention(frame: &CallFrame) -> Result<(), String> {
     let slice_i32 = |view: &View| std::slice::from_raw_parts(view.data as *const i32, view.len());
     let out_slice = std::slice::from_raw_parts_mut(out.data as *mut f32, out.len());
     let (q_s, lens_s, tables_s) = (slice_f32(q), slice_i32(kv_lens), slice_i32(tables));
+    let pool = XlaPool { frame };
     match k.dtype {
-        DTYPE_F32 => paged_decode_attention(
+        DTYPE_F32 => paged_decode_attention_on(
+            &pool,
             &shape,
             q_s,
             slice_f32(k),
@@ -477,12 +492,28 @@ unsafe fn run_paged_decode_attention(frame: &CallFrame) -> Result<(), String> {
             out_slice,
         ),
         DTYPE_BF16 => {
-            let pool =
+            let pages =
                 |view: &View| std::slice::from_raw_parts(view.data as *const Bf16, view.len());
-            paged_decode_attention(&shape, q_s, pool(k), pool(v), lens_s, tables_s, out_slice)
+            paged_decode_attention_on(
+                &pool,
+                &shape,
+                q_s,
+                pages(k),
+                pages(v),
+                lens_s,
+                tables_s,
+                out_slice,
+            )
         }
         other => Err(format!("k_pages dtype {other} is not float32 or bfloat16")),
     }
+}
+
+/// Whether [`kvpage_matmul_nt`] runs a vectorized kernel on this CPU (1) or the
+/// portable loop (0), for callers deciding whether to route products to it.
+#[no_mangle]
+pub extern "C" fn kvpage_matmul_nt_vectorized() -> i32 {
+    i32::from(cpu_matmul::vectorized())
 }
 
 /// XLA FFI handler: `y = x · wᵀ` for few rows ([`crate::cpu_matmul`]).
@@ -529,5 +560,5 @@ unsafe fn run_matmul_nt(frame: &CallFrame) -> Result<(), String> {
     let out = OutPtr::new(y_s);
     // SAFETY: validated; each tile is claimed by exactly one thread.
     let tile = |index: usize| unsafe { cpu_matmul::matmul_nt_tile(&shape, x_s, w_s, out, index) };
-    parallel_for(frame, cpu_matmul::tiles(&shape), usize::MAX, &tile)
+    XlaPool { frame }.run(cpu_matmul::tiles(&shape), &tile)
 }

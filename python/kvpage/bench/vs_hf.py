@@ -218,6 +218,8 @@ def main(args: argparse.Namespace) -> int:
         title=f"kvpage (defaults) vs HF generate (static batches of {args.hf_batch_size}), "
               f"{Path(model).name}",
     ))
+    if results:
+        print(f"kvpage host CPU kernels: {results[0]['kvpage']['host_kernels']}")
     payload: dict[str, Any] = {"model": model, "results": results}
     if args.sweep:
         levels = [int(x) for x in args.sweep.split(",") if x.strip()]

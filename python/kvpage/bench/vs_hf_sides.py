@@ -82,8 +82,25 @@ def run_kvpage(spec: dict[str, Any]) -> dict[str, Any]:
         "step_buckets": [list(k) for k in runner.compiled_buckets],
         "kv_cache": runner.kv_cache_decision.describe(),
         "max_model_len": runner.max_model_len,
+        "host_kernels": host_kernels(),
         "outputs": outputs,
     }
+
+
+def host_kernels() -> str:
+    """Which of kvpage's host CPU kernels this process routes to (a figure is only
+    comparable with figures taken with the same ones)."""
+    from pallas_kernels import cpu_decode_attention, cpu_matmul
+
+    used = [
+        name
+        for name, on in (
+            ("decode attention", cpu_decode_attention.available()),
+            ("small-batch matmul", cpu_matmul.available()),
+        )
+        if on
+    ]
+    return ", ".join(used) or "none"
 
 
 def run_hf(spec: dict[str, Any]) -> dict[str, Any]:
