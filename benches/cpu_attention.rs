@@ -7,6 +7,7 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use kvpage_core::cpu_attention::{paged_decode_attention, DecodeShape};
+use kvpage_core::parallel::ScopedThreads;
 
 fn decode_layer(c: &mut Criterion) {
     let mut group = c.benchmark_group("cpu_decode_attention");
@@ -41,8 +42,17 @@ fn decode_layer(c: &mut Criterion) {
         );
         group.bench_function(format!("rows{rows}_ctx{context}"), |b| {
             b.iter(|| {
-                paged_decode_attention(&shape, &q, &pool, &pool, &kv_lens, &tables, &mut out)
-                    .unwrap();
+                paged_decode_attention(
+                    &ScopedThreads,
+                    &shape,
+                    &q,
+                    &pool,
+                    &pool,
+                    &kv_lens,
+                    &tables,
+                    &mut out,
+                )
+                .unwrap();
                 black_box(&out);
             })
         });

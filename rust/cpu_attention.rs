@@ -27,7 +27,7 @@
 
 use std::sync::{Mutex, OnceLock};
 
-use crate::parallel::{Parallel, ScopedThreads};
+use crate::parallel::Parallel;
 
 /// A K/V pool element: f32, or bf16 kept as its bit pattern.
 pub trait KvElement: Copy + Send + Sync {
@@ -133,32 +133,11 @@ pub fn validate<T>(
     Ok(())
 }
 
-/// Decode attention for every row (module docs: layout and invariants), on
-/// scoped threads.
-pub fn paged_decode_attention<T: KvElement>(
-    shape: &DecodeShape,
-    q: &[f32],
-    k_pages: &[T],
-    v_pages: &[T],
-    kv_lens: &[i32],
-    block_tables: &[i32],
-    out: &mut [f32],
-) -> Result<(), String> {
-    paged_decode_attention_on(
-        &ScopedThreads,
-        shape,
-        q,
-        k_pages,
-        v_pages,
-        kv_lens,
-        block_tables,
-        out,
-    )
-}
-
-/// [`paged_decode_attention`] with its rows split over `parallel`.
+/// Decode attention for every row (module docs: layout and invariants), rows
+/// split over `parallel` (XLA's pool under XLA, [`crate::parallel::ScopedThreads`]
+/// elsewhere).
 #[allow(clippy::too_many_arguments)]
-pub fn paged_decode_attention_on<T: KvElement>(
+pub fn paged_decode_attention<T: KvElement>(
     parallel: &dyn Parallel,
     shape: &DecodeShape,
     q: &[f32],
@@ -450,6 +429,7 @@ fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::parallel::{ScopedThreads, Sequential};
     use crate::test_rng::SplitMix64 as TestRng;
 
     /// Naive float64 attention over the row's tokens, gathered token by token.
@@ -554,7 +534,17 @@ mod tests {
             };
             let (q, k, v, kv_lens, tables) = random_case(&mut rng, shape);
             let mut out = vec![f32::NAN; q.len()];
-            paged_decode_attention(&shape, &q, &k, &v, &kv_lens, &tables, &mut out).unwrap();
+            paged_decode_attention(
+                &ScopedThreads,
+                &shape,
+                &q,
+                &k,
+                &v,
+                &kv_lens,
+                &tables,
+                &mut out,
+            )
+            .unwrap();
             let want = naive(&shape, &q, &k, &v, &kv_lens, &tables);
             for (i, (a, b)) in out.iter().zip(&want).enumerate() {
                 assert!(
@@ -584,7 +574,17 @@ mod tests {
         let (kb, vb) = (to_bf16(&k), to_bf16(&v));
         let truncated = |x: &Vec<Bf16>| -> Vec<f32> { x.iter().map(|b| b.to_f32()).collect() };
         let mut out = vec![0.0; q.len()];
-        paged_decode_attention(&shape, &q, &kb, &vb, &kv_lens, &tables, &mut out).unwrap();
+        paged_decode_attention(
+            &ScopedThreads,
+            &shape,
+            &q,
+            &kb,
+            &vb,
+            &kv_lens,
+            &tables,
+            &mut out,
+        )
+        .unwrap();
         let want = naive(
             &shape,
             &q,
@@ -622,13 +622,24 @@ mod tests {
             .map(|x| if x.is_finite() { *x } else { 0.5 })
             .collect();
         let mut threaded = vec![0.0; q.len()];
-        paged_decode_attention(&shape, &q, &k, &v, &kv_lens, &tables, &mut threaded).unwrap();
+        paged_decode_attention(
+            &ScopedThreads,
+            &shape,
+            &q,
+            &k,
+            &v,
+            &kv_lens,
+            &tables,
+            &mut threaded,
+        )
+        .unwrap();
         let row_len = shape.q_heads * shape.head_dim;
         for row in 0..shape.rows {
             let one = DecodeShape { rows: 1, ..shape };
             let mut single = vec![0.0; row_len];
             let (kv, table) = (&kv_lens[row..row + 1], &tables[row * 20..(row + 1) * 20]);
             paged_decode_attention(
+                &Sequential,
                 &one,
                 &q[row * row_len..][..row_len],
                 &k,
@@ -656,7 +667,7 @@ mod tests {
         let (q, pool) = (vec![0.0; 8], vec![0.0f32; 16]);
         let mut out = vec![0.0; 8];
         let run = |kv: i32, table: [i32; 2], out: &mut Vec<f32>| {
-            paged_decode_attention(&shape, &q, &pool, &pool, &[kv], &table, out)
+            paged_decode_attention(&ScopedThreads, &shape, &q, &pool, &pool, &[kv], &table, out)
         };
         assert!(run(5, [0, 1], &mut out).unwrap_err().contains("kv_len 5"));
         assert!(run(3, [0, 2], &mut out).unwrap_err().contains("page id 2"));
@@ -668,7 +679,16 @@ mod tests {
             kv_heads: 2,
             ..shape
         };
-        let err = paged_decode_attention(&bad_heads, &q, &pool, &pool, &[1], &[0, 0], &mut out);
+        let err = paged_decode_attention(
+            &ScopedThreads,
+            &bad_heads,
+            &q,
+            &pool,
+            &pool,
+            &[1],
+            &[0, 0],
+            &mut out,
+        );
         assert!(err.unwrap_err().contains("multiple"));
     }
 }

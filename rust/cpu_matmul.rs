@@ -189,40 +189,25 @@ mod avx512 {
         start: usize,
         end: usize,
     ) {
+        // (input rows R, weight rows per pass W): 4 weight rows for few input rows,
+        // where more independent streams and sums keep the loads in flight; 2 for
+        // many, within the 32 vector registers.
         macro_rules! dispatch {
-            ($($n:literal)*) => {
+            ($($r:literal $w:literal),*) => {
                 match rows {
-                    $($n => group::<$n>(shape, x, w, y, first_row, start, end),)*
+                    $($r => group::<$r, $w>(shape, x, w, y, first_row, start, end),)*
                     _ => unreachable!("row groups hold 1..={ROW_GROUP} rows"),
                 }
             };
         }
-        dispatch!(1 2 3 4 5 6 7 8);
+        dispatch!(1 4, 2 4, 3 4, 4 4, 5 2, 6 2, 7 2, 8 2);
     }
 
-    /// Rows `first_row .. first_row + R`, weight rows `start..end`: `W` weight rows
-    /// per pass (4 for few input rows, where more independent streams and sums keep
-    /// the loads in flight; 2 for many, within the 32 vector registers).
-    #[target_feature(enable = "avx512f")]
-    unsafe fn group<const R: usize>(
-        shape: &MatmulShape,
-        x: &[f32],
-        w: &[f32],
-        y: OutPtr,
-        first_row: usize,
-        start: usize,
-        end: usize,
-    ) {
-        if R <= 4 {
-            group_by::<R, 4>(shape, x, w, y, first_row, start, end);
-        } else {
-            group_by::<R, 2>(shape, x, w, y, first_row, start, end);
-        }
-    }
-
+    /// Rows `first_row .. first_row + R` of `y`, columns `start..end`, `W` weight
+    /// rows per pass.
     #[inline]
     #[target_feature(enable = "avx512f")]
-    unsafe fn group_by<const R: usize, const W: usize>(
+    unsafe fn group<const R: usize, const W: usize>(
         shape: &MatmulShape,
         x: &[f32],
         w: &[f32],
@@ -327,51 +312,49 @@ mod tests {
             .collect()
     }
 
-    #[test]
-    fn matches_a_float64_reference_on_random_shapes() {
-        let mut rng = TestRng::new(7);
-        for case in 0..200 {
+    /// `cases` random shapes up to `max` (rows, inner, outs), each computed by
+    /// `compute` and compared with [`reference`].
+    fn check_random_shapes(
+        seed: u64,
+        cases: usize,
+        max: (usize, usize, usize),
+        compute: impl Fn(&MatmulShape, &[f32], &[f32], &mut [f32]),
+    ) {
+        let mut rng = TestRng::new(seed);
+        for case in 0..cases {
             let shape = MatmulShape {
-                rows: 1 + rng.below(20),
-                inner: 1 + rng.below(300),
-                outs: 1 + rng.below(150),
+                rows: 1 + rng.below(max.0),
+                inner: 1 + rng.below(max.1),
+                outs: 1 + rng.below(max.2),
             };
             let x = random(&mut rng, shape.rows * shape.inner);
             let w = random(&mut rng, shape.outs * shape.inner);
             let mut y = vec![f32::NAN; shape.rows * shape.outs];
-            matmul_nt(&shape, &x, &w, &mut y).unwrap();
+            compute(&shape, &x, &w, &mut y);
             for (i, (got, want)) in y.iter().zip(reference(&shape, &x, &w)).enumerate() {
                 let tolerance = 1e-5 * (shape.inner as f64).sqrt() * 4.0;
                 assert!(
                     (*got as f64 - want).abs() <= tolerance,
-                    "case {case} {shape:?} element {i}: {got} vs {want}"
+                    "seed {seed} case {case} {shape:?} element {i}: {got} vs {want}"
                 );
             }
         }
     }
 
     #[test]
+    fn matches_a_float64_reference_on_random_shapes() {
+        check_random_shapes(7, 200, (20, 300, 150), |shape, x, w, y| {
+            matmul_nt(shape, x, w, y).unwrap()
+        });
+    }
+
+    #[test]
     fn the_portable_loop_matches_the_reference_too() {
-        let mut rng = TestRng::new(3);
-        for _ in 0..50 {
-            let shape = MatmulShape {
-                rows: 1 + rng.below(12),
-                inner: 1 + rng.below(200),
-                outs: 1 + rng.below(150),
-            };
-            let x = random(&mut rng, shape.rows * shape.inner);
-            let w = random(&mut rng, shape.outs * shape.inner);
-            let mut y = vec![f32::NAN; shape.rows * shape.outs];
-            let out = OutPtr::new(&mut y);
+        check_random_shapes(3, 50, (12, 200, 150), |shape, x, w, y| {
+            let out = OutPtr::new(y);
             // SAFETY: sizes match the shape; one thread.
-            unsafe { portable::tile(&shape, &x, &w, out, 0, shape.outs) };
-            for (got, want) in y.iter().zip(reference(&shape, &x, &w)) {
-                assert!(
-                    (*got as f64 - want).abs() <= 1e-4,
-                    "{shape:?}: {got} vs {want}"
-                );
-            }
-        }
+            unsafe { portable::tile(shape, x, w, out, 0, shape.outs) };
+        });
     }
 
     #[test]

@@ -22,7 +22,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use crate::cpu_attention::{paged_decode_attention_on, Bf16, DecodeShape};
+use crate::cpu_attention::{paged_decode_attention, Bf16, DecodeShape};
 use crate::cpu_matmul::{self, MatmulShape, OutPtr};
 use crate::parallel::Parallel;
 
@@ -481,7 +481,7 @@ unsafe fn run_paged_decode_attention(frame: &CallFrame) -> Result<(), String> {
     let (q_s, lens_s, tables_s) = (slice_f32(q), slice_i32(kv_lens), slice_i32(tables));
     let pool = XlaPool { frame };
     match k.dtype {
-        DTYPE_F32 => paged_decode_attention_on(
+        DTYPE_F32 => paged_decode_attention(
             &pool,
             &shape,
             q_s,
@@ -494,7 +494,7 @@ unsafe fn run_paged_decode_attention(frame: &CallFrame) -> Result<(), String> {
         DTYPE_BF16 => {
             let pages =
                 |view: &View| std::slice::from_raw_parts(view.data as *const Bf16, view.len());
-            paged_decode_attention_on(
+            paged_decode_attention(
                 &pool,
                 &shape,
                 q_s,
