@@ -18,10 +18,18 @@ from kvpage.runner import ModelRunner
 from model_fixtures import build_hf_model, save_hf_model
 
 from pallas_kernels import cpu_matmul
+from pallas_kernels._host_ffi import register
 
 pytestmark = pytest.mark.skipif(
-    not cpu_matmul.available(), reason="kvpage._core without the host matmul"
+    not register(cpu_matmul.TARGET), reason="kvpage._core without the host matmul"
 )
+
+
+@pytest.fixture(autouse=True)
+def routed_on_any_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Route to the kernel even on a CPU without AVX-512 (its portable loop), so
+    these tests run on every CI machine."""
+    monkeypatch.setenv("KVPAGE_CPU_MATMUL", "1")
 
 
 def _operands(rows: int, inner: int, outs: int, seed: int = 0) -> tuple[jax.Array, jax.Array]:
@@ -82,6 +90,16 @@ def test_a_row_does_not_depend_on_the_other_rows() -> None:
         full = np.asarray(_jitted()(x, w))
         pair = np.asarray(_jitted()(x[:2], w))
     np.testing.assert_array_equal(full[:2], pair)
+
+
+def test_off_when_disabled_or_without_a_vectorized_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    x, w = _operands(4, 64, 96)
+    monkeypatch.setenv("KVPAGE_CPU_MATMUL", "0")
+    assert "kvpage_matmul_nt" not in _lowered_text(x, w)
+    monkeypatch.setenv("KVPAGE_CPU_MATMUL", "auto")
+    assert cpu_matmul.available() == cpu_matmul._vectorized()
 
 
 def test_bad_shapes_are_errors_naming_them() -> None:
