@@ -338,6 +338,12 @@ pub struct StepPlan {
     sample_index: Py<PyArray1<i32>>,
     sample_output_len: Py<PyArray1<i32>>,
     sample_suppress_stop: Py<PyArray1<bool>>,
+    sample_rows: Py<PyArray1<i32>>,
+    sample_new_seat: Py<PyArray1<bool>>,
+    freed_seats: Py<PyArray1<i32>>,
+    first_scheduled: Py<PyArray1<u64>>,
+    first_scheduled_cached: Py<PyArray1<i32>>,
+    decode_only: bool,
     preempted: Py<PyArray1<u64>>,
     preempted_index: Py<PyArray1<i32>>,
     num_tokens: usize,
@@ -371,6 +377,12 @@ impl StepPlan {
             sample_index: arr(py, &p.sample_index),
             sample_output_len: arr(py, &p.sample_output_len),
             sample_suppress_stop: arr(py, &p.sample_suppress_stop),
+            sample_rows: arr(py, &p.sample_rows),
+            sample_new_seat: arr(py, &p.sample_new_seat),
+            freed_seats: arr(py, &p.freed_seats),
+            first_scheduled: arr(py, &p.first_scheduled),
+            first_scheduled_cached: arr(py, &p.first_scheduled_cached),
+            decode_only: p.decode_only,
             preempted: arr(py, &p.preempted),
             preempted_index: arr(py, &p.preempted_index),
             num_tokens: p.num_tokens(),
@@ -483,8 +495,10 @@ impl Scheduler {
 
     /// Apply one sampled token per sampled row of the last plan. Returns
     /// (request handles u64, sample indices i32, tokens i32, finish codes u8,
-    /// plan rows i32) where the code is 0 while running, else 1 stop,
-    /// 2 length, 3 abort; rows of requests aborted meanwhile are left out.
+    /// plan rows i32, stop-token flags bool) where the code is 0 while
+    /// running, else a key of `FINISH_REASONS`; the flag marks a stop on one
+    /// of the request's `stop_token_ids` (the token is the stop reason).
+    /// Rows of requests aborted meanwhile are left out.
     #[allow(clippy::type_complexity)]
     fn update<'py>(
         &mut self,
@@ -496,6 +510,7 @@ impl Scheduler {
         Bound<'py, PyArray1<i32>>,
         Bound<'py, PyArray1<u8>>,
         Bound<'py, PyArray1<i32>>,
+        Bound<'py, PyArray1<bool>>,
     )> {
         let sampled: Vec<i64> = if let Ok(a) = sampled.extract::<PyReadonlyArray1<'_, i32>>() {
             a.as_array().iter().map(|&v| v as i64).collect()
@@ -520,6 +535,7 @@ impl Scheduler {
                 e.iter().map(|e| e.finish.map_or(0, |r| r as u8)).collect(),
             ),
             PyArray1::from_vec(py, e.iter().map(|e| e.row as i32).collect()),
+            PyArray1::from_vec(py, e.iter().map(|e| e.stop_token).collect()),
         ))
     }
 
@@ -675,6 +691,12 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // Named for where it lives, so errors pickle across processes.
     error_type.setattr("__module__", "kvpage._core")?;
     m.add("KVPageError", error_type)?;
+    let reasons = PyDict::new(m.py());
+    for reason in FinishReason::ALL {
+        reasons.set_item(reason as u8, reason.as_str())?;
+    }
+    // Finish code -> name, as `Scheduler.update` reports codes.
+    m.add("FINISH_REASONS", reasons)?;
     m.add_class::<BlockPool>()?;
     m.add_class::<KVCacheManager>()?;
     m.add_class::<Scheduler>()?;

@@ -5,11 +5,27 @@
 //! it into `n` copy-on-write children, so the prompt is prefilled once.
 //! Preempted sequences return to the waiting queue and recompute their
 //! prompt plus generated tokens (mostly from the prefix cache).
+//!
+//! # Id spaces
+//!
+//! Four kinds of integer name one request or sequence; each has one owner:
+//!
+//! | id | type | owner | names | lifetime |
+//! |---|---|---|---|---|
+//! | request index | `u32` | `Scheduler::requests` | a slot of the request registry | reused once the request's records are dropped |
+//! | handle | `u64` | `Scheduler::add_request` | a request across the FFI: `generation << 32 \| request index`; the engine keys its `_Request`s by it | never reused (the generation bumps) |
+//! | seq | `u32` | `Scheduler::seqs` | one sample (sequence) of a request; `(handle, sample_index)` names it across the FFI | reused after its request is dropped |
+//! | seat | `u32` in `0..max_num_seqs` | the scheduler's seat pool | a row of the runner's sampling table (`StepPlan::sample_rows`), held by a running sequence from its first sampled row until it finishes or is preempted | reused at once; freed seats are listed in the next plan |
+//! | KV `SeqId` | `u64` | `KvCacheManager` | one page table | while the sequence holds KV |
+//!
+//! The engine's string `request_id` maps to a handle in `python/kvpage/engine.py`;
+//! nothing else crosses the boundary.
 
 use crate::kv_cache::SeqId;
 use crate::structured_output::GrammarMatcher;
 
-/// Why a sequence stopped. Codes cross the FFI boundary as `u8`.
+/// Why a sequence stopped. Codes cross the FFI boundary as `u8`; this enum
+/// is the one definition (Python reads `kvpage._core.FINISH_REASONS`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
 pub enum FinishReason {
@@ -24,6 +40,9 @@ pub enum FinishReason {
 }
 
 impl FinishReason {
+    /// Every reason, for the table exported to Python.
+    pub const ALL: [FinishReason; 4] = [Self::Stop, Self::Length, Self::Abort, Self::Error];
+
     pub fn as_str(self) -> &'static str {
         match self {
             FinishReason::Stop => "stop",
@@ -96,6 +115,9 @@ pub struct Sequence {
     /// Structured outputs: the grammar state after this sample's generated
     /// tokens (`structured_output.rs`); None when unconstrained.
     pub grammar: Option<GrammarMatcher>,
+    /// The seat (sampling-table row) held from the first sampled row after
+    /// admission until the sequence finishes or is preempted.
+    pub seat: Option<u32>,
 }
 
 impl Sequence {
@@ -114,4 +136,7 @@ pub struct Request {
     pub prompt_len: usize,
     pub seqs: Vec<u32>,
     pub num_unfinished: u32,
+    /// A row of the request was in an issued plan (reported once through
+    /// `StepPlan::first_scheduled`).
+    pub scheduled: bool,
 }

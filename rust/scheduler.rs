@@ -28,7 +28,16 @@
 //! - `running` is sorted by (priority, arrival, seq) and never exceeds
 //!   `max_num_seqs`;
 //! - every block is accounted for by the KV manager's invariants, and when
-//!   no request is live, every block is free or cached-unreferenced.
+//!   no request is live, every block is free or cached-unreferenced;
+//! - seats (rows of the runner's sampling table, `0..max_num_seqs`): each is
+//!   either free or held by exactly one running sequence; a sequence binds
+//!   one at its first sampled row after admission and frees it when it
+//!   finishes (ghosts included) or is preempted. The scheduler is the only
+//!   owner of seats: the plan carries each sampled row's seat, the seats
+//!   bound in it and those freed since the last plan (see `step_plan.rs`);
+//!   seats are handed out last-freed-first.
+//!
+//! Id spaces (request index, handle, seq, seat, KV `SeqId`): `request.rs`.
 
 use std::collections::BTreeSet;
 
@@ -124,6 +133,9 @@ pub struct TokenEvent {
     pub sample_index: u32,
     pub token: u32,
     pub finish: Option<FinishReason>,
+    /// Stopped (`finish == Some(Stop)`) on a token of the request's
+    /// `stop_token_ids`: that token is the output's `stop_reason`.
+    pub stop_token: bool,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -150,6 +162,10 @@ pub struct Scheduler {
     pending_fork_seats: usize,
     /// Static policy: the current batch's finished sequences, still seated.
     ghosts: Vec<u32>,
+    /// Seats no sequence holds, taken from the back.
+    free_seats: Vec<u32>,
+    /// Seats freed since the last plan was built (reported in the next).
+    seats_freed: Vec<i32>,
     next_arrival: u64,
     scheduled: Vec<Scheduled>,
     /// (request handle, sample index, sequence) of each sampled row of the
@@ -190,6 +206,7 @@ impl Scheduler {
         if config.policy == Policy::Static {
             config.enable_prefix_caching = false;
         }
+        let free_seats = (0..config.max_num_seqs as u32).rev().collect();
         let kv = KvCacheManager::new(
             config.num_blocks,
             config.block_size,
@@ -207,6 +224,8 @@ impl Scheduler {
             running: Vec::new(),
             pending_fork_seats: 0,
             ghosts: Vec::new(),
+            free_seats,
+            seats_freed: Vec::new(),
             next_arrival: 0,
             scheduled: Vec::new(),
             sample_rows: Vec::new(),
@@ -291,6 +310,7 @@ impl Scheduler {
             num_cached_tokens: 0,
             admitted: false,
             grammar: None,
+            seat: None,
         });
         self.requests[index as usize] = Some(Request {
             handle,
@@ -300,6 +320,7 @@ impl Scheduler {
             prompt_len: prompt.len(),
             seqs: vec![seq],
             num_unfinished: params.n,
+            scheduled: false,
             params,
         });
         self.by_handle.insert(handle, index);
@@ -443,6 +464,7 @@ impl Scheduler {
             }
             SeqState::Running => self.remove_running(seq),
         }
+        self.release_seat(seq);
         // Samples never forked finish with their parent.
         let unforked = std::mem::take(&mut self.seq_mut(seq).forks_pending);
         self.seq_mut(seq).state = SeqState::Finished(reason);
@@ -464,6 +486,15 @@ impl Scheduler {
             self.maybe_release_request(request_index);
         }
         Ok(())
+    }
+
+    /// Give the sequence's seat back (it stops sampling: finished or
+    /// preempted); the next plan lists it in `freed_seats`.
+    fn release_seat(&mut self, seq: u32) {
+        if let Some(seat) = self.seq_mut(seq).seat.take() {
+            self.free_seats.push(seat);
+            self.seats_freed.push(seat as i32);
+        }
     }
 
     fn release_kv(&mut self, seq: u32) -> KvResult<()> {
@@ -728,6 +759,7 @@ impl Scheduler {
     /// the prefix cache) and put it back at its place in the waiting queue.
     fn preempt(&mut self, seq: u32) -> KvResult<()> {
         self.remove_running(seq);
+        self.release_seat(seq);
         self.release_kv(seq)?;
         self.seq_mut(seq).state = SeqState::Waiting;
         let key = self.key(seq);
@@ -761,6 +793,9 @@ impl Scheduler {
             self.plan.copy_src.push(copy.src as i32);
             self.plan.copy_dst.push(copy.dst as i32);
         }
+        // Freed before any seat of this plan is bound (same order as freed).
+        self.plan.freed_seats.append(&mut self.seats_freed);
+        self.plan.decode_only = !scheduled.is_empty() && scheduled.iter().all(|r| r.len == 1);
         let bs = self.config.block_size;
         for row in &scheduled {
             self.push_row_arrays(row, width, scratch_block, scratch_slot)?;
@@ -782,12 +817,12 @@ impl Scheduler {
                 continue;
             }
             let logits_index = self.plan.token_ids.len() as i32 - 1;
-            self.push_sample_row(row.seq, logits_index);
+            self.push_sample_row(row.seq, logits_index)?;
             let forks = std::mem::take(&mut self.seq_mut(row.seq).forks_pending);
             self.pending_fork_seats -= forks as usize;
             for _ in 0..forks {
                 let child = self.fork_seq(row.seq)?;
-                self.push_sample_row(child, logits_index);
+                self.push_sample_row(child, logits_index)?;
             }
         }
         self.stats.num_steps += u64::from(!scheduled.is_empty());
@@ -816,7 +851,16 @@ impl Scheduler {
     ) -> KvResult<()> {
         let plan = &mut self.plan;
         let seq = self.seqs[row.seq as usize].as_ref().expect("live");
-        let request = self.requests[seq.request as usize].as_ref().expect("live");
+        let request = self.requests[seq.request as usize].as_mut().expect("live");
+        if !request.scheduled {
+            // The request's first row: its first sequence was just admitted.
+            request.scheduled = true;
+            let first = self.seqs[request.seqs[0] as usize].as_ref().expect("live");
+            plan.first_scheduled.push(request.handle);
+            plan.first_scheduled_cached
+                .push(first.num_cached_tokens as i32);
+        }
+        let request = &*request;
         let kv = seq.kv.expect("scheduled");
         let end = row.start + row.len;
         plan.token_ids
@@ -871,6 +915,7 @@ impl Scheduler {
             admitted: true,
             // Each sample walks the grammar on its own.
             grammar: p.grammar.clone(),
+            seat: None,
         };
         let child = self.new_seq(child);
         self.requests[request as usize]
@@ -882,7 +927,17 @@ impl Scheduler {
         Ok(child)
     }
 
-    fn push_sample_row(&mut self, seq: u32, logits_index: i32) {
+    fn push_sample_row(&mut self, seq: u32, logits_index: i32) -> KvResult<()> {
+        let new_seat = self.seq(seq).seat.is_none();
+        if new_seat {
+            let seat = self.free_seats.pop().ok_or_else(|| {
+                KvError::InvariantViolated(
+                    "no free seat for a running sequence: more than max_num_seqs are running"
+                        .into(),
+                )
+            })?;
+            self.seq_mut(seq).seat = Some(seat);
+        }
         let s = self.seqs[seq as usize].as_ref().expect("live");
         let request = self.requests[s.request as usize].as_ref().expect("live");
         let p = &request.params;
@@ -894,7 +949,10 @@ impl Scheduler {
         plan.sample_output_len.push(output_len as i32);
         plan.sample_suppress_stop
             .push((output_len as u32) < p.min_tokens);
+        plan.sample_rows.push(s.seat.expect("bound above") as i32);
+        plan.sample_new_seat.push(new_seat);
         self.sample_rows.push((request.handle, s.sample_index, seq));
+        Ok(())
     }
 
     /// Apply one sampled token per sampled row of the last plan; returns
@@ -943,6 +1001,9 @@ impl Scheduler {
                 Some(reason) => Some(reason),
                 None => self.stop_reason(seq, token),
             };
+            // Decided before finishing: the request's records may go with it.
+            let stop_token = finish == Some(FinishReason::Stop)
+                && self.request_of(seq).params.stop_token_ids.contains(&token);
             if let Some(reason) = finish {
                 self.finish_seq(seq, reason)?;
             }
@@ -952,6 +1013,7 @@ impl Scheduler {
                 sample_index,
                 token,
                 finish,
+                stop_token,
             });
         }
         self.sample_rows = rows;
@@ -1007,6 +1069,36 @@ impl Scheduler {
             self.kv.num_referenced_blocks() * self.config.block_size,
             self.kv.num_written_slots(),
         )
+    }
+
+    /// Every seat is free or held by exactly one running sequence.
+    fn check_seat_invariants(&self) -> KvResult<()> {
+        let fail = |msg: String| Err(KvError::InvariantViolated(msg));
+        let mut holder = vec![None; self.config.max_num_seqs];
+        for &seat in &self.free_seats {
+            match holder.get_mut(seat as usize) {
+                Some(h @ None) => *h = Some(u32::MAX),
+                _ => return fail(format!("free seat {seat} is out of range or listed twice")),
+            }
+        }
+        for (index, seq) in self.seqs.iter().enumerate() {
+            let Some(seat) = seq.as_ref().and_then(|s| s.seat) else {
+                continue;
+            };
+            if seq.as_ref().map(|s| s.state) != Some(SeqState::Running) {
+                return fail(format!(
+                    "sequence {index} holds seat {seat} but is not running"
+                ));
+            }
+            match holder.get_mut(seat as usize) {
+                Some(h @ None) => *h = Some(index as u32),
+                _ => return fail(format!("seat {seat} is out of range, free, or held twice")),
+            }
+        }
+        if let Some(seat) = holder.iter().position(Option::is_none) {
+            return fail(format!("seat {seat} is neither free nor held"));
+        }
+        Ok(())
     }
 
     /// Full consistency check of the scheduler and the KV manager.
@@ -1082,6 +1174,7 @@ impl Scheduler {
             return fail("queues hold sequences that do not exist".into());
         }
         self.check_grammar_invariants()?;
+        self.check_seat_invariants()?;
         if self.by_handle.is_empty()
             && self.ghosts.is_empty()
             && self.kv.num_referenced_blocks() != 0

@@ -116,6 +116,7 @@ impl Scheduler {
             num_cached_tokens: 0,
             admitted: false,
             grammar,
+            seat: None,
         });
         self.requests[request as usize]
             .as_mut()

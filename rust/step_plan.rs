@@ -22,6 +22,17 @@
 //! | `copy_src`, `copy_dst` | [C] | copy-on-write block copies to run before the step |
 //! | `sample_request`, `sample_index` | [R] | request handle and sample index (0..n) of row r |
 //! | `sample_output_len`, `sample_suppress_stop` | [R] | the sample's output length so far, and whether EOS/stop tokens must be suppressed (min_tokens not reached); the sampling knobs themselves live in the runner's per-request device table |
+//! | `sample_rows` | [R] | the seat of row r: its sample's row of the runner's sampling table (`0..max_num_seqs`) |
+//! | `sample_new_seat` | [R] | the seat was bound to this sample at this row: the engine loads the sample's sampling parameters into it before the step |
+//! | `freed_seats` | [F] | seats released since the previous plan (finished, aborted, preempted); freed before any seat of this plan is bound |
+//! | `first_scheduled`, `first_scheduled_cached` | [N] | requests whose first row is in this plan, and their prompt tokens served from the prefix cache |
+//! | `preempted`, `preempted_index` | [P] | (request handle, sample index) of sequences preempted while building this plan |
+//! | `decode_only` | bool | every row has exactly one query token: the runner may use its decode-specialized attention |
+//!
+//! Invariants: a seat appears at most once in `sample_rows`; a seat in
+//! `sample_rows` is held by that row's sample until `update` or an abort
+//! frees it; `sample_new_seat[r]` is true exactly on the first sampled row
+//! of a sample since it was (re)admitted.
 //!
 //! With n > 1, the row that completes a prompt appears R = n times in
 //! `logits_indices` (same flat index), once per forked sample. Arrays are
@@ -45,6 +56,18 @@ pub struct StepPlan {
     pub sample_index: Vec<i32>,
     pub sample_output_len: Vec<i32>,
     pub sample_suppress_stop: Vec<bool>,
+    /// Seat (sampling-table row) of each sampled row.
+    pub sample_rows: Vec<i32>,
+    /// The row's seat was bound to its sample in this plan.
+    pub sample_new_seat: Vec<bool>,
+    /// Seats released since the previous plan.
+    pub freed_seats: Vec<i32>,
+    /// Handles of requests scheduled for the first time, and their prompt
+    /// tokens found in the prefix cache.
+    pub first_scheduled: Vec<u64>,
+    pub first_scheduled_cached: Vec<i32>,
+    /// Every row has exactly one query token.
+    pub decode_only: bool,
     /// (request handle, sample index) of sequences preempted (back to
     /// waiting) while building this step.
     pub preempted: Vec<u64>,
@@ -70,6 +93,12 @@ impl StepPlan {
         self.sample_index.clear();
         self.sample_output_len.clear();
         self.sample_suppress_stop.clear();
+        self.sample_rows.clear();
+        self.sample_new_seat.clear();
+        self.freed_seats.clear();
+        self.first_scheduled.clear();
+        self.first_scheduled_cached.clear();
+        self.decode_only = false;
         self.preempted.clear();
         self.preempted_index.clear();
         self.num_prefill_tokens = 0;

@@ -8,7 +8,7 @@ from pathlib import Path
 import jax
 import pytest
 from kvpage import LLM, SamplingParams
-from kvpage.engine import LLMEngine
+from kvpage.engine import LLMEngine, _Sample
 from kvpage.engine_config import EngineConfig
 
 PROMPTS = [
@@ -280,9 +280,9 @@ def test_non_finite_logits_fail_only_that_request(llm: LLM) -> None:
 
         def result(self) -> object:
             out = self.pending.result()
-            bad = engine._requests["bad"].samples[0].slot
+            bad = engine._requests["bad"].handle
             out.logprobs = out.logprobs.copy()  # device_get arrays are read-only
-            out.logprobs[list(self.plan.sample_rows).index(bad)] = float("nan")
+            out.logprobs[list(self.plan.sample_request).index(bad)] = float("nan")
             return out
 
     def poisoned(plan: object) -> object:
@@ -297,4 +297,60 @@ def test_non_finite_logits_fail_only_that_request(llm: LLM) -> None:
     assert outputs["bad"].error and "non-finite" in outputs["bad"].error
     assert outputs["good"].error is None
     assert len(outputs["good"].outputs[0].token_ids) == 12
+    assert_all_blocks_back(engine)
+
+
+def test_seats_come_from_the_plan_and_the_engine_keeps_none(tiny_model_dir: Path) -> None:
+    """The scheduler owns seats (sampling-table rows): every sampled row's seat is
+    bound once per admission, loaded with ``set_request`` before its first step,
+    kept until freed, and never shared; preemption, n > 1, stop strings and aborts
+    included. The engine holds no seat state of its own."""
+    llm = make_llm(tiny_model_dir, num_gpu_blocks=10, max_model_len=64, max_num_seqs=4)
+    engine, runner = llm.engine, llm.engine.runner
+    owner: dict[int, tuple[int, int]] = {}
+    loaded: set[int] = set()
+    set_request, free_request, dispatch = runner.set_request, runner.free_request, runner.dispatch
+
+    def recording_set_request(seat: int, *args: object) -> None:
+        loaded.add(seat)
+        set_request(seat, *args)
+
+    def recording_free_request(seat: int) -> None:
+        assert seat in owner, f"seat {seat} freed but not held"
+        del owner[seat]
+        free_request(seat)
+
+    def recording_dispatch(plan: object, **kwargs: object) -> object:
+        seats = plan.sample_rows.tolist()
+        assert len(set(seats)) == len(seats), "a seat appears twice in one plan"
+        for seat, h, i, new in zip(
+            seats, plan.sample_request.tolist(), plan.sample_index.tolist(),
+            plan.sample_new_seat.tolist(), strict=True,
+        ):
+            if new:
+                assert seat not in owner, f"seat {seat} rebound before it was freed"
+                assert seat in loaded, f"seat {seat} dispatched before set_request"
+                owner[seat] = (h, i)
+            else:
+                assert owner[seat] == (h, i), "a sample changed seats without a new binding"
+        loaded.clear()
+        return dispatch(plan, **kwargs)
+
+    runner.set_request = recording_set_request
+    runner.free_request = recording_free_request
+    runner.dispatch = recording_dispatch
+    try:
+        params = SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=10, ignore_eos=True)
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"r{i}", prompt, params if i % 2 else GREEDY)
+        engine.step()
+        engine.step()
+        engine.abort_request("r0")
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        del runner.set_request, runner.free_request, runner.dispatch
+    assert engine.get_stats()["num_preemptions"] > 0
+    assert not any("slot" in name or "seat" in name for name in vars(engine))
+    assert not any("slot" in name or "seat" in name for name in _Sample.__slots__)
     assert_all_blocks_back(engine)

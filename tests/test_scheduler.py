@@ -35,7 +35,7 @@ def drain(sched: Scheduler, token: int = 7) -> dict[tuple[int, int], list[int]]:
         if not sched.has_unfinished_requests():
             return outputs
         plan = sched.schedule()
-        handles, samples, tokens, _, _ = sched.update(np.full(plan.num_sampled, token, np.int32))
+        handles, samples, tokens, _, _, _ = sched.update(np.full(plan.num_sampled, token, np.int32))
         for h, s, t in zip(handles.tolist(), samples.tolist(), tokens.tolist(), strict=True):
             outputs.setdefault((h, s), []).append(t)
         sched.check_invariants()
@@ -160,7 +160,7 @@ def test_stop_conditions_and_finish_codes() -> None:
     stop_id = sched.add_request([10, 11], max_tokens=9, stop_token_ids=[EOS])
     plan = sched.schedule()
     assert plan.sample_suppress_stop.tolist() == [False, True, False]
-    handles, _, tokens, codes, _ = sched.update(np.full(3, EOS, np.int32))
+    handles, _, tokens, codes, _, _ = sched.update(np.full(3, EOS, np.int32))
     finished = dict(zip(handles.tolist(), codes.tolist(), strict=True))
     assert finished[eos] == 1 and finished[stop_id] == 1 and finished[min_tok] == 0
     assert sched.finish_request(min_tok, "stop")

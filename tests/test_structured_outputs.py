@@ -5,6 +5,7 @@ offline ``LLM`` API: forks (n > 1), preemption, bad constraints, compile timeout
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -14,6 +15,7 @@ from typing import Any
 import jsonschema
 import pytest
 from kvpage import LLM, SamplingParams
+from kvpage.runner.step_plan import StepPlan
 from kvpage.structured_outputs import GuidedDecodingParams, StructuredOutputsParams
 from kvpage.structured_outputs.compiler import GrammarCompiler
 from random_schemas import random_schema
@@ -171,8 +173,10 @@ def test_overlapped_masks_sample_like_masks_in_the_plan(
     dispatch = runner.dispatch
 
     def fused(plan: Any, token_bitmask_fn: Any = None) -> Any:
-        if token_bitmask_fn is not None:
-            plan.token_bitmask = token_bitmask_fn()
+        if token_bitmask_fn is not None:  # the core's plan is frozen: the runner's part of it
+            fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(StepPlan)
+                      if f.name != "token_bitmask"}
+            plan = StepPlan(**fields, token_bitmask=token_bitmask_fn())
         return dispatch(plan)
 
     monkeypatch.setattr(runner, "dispatch", fused)

@@ -7,9 +7,24 @@ text, stop strings and ``RequestOutput``s.
     while engine.has_unfinished_requests():
         for out in engine.step(): ...
 
-Each sequence that samples owns a *slot* of the runner's device sampling
-table (its parameters, seed state and penalty history) from its first
-sampled row until it finishes or is preempted.
+Ownership (issue #17): the Rust scheduler owns every fact about a request's
+progress and the engine only reads them from the step plan and ``update``:
+
+- seats: each sequence that samples holds a *seat*, a row of the runner's device
+  sampling table (its parameters, seed state and penalty history), from its first
+  sampled row until it finishes or is preempted. The scheduler assigns and frees
+  seats; the plan carries each sampled row's seat (``sample_rows``), the rows whose
+  seat was just bound (``sample_new_seat``: the engine loads the sample's
+  parameters into it) and the seats freed since the last plan (``freed_seats``).
+  The engine keeps no seat state of its own.
+- finish codes and stop tokens: ``kvpage._core.FINISH_REASONS`` and ``update``'s
+  stop-token flag; the engine adds only what the scheduler cannot see (stop
+  strings, found in the text, and failures).
+- first schedules and prefix-cache hits: ``plan.first_scheduled`` /
+  ``first_scheduled_cached``; decode-only steps: ``plan.decode_only``.
+
+Ids: the engine maps ``request_id`` (str) to the scheduler's ``handle``; a sample is
+``(handle, sample index)``. The id spaces are documented in ``rust/request.rs``.
 """
 
 from __future__ import annotations
@@ -26,7 +41,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from kvpage._core import Detokenizer, Scheduler, TokenDecoder, detokenize_batch
+from kvpage._core import FINISH_REASONS, Detokenizer, Scheduler, TokenDecoder, detokenize_batch
 from kvpage.detokenizer import _PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer, rust_token_decoder
 from kvpage.engine_config import EngineConfig
 from kvpage.model.config import ModelConfig
@@ -35,11 +50,9 @@ from kvpage.model.loader import load_model
 from kvpage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvpage.prompt_logprobs import PromptLogprobsRecord, step_prompt_targets
 from kvpage.runner.model_runner import ModelRunner
-from kvpage.runner.step_plan import StepPlan as RunnerPlan
 from kvpage.sampling_params import SamplingParams
 from kvpage.structured_outputs.compiler import GrammarCompiler
 
-FINISH_REASONS = {1: "stop", 2: "length", 3: "abort", 4: "error"}
 logger = logging.getLogger("kvpage.engine")
 
 PromptType = str | dict[str, Any] | Sequence[int]
@@ -92,7 +105,6 @@ class _Sample:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    slot: int | None = None
     sent_tokens: int = 0
     detok_pos: int = 0
     versions: list[tuple[int, int]] = field(default_factory=list)
@@ -240,8 +252,6 @@ class LLMEngine:
         )
         self._requests: dict[str, _Request] = {}
         self._by_handle: dict[int, _Request] = {}
-        self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
-        self._slot_owner: dict[tuple[int, int], int] = {}
         self.params_version = 0
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
         self.finished_counts: dict[str, int] = {}
@@ -426,93 +436,97 @@ class LLMEngine:
         and a stop string costs at most one discarded token.
         """
         plan = self.scheduler.schedule()
-        now = time.monotonic()
-        for handle, index in zip(
-            plan.preempted.tolist(), plan.preempted_index.tolist(), strict=True
-        ):
-            self._release_slot(handle, index)
+        self._read_plan(plan)
         if plan.num_tokens == 0:
             self.scheduler.update(np.zeros(0, np.int32))
             return self._process_text(self._take_deferred())
-        for handle in set(plan.row_request.tolist()):
-            request = self._by_handle.get(handle)
-            if request is not None and request.metrics.first_scheduled_time is None:
-                request.metrics.first_scheduled_time = now
-                request.num_cached_tokens = self.scheduler.num_cached_tokens(handle) or 0
-        outputs: list[RequestOutput] = []
+        outputs: list[RequestOutput] = []  # the overlapped text of the last step, if any
         try:
-            rows = self._sample_slots(plan)
-            runner_plan = RunnerPlan(
-                token_ids=plan.token_ids,
-                positions=plan.positions,
-                slot_mapping=plan.slot_mapping,
-                cu_q_lens=plan.cu_q_lens,
-                kv_lens=plan.kv_lens,
-                block_tables=plan.block_tables,
-                logits_indices=plan.logits_indices,
-                sample_rows=rows,
-                copy_src=plan.copy_src,
-                copy_dst=plan.copy_dst,
-                num_seqs=plan.num_seqs,
-                num_tokens=plan.num_tokens,
-            )
-            scoring = self._scoring_rows(plan) if self._scoring else {}
-            targets = None
-            if scoring:
-                targets = step_prompt_targets(
-                    plan.num_tokens, plan.positions, plan.cu_q_lens, scoring
-                )
-            # Constrained rows: the runner enqueues the forward pass, then the Rust
-            # core computes the grammar masks (GIL released) while the device runs it.
-            constrained = bool(self._constrained) and self.scheduler.num_constrained_rows() > 0
-            extra: dict[str, Any] = {}
-            if constrained:
-                extra["token_bitmask_fn"] = self._token_bitmask
-            if targets is not None:
-                extra["prompt_targets"] = targets
-            # Plain steps call dispatch(plan) alone (test doubles take one argument).
-            pending = self.runner.dispatch(runner_plan, **extra)
-            if constrained and self.runner.last_bitmask_overlapped:
-                self.counters["structured_mask_hidden_steps"] += 1
-            dispatched = self.runner.last_enqueue_time  # the device is busy from here
-            if self._last_result_time is not None:
-                self.timing.record_host_gap(dispatched - self._last_result_time)
-            if self.config.overlap_host_work:
-                outputs = self._process_text(self._take_deferred())
-            out = pending.result()
-            self._last_result_time = time.perf_counter()
-            self.timing.record_step(self._last_result_time - dispatched)
-            if targets is not None:
-                self._record_prompt_scores(plan, scoring, out)
-            handles, samples, tokens, codes, event_rows = self.scheduler.update(
-                out.sampled_token_ids
-            )
-            self.counters["steps"] += 1
-            done = time.monotonic()
-            touched = self._deferred
-            for h, i, tok, code, row in zip(
-                handles.tolist(),
-                samples.tolist(),
-                tokens.tolist(),
-                codes.tolist(),
-                event_rows.tolist(),
-                strict=True,
-            ):
-                request = self._by_handle.get(h)
-                if request is None:
-                    continue
-                if not math.isfinite(out.logprobs[row]):  # NaN/inf logits: this request only
-                    touched.pop(h, None)
-                    message = "the model produced non-finite logits for this request"
-                    outputs.append(self._fail_request(request, message))
-                    # Its cached blocks may hold the bad values: never reuse them.
-                    self.scheduler.reset_prefix_cache()
-                elif self._record_token(request, i, tok, code, row, out, done):
-                    touched[h] = request
+            out = self._run(plan, outputs)
+            events = self.scheduler.update(out.sampled_token_ids)
+            outputs += self._record_events(events, out)
         except Exception as exc:  # one failed step fails its own requests only
             return outputs + self._fail_step(plan, exc)
         if not self.config.overlap_host_work:
             outputs += self._process_text(self._take_deferred())
+        return outputs
+
+    def _read_plan(self, plan: Any) -> None:
+        """The plan's facts for the engine: seats the scheduler freed since the last
+        plan, and requests scheduled for the first time (with their cache hits)."""
+        for seat in plan.freed_seats.tolist():
+            self.runner.free_request(seat)
+        if len(plan.first_scheduled):
+            now = time.monotonic()
+            for handle, cached in zip(
+                plan.first_scheduled.tolist(), plan.first_scheduled_cached.tolist(), strict=True
+            ):
+                request = self._by_handle.get(handle)
+                if request is not None:
+                    request.metrics.first_scheduled_time = now
+                    request.num_cached_tokens = cached
+
+    def _run(self, plan: Any, outputs: list[RequestOutput]) -> Any:
+        """Load newly bound seats, dispatch the plan, and wait for its sampled tokens;
+        with ``overlap_host_work`` the last step's text goes to ``outputs`` while the
+        device runs."""
+        self._bind_seats(plan)
+        scoring = self._scoring_rows(plan) if self._scoring else {}
+        targets = None
+        if scoring:
+            targets = step_prompt_targets(plan.num_tokens, plan.positions, plan.cu_q_lens, scoring)
+        # Constrained rows: the runner enqueues the forward pass, then the Rust
+        # core computes the grammar masks (GIL released) while the device runs it.
+        constrained = bool(self._constrained) and self.scheduler.num_constrained_rows() > 0
+        extra: dict[str, Any] = {}
+        if constrained:
+            extra["token_bitmask_fn"] = self._token_bitmask
+        if targets is not None:
+            extra["prompt_targets"] = targets
+        # Plain steps call dispatch(plan) alone (test doubles take one argument).
+        pending = self.runner.dispatch(plan, **extra)
+        if constrained and self.runner.last_bitmask_overlapped:
+            self.counters["structured_mask_hidden_steps"] += 1
+        dispatched = self.runner.last_enqueue_time  # the device is busy from here
+        if self._last_result_time is not None:
+            self.timing.record_host_gap(dispatched - self._last_result_time)
+        if self.config.overlap_host_work:
+            outputs += self._process_text(self._take_deferred())
+        out = pending.result()
+        self._last_result_time = time.perf_counter()
+        self.timing.record_step(self._last_result_time - dispatched)
+        if targets is not None:
+            self._record_prompt_scores(plan, scoring, out)
+        return out
+
+    def _record_events(self, events: tuple[np.ndarray, ...], out: Any) -> list[RequestOutput]:
+        """Append each sampled token to its sample (text comes later, in
+        ``_process_text``); returns the outputs of requests failed here."""
+        handles, samples, tokens, codes, rows, stop_tokens = events
+        self.counters["steps"] += 1
+        now = time.monotonic()
+        touched = self._deferred
+        outputs = []
+        for h, i, tok, code, row, stop_token in zip(
+            handles.tolist(),
+            samples.tolist(),
+            tokens.tolist(),
+            codes.tolist(),
+            rows.tolist(),
+            stop_tokens.tolist(),
+            strict=True,
+        ):
+            request = self._by_handle.get(h)
+            if request is None:
+                continue
+            if not math.isfinite(out.logprobs[row]):  # NaN/inf logits: this request only
+                touched.pop(h, None)
+                message = "the model produced non-finite logits for this request"
+                outputs.append(self._fail_request(request, message))
+                # Its cached blocks may hold the bad values: never reuse them.
+                self.scheduler.reset_prefix_cache()
+            elif self._record_token(request, i, tok, code, stop_token, row, out, now):
+                touched[h] = request
         return outputs
 
     def _scoring_rows(self, plan: Any) -> dict[int, PromptLogprobsRecord]:
@@ -639,45 +653,29 @@ class LLMEngine:
         if detok.stop_reason is not None and sample.stop_reason != detok.stop_reason:
             if sample.finish_reason is None:
                 self.scheduler.finish_sample(request.handle, sample.index, "stop")
-                self._release_slot(request.handle, sample.index)
             sample.finish_reason = "stop"
             sample.stop_reason = detok.stop_reason
             del sample.token_ids[sample.detok_pos :]
 
-    def _sample_slots(self, plan: Any) -> np.ndarray:
-        rows = np.empty(plan.num_sampled, np.int32)
-        for r, (h, i) in enumerate(
-            zip(plan.sample_request.tolist(), plan.sample_index.tolist(), strict=True)
-        ):
-            slot = self._slot_owner.get((h, i))
-            if slot is None:
-                slot = self._bind_slot(h, i)
-            rows[r] = slot
-        return rows
-
-    def _bind_slot(self, handle: int, index: int) -> int:
-        request = self._by_handle[handle]
-        sample = request.samples.get(index)
-        if sample is None:
-            sample = self._new_sample(request, index)
-        slot = self._free_slots.pop()
-        self._slot_owner[(handle, index)] = slot
-        sample.slot = slot
-        device_params = request.params.device_params(self.eos_token_ids)
-        if device_params.seed is not None and index > 0:
-            # Seeded samples of one request differ from each other but replay exactly.
-            device_params.seed = (device_params.seed * 0x9E3779B97F4A7C15 + index) % (1 << 63)
-        self.runner.set_request(slot, device_params, request.prompt_token_ids, sample.token_ids)
-        return slot
-
-    def _release_slot(self, handle: int, index: int) -> None:
-        slot = self._slot_owner.pop((handle, index), None)
-        if slot is not None:
-            self.runner.free_request(slot)
-            self._free_slots.append(slot)
-            request = self._by_handle.get(handle)
-            if request is not None and index in request.samples:
-                request.samples[index].slot = None
+    def _bind_seats(self, plan: Any) -> None:
+        """Load each newly bound seat of the plan with its sample's sampling
+        parameters and token history (the scheduler chose the seat)."""
+        if not plan.sample_new_seat.any():
+            return
+        for row in np.flatnonzero(plan.sample_new_seat).tolist():
+            handle, index = int(plan.sample_request[row]), int(plan.sample_index[row])
+            request = self._by_handle[handle]
+            sample = request.samples.get(index)
+            if sample is None:
+                sample = self._new_sample(request, index)
+            device_params = request.params.device_params(self.eos_token_ids)
+            if device_params.seed is not None and index > 0:
+                # Seeded samples of one request differ from each other but replay exactly.
+                device_params.seed = (device_params.seed * 0x9E3779B97F4A7C15 + index) % (1 << 63)
+            self.runner.set_request(
+                int(plan.sample_rows[row]), device_params, request.prompt_token_ids,
+                sample.token_ids,
+            )
 
     def _new_sample(self, request: _Request, index: int) -> _Sample:
         detok: IncrementalDetokenizer | Detokenizer | None = None
@@ -703,7 +701,15 @@ class LLMEngine:
         return sample
 
     def _record_token(
-        self, request: _Request, index: int, token: int, code: int, row: int, out: Any, now: float
+        self,
+        request: _Request,
+        index: int,
+        token: int,
+        code: int,
+        stop_token: bool,
+        row: int,
+        out: Any,
+        now: float,
     ) -> bool:
         """Append one sampled token (no text yet); False if the sample had
         already finished (a stop string found after this step was planned)."""
@@ -734,16 +740,13 @@ class LLMEngine:
         metrics.last_token_time = now
         if code:
             sample.finish_reason = FINISH_REASONS[code]
-            if code == 1 and token in request.params.stop_token_ids:
+            if stop_token:
                 sample.stop_reason = token
-            self._release_slot(request.handle, index)
         return True
 
     def _finish(self, request: _Request, reason: str | None) -> RequestOutput:
         request.finished = True
         request.metrics.finished_time = time.monotonic()
-        for sample in request.samples.values():
-            self._release_slot(request.handle, sample.index)
         self._requests.pop(request.request_id, None)
         self._by_handle.pop(request.handle, None)
         self._constrained.discard(request.handle)
@@ -824,7 +827,4 @@ class LLMEngine:
 
     def check_invariants(self) -> None:
         """Raise if the KV pool or scheduler state is inconsistent."""
-        self.scheduler.check_invariants()
-        live_slots = len(self._slot_owner)
-        if live_slots + len(self._free_slots) != self.config.max_num_seqs:
-            raise AssertionError("sampling slots leaked")
+        self.scheduler.check_invariants()  # seats included: the scheduler owns them

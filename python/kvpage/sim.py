@@ -116,7 +116,7 @@ def simulate(
                 [target_len[h] for h in plan.sample_request.tolist()], dtype=np.int64
             )
             sampled[plan.sample_output_len + 1 >= targets] = eos
-        handles, _, _, finish, _ = sched.update(sampled)
+        handles, _, _, finish, _, _ = sched.update(sampled)
         step += 1
         output_tokens += len(handles)
         for h, code in zip(handles.tolist(), finish.tolist(), strict=True):

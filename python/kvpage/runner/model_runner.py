@@ -694,6 +694,8 @@ class ModelRunner:
             raise ValueError("sample_rows and logits_indices differ in length")
         if len(plan.copy_src) != len(plan.copy_dst):
             raise ValueError("copy_src and copy_dst differ in length")
+        if plan.decode_only and not (t == s and np.all(np.diff(plan.cu_q_lens[: s + 1]) == 1)):
+            raise ValueError("decode_only plan has a row with other than one query token")
         limit_slot = self.kv_spec.scratch_slot
         if t and (plan.slot_mapping[:t].min() < 0 or plan.slot_mapping[:t].max() > limit_slot):
             raise ValueError("slot_mapping out of range")
@@ -779,11 +781,7 @@ class ModelRunner:
         # Sampled rows share the sequence bucket; with n > 1 there are more
         # sampled rows (one per forked sample) than sequence rows.
         t_pad, s_pad = self.padded_sizes(num_tokens, max(num_seqs, num_sampled))
-        decode_only = (
-            self.backend.decode_specialized
-            and num_tokens == num_seqs
-            and bool(np.all(np.diff(plan.cu_q_lens[: num_seqs + 1]) == 1))
-        )
+        decode_only = self.backend.decode_specialized and bool(plan.decode_only)
         fuse_copies = len(plan.copy_src) <= self.max_fused_copies
         if not fuse_copies:
             self.run_block_copies(plan.copy_src, plan.copy_dst)
