@@ -412,4 +412,4 @@ impl SeqDetokenizer {
 
 #[cfg(test)]
 #[path = "detokenizer_tests.rs"]
-mod tests;
+pub(crate) mod tests;

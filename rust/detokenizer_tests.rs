@@ -13,7 +13,7 @@ const ADDED: u32 = 301;
 const E_ACUTE: u32 = 259;
 
 /// Byte-level BPE: ids 0..=255 are the 256 byte characters, then words.
-fn byte_level_tokenizer() -> Tokenizer {
+pub(crate) fn byte_level_tokenizer() -> Tokenizer {
     let chars = byte_level_chars();
     let mut vocab: Vec<(String, u32)> = (0..=255u8)
         .map(|b| (chars[b as usize].to_string(), b as u32))

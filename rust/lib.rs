@@ -8,6 +8,7 @@
 //! - [`cpu_matmul`] + [`xla_ffi`]: linear layers of few rows (decode steps) on the host CPU.
 //! - [`parallel`]: where those kernels' parallel work runs (XLA's pool or scoped threads).
 //! - [`detokenizer`]: incremental detokenization and stop strings, all sequences per call.
+//! - [`output_streams`]: what each sample hands out (tokens, text, finish), three bulk calls a step.
 //!
 //! Everything here is plain Rust: `cargo test` and `cargo bench` need no
 //! Python. The PyO3 bindings (`kvpage._core`) live in [`python`] behind the
@@ -19,6 +20,7 @@ pub mod cpu_matmul;
 pub mod detokenizer;
 pub mod error;
 pub mod kv_cache;
+pub mod output_streams;
 pub mod parallel;
 pub mod prefix_cache;
 #[cfg(test)]
@@ -28,6 +30,8 @@ mod reference_model_tests;
 mod python;
 #[cfg(feature = "python")]
 mod python_detokenizer;
+#[cfg(feature = "python")]
+mod python_output_streams;
 
 pub use block_pool::{BlockId, BlockPool};
 pub use error::{KvError, KvResult};

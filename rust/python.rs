@@ -401,7 +401,7 @@ impl StepPlan {
     }
 }
 
-fn finish_reason_arg(reason: &str) -> PyResult<FinishReason> {
+pub(crate) fn finish_reason_arg(reason: &str) -> PyResult<FinishReason> {
     FinishReason::parse(reason).ok_or_else(|| {
         PyValueError::new_err(format!(
             "finish reason must be one of 'stop', 'length', 'abort', 'error'; got {reason:?}"
@@ -704,5 +704,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<GrammarVocab>()?;
     m.add_class::<Grammar>()?;
     crate::python_detokenizer::register(m)?;
+    crate::python_output_streams::register(m)?;
     Ok(())
 }

@@ -1,18 +1,25 @@
-"""The Rust detokenizer (``kvpage._core.Detokenizer``) against the Python one
-(``kvpage.detokenizer.IncrementalDetokenizer``): over random token streams on
+"""The Rust output streams (``kvpage._core.OutputStreams``, detokenizing in the
+Rust core) against their Python twin (``kvpage.output_streams``, detokenizing
+with ``kvpage.detokenizer.IncrementalDetokenizer``): over random token streams on
 real tokenizers -- byte-level BPE (the tiny model's and the default model's)
 and SentencePiece-style ones (byte fallback with a Strip decoder, and a
-Metaspace decoder) -- the text, every streamed delta, the stop decision and
-the tokens taken must be identical, one token at a time and in batches."""
+Metaspace decoder) -- in random chunks, every output (text or delta, tokens,
+finish and stop reasons), every stop decision and the tokens kept must be
+identical, in all three output modes."""
 
 from __future__ import annotations
 
 import random
 from typing import Any
 
+import numpy as np
 import pytest
-from kvpage._core import Detokenizer, TokenDecoder, detokenize_batch
-from kvpage.detokenizer import _PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer, rust_token_decoder
+from kvpage._core import FINISH_REASONS, OutputStreams, TokenDecoder
+from kvpage.detokenizer import _PROMPT_CONTEXT_TOKENS, rust_token_decoder
+from kvpage.output_streams import PythonOutputStreams
+from kvpage.outputs import CompletionOutput
+
+LENGTH = next(code for code, name in FINISH_REASONS.items() if name == "length")
 
 _TEXTS = [
     "Hello world! How are you today? I am fine, thanks.",
@@ -92,96 +99,103 @@ def _random_case(rng: random.Random, tokenizer: Any) -> dict[str, Any]:
     }
 
 
-def _pair(decoder: TokenDecoder, tokenizer: Any, case: dict[str, Any]) -> tuple[Any, Any]:
-    kwargs = {k: case[k] for k in ("include_stop_str_in_output", "skip_special_tokens")}
-    py = IncrementalDetokenizer(tokenizer, case["prompt"], stop=case["stop"], **kwargs)
-    rs = Detokenizer(decoder, case["prompt"][-_PROMPT_CONTEXT_TOKENS:], stop=list(case["stop"]),
-                     **kwargs)
-    return py, rs
+def _twins() -> tuple[Any, Any]:
+    return OutputStreams(CompletionOutput), PythonOutputStreams(CompletionOutput)
 
 
-def test_rust_decodes_windows_exactly_as_the_tokenizer(tokenizer: Any) -> None:
+def _add(streams: Any, handle: int, decoder: Any, case: dict[str, Any], mode: str) -> None:
+    streams.add_request(
+        handle, 1, mode, decoder=decoder, prompt_token_ids=case["prompt"][-_PROMPT_CONTEXT_TOKENS:],
+        stop=list(case["stop"]), include_stop_str_in_output=case["include_stop_str_in_output"],
+        skip_special_tokens=case["skip_special_tokens"],
+    )
+
+
+def _push(streams: Any, events: list[tuple[int, int, int]]) -> np.ndarray:
+    """Push ``(handle, token, finish code)`` events of sample 0, logprob -1 each."""
+    n = len(events)
+    return streams.push(
+        np.array([e[0] for e in events], np.uint64), np.zeros(n, np.int32),
+        np.array([e[1] for e in events], np.int32), np.array([e[2] for e in events], np.uint8),
+        np.zeros(n, bool), np.full(n, -1.0, np.float32), 1.5, 0,
+    )
+
+
+def _run_twins(
+    tokenizer: Any, cases: list[dict[str, Any]], rng: random.Random, mode: str
+) -> tuple[int, int]:
+    """Feed every case through the Rust output streams and the Python twin in random
+    chunks, taking outputs at random steps; every output must be identical.
+    Returns (outputs compared, samples a stop string finished)."""
     decoder = rust_token_decoder(tokenizer)
     assert decoder is not None
-    rng = random.Random(3)
-    backend = tokenizer.backend_tokenizer
-    for _ in range(300):
-        ids = [rng.randrange(len(tokenizer) + 3) for _ in range(rng.randint(0, 8))]
-        for skip in (True, False):
-            assert decoder.decode(ids, skip) == backend.decode(ids, skip_special_tokens=skip)
-
-
-def test_rust_streams_the_same_deltas_and_stops_as_python(tokenizer: Any) -> None:
-    decoder = rust_token_decoder(tokenizer)
-    assert decoder is not None
-    rng = random.Random(1)
-    stops_seen = 0
-    for _ in range(150):
-        case = _random_case(rng, tokenizer)
-        py, rs = _pair(decoder, tokenizer, case)
-        for token in case["stream"]:
-            py_done, rs_done = py.add_token(token), rs.add_token(token)
-            assert py_done == rs_done, case
-            finished = py_done or rng.random() < 0.05
-            assert py.take_delta(finished) == rs.take_delta(finished), case
-            assert (py.text, py.emitted, py.stop_reason) == (rs.text, rs.emitted, rs.stop_reason)
-            if py_done:
-                stops_seen += 1
-                break
-        assert py.take_delta(True) == rs.take_delta(True)
-    assert stops_seen > 10, "the stop strings must match sometimes for this test to mean anything"
-
-
-def test_batches_take_the_same_tokens_as_one_at_a_time(tokenizer: Any) -> None:
-    decoder = rust_token_decoder(tokenizer)
-    assert decoder is not None
-    rng = random.Random(2)
-    cases = [_random_case(rng, tokenizer) for _ in range(40)]
-    pairs = [_pair(decoder, tokenizer, case) for case in cases]
+    rust, python = _twins()
+    for handle, case in enumerate(cases):
+        _add(rust, handle, decoder, case, mode)
+        _add(python, handle, tokenizer, case, mode)
     fed = [0] * len(cases)
-    done = [False] * len(cases)
-    while not all(done):
-        batch, counts, tokens, owners = [], [], [], []
-        for i, case in enumerate(cases):
-            if done[i]:
-                continue
-            chunk = case["stream"][fed[i] : fed[i] + rng.randint(1, 4)]
-            if not chunk:
-                done[i] = True
-                continue
-            batch.append(pairs[i][1])
-            counts.append(len(chunk))
-            tokens += chunk
-            owners.append((i, chunk))
-        if not batch:
-            break
-        stopped = dict(detokenize_batch(batch, counts, tokens))
-        for j, (i, chunk) in enumerate(owners):
-            took = stopped.get(j, len(chunk))
-            py = pairs[i][0]
-            py_took = 0
-            for token in chunk:
-                if py.stop_reason is not None:
+    compared = stopped = 0
+    while len(rust):
+        events = []
+        for handle, case in enumerate(cases):
+            for token in case["stream"][fed[handle] : fed[handle] + rng.randint(0, 3)]:
+                fed[handle] += 1
+                last = fed[handle] == len(case["stream"])
+                events.append((handle, token, LENGTH if last else 0))
+                if last:
                     break
-                py.add_token(token)
-                py_took += 1
-            assert took == py_took
-            assert (j in stopped) == (py.stop_reason is not None)
-            fed[i] += len(chunk)
-            done[i] = done[i] or py.stop_reason is not None
-            assert pairs[i][1].text == py.text and pairs[i][1].stop_reason == py.stop_reason
-            assert pairs[i][1].take_delta(False) == py.take_delta(False)
+        if events:
+            np.testing.assert_array_equal(_push(rust, events), _push(python, events))
+        if rng.random() < 0.5 or not events:
+            rust_stops, python_stops = rust.detokenize(), python.detokenize()
+            assert rust_stops == python_stops
+            stopped += len(rust_stops)
+            got, want = rust.take_outputs(), python.take_outputs()
+            assert got == want
+            compared += len(got)
+        rust.check_invariants()
+        python.check_invariants()
+    assert len(python) == 0
+    return compared, stopped
 
 
-def test_batch_rejects_mismatched_counts(tokenizer: Any) -> None:
+@pytest.mark.parametrize("mode", ["delta", "cumulative", "final"])
+def test_rust_streams_the_same_outputs_as_python(tokenizer: Any, mode: str) -> None:
+    rng = random.Random(1)
+    cases = [_random_case(rng, tokenizer) for _ in range(60)]
+    compared, stopped = _run_twins(tokenizer, cases, rng, mode)
+    assert compared >= len(cases)
+    assert stopped > 5, "the stop strings must match sometimes for this test to mean anything"
+
+
+def test_one_request_at_a_time_matches_too(tokenizer: Any) -> None:
+    rng = random.Random(2)
+    for _ in range(40):
+        _run_twins(tokenizer, [_random_case(rng, tokenizer)], rng, "delta")
+
+
+def test_streams_refuse_bad_input_naming_it(tokenizer: Any) -> None:
     decoder = rust_token_decoder(tokenizer)
-    detok = Detokenizer(decoder, [])
-    with pytest.raises(ValueError, match="one count per"):
-        detokenize_batch([detok], [2], [5])
-    with pytest.raises(ValueError, match="one count per"):
-        detokenize_batch([detok], [], [])
-
-
+    for streams, dec in zip(_twins(), (decoder, tokenizer), strict=True):
+        streams.add_request(1, 1, "delta", decoder=dec)
+        with pytest.raises(ValueError, match="already has output streams"):
+            streams.add_request(1, 1, "delta")
+        with pytest.raises(ValueError, match="output mode"):
+            streams.add_request(2, 1, "sometimes")
+        with pytest.raises(ValueError, match="at least one sample"):
+            streams.add_request(3, 0, "delta")
+        with pytest.raises(ValueError, match="stop strings must not be empty"):
+            streams.add_request(4, 1, "delta", decoder=dec, stop=[""])
+        with pytest.raises(ValueError, match="sample index 3"):
+            streams.push(
+                np.array([1], np.uint64), np.array([3], np.int32), np.array([5], np.int32),
+                np.zeros(1, np.uint8), np.zeros(1, bool), np.zeros(1, np.float32), 0.0, 0,
+            )
+    with pytest.raises(ValueError, match="one sample index, token"):
+        _twins()[0].push(
+            np.array([1], np.uint64), np.zeros(1, np.int32), np.zeros(0, np.int32),
+            np.zeros(1, np.uint8), np.zeros(1, bool), np.zeros(1, np.float32), 0.0, 0,
+        )
 def test_tokenizers_the_rust_core_cannot_match_stay_in_python() -> None:
     class Slow:
         def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

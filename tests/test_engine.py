@@ -8,7 +8,7 @@ from pathlib import Path
 import jax
 import pytest
 from kvpage import LLM, SamplingParams
-from kvpage.engine import LLMEngine, _Sample
+from kvpage.engine import LLMEngine, _Request
 from kvpage.engine_config import EngineConfig
 
 PROMPTS = [
@@ -352,5 +352,63 @@ def test_seats_come_from_the_plan_and_the_engine_keeps_none(tiny_model_dir: Path
         del runner.set_request, runner.free_request, runner.dispatch
     assert engine.get_stats()["num_preemptions"] > 0
     assert not any("slot" in name or "seat" in name for name in vars(engine))
-    assert not any("slot" in name or "seat" in name for name in _Sample.__slots__)
+    assert not any("slot" in name or "seat" in name for name in _Request.__slots__)
     assert_all_blocks_back(engine)
+
+
+def _stream_all(engine: LLMEngine, params: list[SamplingParams], delta: bool) -> dict:
+    """Every output of every request, stepped to the end: request id -> outputs."""
+    for i, (prompt, p) in enumerate(zip(PROMPTS, params, strict=True)):
+        engine.add_request(f"t{i}", prompt, p, delta=delta)
+    seen: dict = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).append(
+                (out.finished, [
+                    (c.index, c.text, list(c.token_ids), c.finish_reason, c.stop_reason,
+                     # (rounded: a prefix-cache hit may move logits by float noise)
+                     None if c.cumulative_logprob is None else round(c.cumulative_logprob, 3),
+                     None if c.logprobs is None else len(c.logprobs))
+                    for c in out.outputs
+                ])
+            )
+    return seen
+
+
+def test_python_detokenization_streams_the_same_outputs_as_the_rust_core(llm: LLM) -> None:
+    """Tokenizers the Rust core cannot load stream through the Python twin of the
+    output streams: same deltas, tokens, stop strings, logprobs, samples."""
+    engine = llm.engine
+    free = llm.generate(["Hello world"], GREEDY, use_tqdm=False)[0].outputs[0].text
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=10, stop=[free[4:6]]),
+        SamplingParams(temperature=0.8, seed=5, n=2, max_tokens=8, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, stop=["e", "a"]),
+        GREEDY,
+    ]
+    for delta in (True, False):
+        rust = _stream_all(engine, params, delta)
+        engine.rust_detokenization = False
+        try:
+            python = _stream_all(engine, params, delta)
+            assert engine._python_streams is not None and len(engine._python_streams) == 0
+        finally:
+            engine.rust_detokenization = True
+        assert {k.replace("t", ""): v for k, v in rust.items()} == {
+            k.replace("t", ""): v for k, v in python.items()
+        }
+    assert_all_blocks_back(engine)
+
+
+def test_streamed_logprobs_add_up_to_the_final_ones(llm: LLM) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    engine = llm.engine
+    engine.add_request("lp", PROMPTS[0], params, delta=True)
+    ids, logprobs = [], []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            ids += out.outputs[0].token_ids
+            logprobs += out.outputs[0].logprobs
+            assert len(out.outputs[0].logprobs) == len(out.outputs[0].token_ids)
+    final = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
+    assert ids == final.token_ids and logprobs == final.logprobs

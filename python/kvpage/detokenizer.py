@@ -42,7 +42,7 @@ def _fast_decoder(tokenizer: Decoder) -> Decoder:
 
 
 def rust_token_decoder(tokenizer: object) -> TokenDecoder | None:
-    """The Rust core's decoder for ``tokenizer`` (``kvpage._core.Detokenizer``
+    """The Rust core's decoder for ``tokenizer`` (``kvpage._core.OutputStreams``
     then produces exactly this module's text, for all samples of a step in one
     call), or None when only :class:`IncrementalDetokenizer` can: a tokenizer
     without a ``tokenizers`` backend, or one whose Python wrapper cleans up

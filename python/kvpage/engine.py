@@ -20,6 +20,12 @@ progress and the engine only reads them from the step plan and ``update``:
 - finish codes and stop tokens: ``kvpage._core.FINISH_REASONS`` and ``update``'s
   stop-token flag; the engine adds only what the scheduler cannot see (stop
   strings, found in the text, and failures).
+- what a client is handed: the Rust core's ``OutputStreams`` (``rust/output_streams.rs``)
+  own each sample's output tokens, text, stop strings, cumulative logprob, finish
+  and what was already sent. The engine feeds them the scheduler's update events,
+  asks for text and stop strings, and takes the new outputs: three calls a step,
+  no token handled one at a time in Python (only top-k logprob dicts, for the
+  requests that ask for them).
 - first schedules and prefix-cache hits: ``plan.first_scheduled`` /
   ``first_scheduled_cached``; decode-only steps: ``plan.decode_only``.
 
@@ -30,7 +36,6 @@ Ids: the engine maps ``request_id`` (str) to the scheduler's ``handle``; a sampl
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Sequence
@@ -41,12 +46,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from kvpage._core import FINISH_REASONS, Detokenizer, Scheduler, TokenDecoder, detokenize_batch
-from kvpage.detokenizer import _PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer, rust_token_decoder
+from kvpage._core import OutputStreams, Scheduler, TokenDecoder
+from kvpage.detokenizer import _PROMPT_CONTEXT_TOKENS, rust_token_decoder
 from kvpage.engine_config import EngineConfig
 from kvpage.model.config import ModelConfig
 from kvpage.model.gguf_loader import is_gguf, load_gguf
 from kvpage.model.loader import load_model
+from kvpage.output_streams import OutputTuple, PythonOutputStreams
 from kvpage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvpage.prompt_logprobs import PromptLogprobsRecord, step_prompt_targets
 from kvpage.runner.model_runner import ModelRunner
@@ -97,20 +103,6 @@ class QueueFullError(RuntimeError):
 
 
 @dataclass(slots=True)
-class _Sample:
-    index: int
-    detok: IncrementalDetokenizer | Detokenizer | None
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, Logprob]] | None = None
-    cumulative_logprob: float = 0.0
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    sent_tokens: int = 0
-    detok_pos: int = 0
-    versions: list[tuple[int, int]] = field(default_factory=list)
-
-
-@dataclass(slots=True)
 class _Request:
     request_id: str
     handle: int
@@ -118,9 +110,13 @@ class _Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     metrics: RequestMetrics
+    streams: OutputStreams | PythonOutputStreams
+    """The output streams holding this request's samples."""
     delta: bool
-    final_only: bool = False
-    samples: dict[int, _Sample] = field(default_factory=dict)
+    logprobs: dict[int, list[dict[int, Logprob]]] | None = None
+    """Per sample index, each output token's logprob dict (with ``params.logprobs``)."""
+    logprobs_sent: dict[int, int] = field(default_factory=dict)
+    """Per sample index, logprob dicts already handed out (delta outputs)."""
     finished: bool = False
     error: str | None = None
     num_cached_tokens: int = 0
@@ -232,7 +228,9 @@ class LLMEngine:
         )
         self.eos_token_ids = _merge_eos_ids(model_config, model_dir, tokenizer)
         self.rust_detokenization = True
-        """Detokenize in the Rust core when it can load the tokenizer (False: in Python)."""
+        """Stream outputs through the Rust core's ``OutputStreams`` when it can load the
+        tokenizer (False: through their Python twin, ``kvpage.output_streams``); read when
+        a request is added."""
         # Loaded now (~0.5 s for a 49k vocabulary), not on the first request.
         self._token_decoder: tuple[Any, TokenDecoder | None] = (
             tokenizer,
@@ -255,7 +253,10 @@ class LLMEngine:
         self.params_version = 0
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
         self.finished_counts: dict[str, int] = {}
-        self._deferred: dict[int, _Request] = {}
+        self._streams = OutputStreams(CompletionOutput)
+        self._python_streams: PythonOutputStreams | None = None
+        """Streams of requests whose tokenizer the Rust core cannot load."""
+        self._logprob_handles: set[int] = set()  # requests that asked for logprobs
         self._scoring: dict[int, _Request] = {}  # requests whose prompt is being scored
         self._private_salts = 0
         self._last_result_time: float | None = None
@@ -393,7 +394,11 @@ class LLMEngine:
             self.scheduler.set_grammar(handle, grammar)
             self._constrained.add(handle)
         metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic())
-        request = _Request(request_id, handle, text, ids, params, metrics, delta, final_only)
+        streams = self._add_streams(handle, ids, params, delta=delta, final_only=final_only)
+        request = _Request(request_id, handle, text, ids, params, metrics, streams, delta)
+        if params.logprobs is not None:
+            request.logprobs = {}
+            self._logprob_handles.add(handle)
         self._requests[request_id] = request
         self._by_handle[handle] = request
         if params.prompt_logprobs is not None:
@@ -411,12 +416,7 @@ class LLMEngine:
             if request is None:
                 continue
             self.scheduler.abort_request(request.handle)
-            for sample in request.samples.values():
-                self._detokenize(request, sample)
-            for sample in request.samples.values():
-                if sample.finish_reason is None:
-                    sample.finish_reason = "abort"
-            outputs.append(self._finish(request, "abort"))
+            outputs.append(self._end_request(request, "abort"))
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -439,7 +439,7 @@ class LLMEngine:
         self._read_plan(plan)
         if plan.num_tokens == 0:
             self.scheduler.update(np.zeros(0, np.int32))
-            return self._process_text(self._take_deferred())
+            return self._process_text()
         outputs: list[RequestOutput] = []  # the overlapped text of the last step, if any
         try:
             out = self._run(plan, outputs)
@@ -448,7 +448,7 @@ class LLMEngine:
         except Exception as exc:  # one failed step fails its own requests only
             return outputs + self._fail_step(plan, exc)
         if not self.config.overlap_host_work:
-            outputs += self._process_text(self._take_deferred())
+            outputs += self._process_text()
         return outputs
 
     def _read_plan(self, plan: Any) -> None:
@@ -491,7 +491,7 @@ class LLMEngine:
         if self._last_result_time is not None:
             self.timing.record_host_gap(dispatched - self._last_result_time)
         if self.config.overlap_host_work:
-            outputs += self._process_text(self._take_deferred())
+            outputs += self._process_text()
         out = pending.result()
         self._last_result_time = time.perf_counter()
         self.timing.record_step(self._last_result_time - dispatched)
@@ -500,34 +500,51 @@ class LLMEngine:
         return out
 
     def _record_events(self, events: tuple[np.ndarray, ...], out: Any) -> list[RequestOutput]:
-        """Append each sampled token to its sample (text comes later, in
-        ``_process_text``); returns the outputs of requests failed here."""
+        """Hand the step's sampled tokens to the output streams (text comes later,
+        in ``_process_text``); returns the outputs of requests failed here."""
         handles, samples, tokens, codes, rows, stop_tokens = events
         self.counters["steps"] += 1
-        now = time.monotonic()
-        touched = self._deferred
+        logprobs = np.asarray(out.logprobs, np.float32)[rows]
         outputs = []
-        for h, i, tok, code, row, stop_token in zip(
-            handles.tolist(),
-            samples.tolist(),
-            tokens.tolist(),
-            codes.tolist(),
-            rows.tolist(),
-            stop_tokens.tolist(),
-            strict=True,
-        ):
-            request = self._by_handle.get(h)
-            if request is None:
-                continue
-            if not math.isfinite(out.logprobs[row]):  # NaN/inf logits: this request only
-                touched.pop(h, None)
-                message = "the model produced non-finite logits for this request"
-                outputs.append(self._fail_request(request, message))
-                # Its cached blocks may hold the bad values: never reuse them.
-                self.scheduler.reset_prefix_cache()
-            elif self._record_token(request, i, tok, code, stop_token, row, out, now):
-                touched[h] = request
+        finite = np.isfinite(logprobs)
+        if not finite.all():  # NaN/inf logits: fail those requests only
+            message = "the model produced non-finite logits for this request"
+            for handle in dict.fromkeys(handles[~finite].tolist()):
+                request = self._by_handle.get(handle)
+                if request is not None:
+                    outputs.append(self._fail_request(request, message))
+            # Their cached blocks may hold the bad values: never reuse them.
+            self.scheduler.reset_prefix_cache()
+        now = time.monotonic()
+        step = (handles, samples, tokens, codes, stop_tokens, logprobs, now, self.params_version)
+        accepted = self._streams.push(*step)  # a failed request's streams are gone
+        if self._python_streams:
+            accepted |= self._python_streams.push(*step)
+        self.counters["generation_tokens"] += int(np.count_nonzero(accepted))
+        if self._logprob_handles:
+            self._record_logprobs(handles, samples, tokens, rows, accepted, out)
         return outputs
+
+    def _record_logprobs(
+        self, handles: np.ndarray, samples: np.ndarray, tokens: np.ndarray, rows: np.ndarray,
+        accepted: np.ndarray, out: Any,
+    ) -> None:
+        """Each accepted token's logprob dict, for the requests that asked for them."""
+        wanted = accepted & np.isin(handles, np.fromiter(self._logprob_handles, np.uint64))
+        for e in np.flatnonzero(wanted).tolist():
+            request = self._by_handle[int(handles[e])]
+            row, token = int(rows[e]), int(tokens[e])
+            entry = {token: Logprob(float(out.logprobs[row]), int(out.ranks[row]))}
+            k = request.params.logprobs or 0
+            if k and out.top_token_ids is not None:
+                top = zip(
+                    out.top_token_ids[row][:k].tolist(), out.top_logprobs[row][:k].tolist(),
+                    strict=True,
+                )
+                for rank, (tid, lp) in enumerate(top, start=1):
+                    entry.setdefault(int(tid), Logprob(float(lp), rank))
+            assert request.logprobs is not None
+            request.logprobs.setdefault(int(samples[e]), []).append(entry)
 
     def _scoring_rows(self, plan: Any) -> dict[int, PromptLogprobsRecord]:
         """Plan rows whose request still has prompt tokens to score."""
@@ -574,38 +591,29 @@ class LLMEngine:
     def _fail_request(self, request: _Request, message: str) -> RequestOutput:
         """Finish every sample of one request with an error; blocks return."""
         self.scheduler.finish_request(request.handle, "error")
-        for sample in request.samples.values():
-            sample.finish_reason = sample.finish_reason or "error"
         request.error = message
-        return self._finish(request, "error")
+        return self._end_request(request, "error")
 
-    def _take_deferred(self) -> dict[int, _Request]:
-        deferred, self._deferred = self._deferred, {}
-        return deferred
-
-    def _process_text(self, touched: dict[int, _Request]) -> list[RequestOutput]:
-        """Detokenize new tokens, apply stop strings, build the outputs."""
+    def _process_text(self) -> list[RequestOutput]:
+        """Text and stop strings of every new token, then the outputs of every
+        request that progressed: one call each into the output streams."""
         outputs = []
-        # Requests aborted meanwhile are skipped: their output was already returned.
-        live = [r for h, r in touched.items() if self._by_handle.get(h) is r]
-        for request, sample in self._detokenize_batch(live):
-            self._detokenize(request, sample)
-        for request in live:
-            samples = request.samples
-            if len(samples) == request.params.n and all(
-                s.finish_reason is not None for s in samples.values()
-            ):
-                outputs.append(self._finish(request, None))
-            elif not request.final_only:
-                outputs.append(self._make_output(request))
+        for streams in (self._streams, self._python_streams):
+            if not streams:
+                continue
+            for handle, index in streams.detokenize():
+                self.scheduler.finish_sample(handle, index, "stop")
+            for taken in streams.take_outputs():
+                outputs.append(self._output(self._by_handle[taken[0]], taken))
         return outputs
 
     @property
     def token_decoder(self) -> TokenDecoder | None:
         """The Rust decoder of ``self.tokenizer`` (reloaded if the tokenizer is
-        replaced): new samples are detokenized by the Rust core, every sample
-        of a step in one call. None: in Python (:class:`IncrementalDetokenizer`),
-        for tokenizers the Rust core cannot load, or ``rust_detokenization`` off."""
+        replaced): new requests stream through the Rust core's output streams, every
+        sample of a step in one call. None: through their Python twin
+        (:class:`PythonOutputStreams`), for tokenizers the Rust core cannot load, or
+        with ``rust_detokenization`` off."""
         if not self.rust_detokenization or self.tokenizer is None:
             return None
         source, decoder = self._token_decoder
@@ -613,49 +621,6 @@ class LLMEngine:
             decoder = rust_token_decoder(self.tokenizer)
             self._token_decoder = (self.tokenizer, decoder)
         return decoder
-
-    def _detokenize_batch(self, requests: list[_Request]) -> list[tuple[_Request, _Sample]]:
-        """Feed every Rust-detokenized sample's new tokens in one call. Returns
-        the samples ``_detokenize`` must still see: those that met a stop
-        string, and those detokenized in Python."""
-        rest: list[tuple[_Request, _Sample]] = []
-        detoks: list[Detokenizer] = []
-        counts: list[int] = []
-        tokens: list[int] = []
-        fed: list[tuple[_Request, _Sample, int]] = []
-        for request in requests:
-            for sample in request.samples.values():
-                detok, pos, end = sample.detok, sample.detok_pos, len(sample.token_ids)
-                if pos == end or detok is None:
-                    continue
-                if type(detok) is not Detokenizer:
-                    rest.append((request, sample))
-                    continue
-                detoks.append(detok)
-                counts.append(end - pos)
-                tokens += sample.token_ids[pos:]
-                fed.append((request, sample, pos))
-                sample.detok_pos = end
-        if detoks:
-            for i, taken in detokenize_batch(detoks, counts, tokens):
-                request, sample, pos = fed[i]
-                sample.detok_pos = pos + taken
-                rest.append((request, sample))
-        return rest
-
-    def _detokenize(self, request: _Request, sample: _Sample) -> None:
-        detok = sample.detok
-        if detok is None:
-            return
-        while sample.detok_pos < len(sample.token_ids) and detok.stop_reason is None:
-            detok.add_token(sample.token_ids[sample.detok_pos])
-            sample.detok_pos += 1
-        if detok.stop_reason is not None and sample.stop_reason != detok.stop_reason:
-            if sample.finish_reason is None:
-                self.scheduler.finish_sample(request.handle, sample.index, "stop")
-            sample.finish_reason = "stop"
-            sample.stop_reason = detok.stop_reason
-            del sample.token_ids[sample.detok_pos :]
 
     def _bind_seats(self, plan: Any) -> None:
         """Load each newly bound seat of the plan with its sample's sampling
@@ -665,122 +630,58 @@ class LLMEngine:
         for row in np.flatnonzero(plan.sample_new_seat).tolist():
             handle, index = int(plan.sample_request[row]), int(plan.sample_index[row])
             request = self._by_handle[handle]
-            sample = request.samples.get(index)
-            if sample is None:
-                sample = self._new_sample(request, index)
+            tokens = self.scheduler.sample_tokens(handle, index)
             device_params = request.params.device_params(self.eos_token_ids)
             if device_params.seed is not None and index > 0:
                 # Seeded samples of one request differ from each other but replay exactly.
                 device_params.seed = (device_params.seed * 0x9E3779B97F4A7C15 + index) % (1 << 63)
             self.runner.set_request(
                 int(plan.sample_rows[row]), device_params, request.prompt_token_ids,
-                sample.token_ids,
+                tokens[len(request.prompt_token_ids) :],
             )
 
-    def _new_sample(self, request: _Request, index: int) -> _Sample:
-        detok: IncrementalDetokenizer | Detokenizer | None = None
-        token_decoder = self.token_decoder
-        if token_decoder is not None:
-            detok = Detokenizer(
-                token_decoder,
-                request.prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:],
-                stop=list(request.params.stop_strings),
-                include_stop_str_in_output=request.params.include_stop_str_in_output,
-                skip_special_tokens=request.params.skip_special_tokens,
-            )
-        elif self.tokenizer is not None:
-            detok = IncrementalDetokenizer(
-                self.tokenizer,
-                request.prompt_token_ids,
-                stop=request.params.stop_strings,
-                include_stop_str_in_output=request.params.include_stop_str_in_output,
-                skip_special_tokens=request.params.skip_special_tokens,
-            )
-        sample = _Sample(index, detok, logprobs=[] if request.params.logprobs is not None else None)
-        request.samples[index] = sample
-        return sample
+    def _add_streams(
+        self, handle: int, prompt: list[int], params: SamplingParams, *, delta: bool,
+        final_only: bool,
+    ) -> OutputStreams | PythonOutputStreams:
+        """Open the request's output streams: in the Rust core, unless its tokenizer
+        can only detokenize in Python."""
+        mode = "final" if final_only else "delta" if delta else "cumulative"
+        decoder: Any = self.token_decoder
+        streams: OutputStreams | PythonOutputStreams = self._streams
+        if decoder is None and self.tokenizer is not None:
+            if self._python_streams is None:
+                self._python_streams = PythonOutputStreams(CompletionOutput)
+            streams, decoder = self._python_streams, self.tokenizer
+        text = {}
+        if decoder is not None:
+            text = {
+                "decoder": decoder,
+                "prompt_token_ids": prompt[-_PROMPT_CONTEXT_TOKENS:],
+                "stop": list(params.stop_strings),
+                "include_stop_str_in_output": params.include_stop_str_in_output,
+                "skip_special_tokens": params.skip_special_tokens,
+            }
+        streams.add_request(handle, params.n, mode, logprobs=params.logprobs is not None, **text)
+        return streams
 
-    def _record_token(
-        self,
-        request: _Request,
-        index: int,
-        token: int,
-        code: int,
-        stop_token: bool,
-        row: int,
-        out: Any,
-        now: float,
-    ) -> bool:
-        """Append one sampled token (no text yet); False if the sample had
-        already finished (a stop string found after this step was planned)."""
-        sample = request.samples.get(index) or self._new_sample(request, index)
-        if sample.finish_reason is not None:
-            return False
-        if not sample.versions or sample.versions[-1][1] != self.params_version:
-            sample.versions.append((len(sample.token_ids), self.params_version))
-        sample.token_ids.append(token)
-        self.counters["generation_tokens"] += 1
-        logprob = float(out.logprobs[row])
-        sample.cumulative_logprob += logprob
-        if sample.logprobs is not None:
-            entry = {token: Logprob(logprob, int(out.ranks[row]))}
-            k = request.params.logprobs or 0
-            if k and out.top_token_ids is not None:
-                top = zip(
-                    out.top_token_ids[row][:k].tolist(),
-                    out.top_logprobs[row][:k].tolist(),
-                    strict=True,
-                )
-                for rank, (tid, lp) in enumerate(top, start=1):
-                    entry.setdefault(int(tid), Logprob(float(lp), rank))
-            sample.logprobs.append(entry)
+    def _end_request(self, request: _Request, reason: str) -> RequestOutput:
+        """The last output of a request ended from outside (abort, error)."""
+        request.streams.finish_request(request.handle, reason)
+        taken = request.streams.take_request(request.handle)
+        assert taken is not None and taken[1], "a live request has streams"
+        return self._output(request, taken)
+
+    def _output(self, request: _Request, taken: OutputTuple) -> RequestOutput:
+        """A ``RequestOutput`` from what the request's streams handed out."""
+        _, done, first_token_time, last_token_time, completions = taken
         metrics = request.metrics
-        if metrics.first_token_time is None:
-            metrics.first_token_time = now
-        metrics.last_token_time = now
-        if code:
-            sample.finish_reason = FINISH_REASONS[code]
-            if stop_token:
-                sample.stop_reason = token
-        return True
-
-    def _finish(self, request: _Request, reason: str | None) -> RequestOutput:
-        request.finished = True
-        request.metrics.finished_time = time.monotonic()
-        self._requests.pop(request.request_id, None)
-        self._by_handle.pop(request.handle, None)
-        self._constrained.discard(request.handle)
-        self._scoring.pop(request.handle, None)
-        for sample in request.samples.values():
-            key = sample.finish_reason or reason or "abort"
-            self.finished_counts[key] = self.finished_counts.get(key, 0) + 1
-        return self._make_output(request)
-
-    def _make_output(self, request: _Request) -> RequestOutput:
-        completions = []
-        for index in sorted(request.samples):
-            s = request.samples[index]
-            finished = s.finish_reason is not None
-            if request.delta:
-                text = s.detok.take_delta(finished) if s.detok else ""
-                ids = s.token_ids[s.sent_tokens :]
-                logprobs = s.logprobs[s.sent_tokens :] if s.logprobs is not None else None
-                s.sent_tokens = len(s.token_ids)
-            else:
-                text = s.detok.text if s.detok else ""
-                ids, logprobs = list(s.token_ids), s.logprobs
-            completions.append(
-                CompletionOutput(
-                    index=index,
-                    text=text,
-                    token_ids=ids,
-                    cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
-                    logprobs=logprobs,
-                    finish_reason=s.finish_reason,
-                    stop_reason=s.stop_reason,
-                    params_versions=list(s.versions),
-                )
-            )
+        metrics.first_token_time = first_token_time
+        metrics.last_token_time = last_token_time
+        if request.logprobs is not None:
+            self._attach_logprobs(request, completions)
+        if done:
+            self._retire(request, completions)
         prompt_logprobs = None
         scores = request.prompt_scores
         if scores is not None and scores.complete:
@@ -788,16 +689,33 @@ class LLMEngine:
                 prompt_logprobs = scores.build()
             request.prompt_logprobs_sent = True
         return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=completions,
-            finished=request.finished,
-            metrics=request.metrics,
-            num_cached_tokens=request.num_cached_tokens,
-            error=request.error,
-            prompt_logprobs=prompt_logprobs,
+            request.request_id, request.prompt, request.prompt_token_ids, completions, done,
+            metrics, request.num_cached_tokens, request.error, prompt_logprobs,
         )
+
+    @staticmethod
+    def _attach_logprobs(request: _Request, completions: list[CompletionOutput]) -> None:
+        """Each completion's logprob dicts, for the tokens it carries."""
+        assert request.logprobs is not None
+        for completion in completions:
+            entries = request.logprobs.get(completion.index, [])
+            start = request.logprobs_sent.get(completion.index, 0) if request.delta else 0
+            end = start + len(completion.token_ids)
+            completion.logprobs = entries[start:end]
+            request.logprobs_sent[completion.index] = end
+
+    def _retire(self, request: _Request, completions: list[CompletionOutput]) -> None:
+        """Forget a request whose last output is being made."""
+        request.finished = True
+        request.metrics.finished_time = time.monotonic()
+        self._requests.pop(request.request_id, None)
+        self._by_handle.pop(request.handle, None)
+        self._constrained.discard(request.handle)
+        self._scoring.pop(request.handle, None)
+        self._logprob_handles.discard(request.handle)
+        for completion in completions:
+            key = completion.finish_reason or "abort"
+            self.finished_counts[key] = self.finished_counts.get(key, 0) + 1
 
     # ---- live weights ---------------------------------------------------
 

@@ -409,7 +409,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--repeats", type=int, default=3,
                    help="runs per configuration, each on a fresh engine; the fastest is shown")
     p.add_argument("--python-detokenizer", action="store_true",
-                   help="detokenize in Python (kvpage.detokenizer), not in the Rust core")
+                   help="stream outputs through the Python twin of the output streams "
+                        "(kvpage.output_streams), not the Rust core")
     p.add_argument("--no-gc-freeze", action="store_true",
                    help="leave the startup heap to the garbage collector (no gc.freeze)")
     p.add_argument("--constrained-fraction", type=float, default=0.0,

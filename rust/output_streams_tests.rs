@@ -1,0 +1,381 @@
+//! Unit and seeded randomized tests of the output streams, on the byte-level
+//! BPE tokenizer of the detokenizer's tests (ids 0..=255 are bytes).
+
+use super::*;
+use crate::detokenizer::tests::byte_level_tokenizer;
+use crate::test_rng::SplitMix64;
+
+const HELLO: u32 = 256; // " hello"
+const WORLD: u32 = 257; // " world"
+
+fn decoder() -> Arc<TokenDecoder> {
+    Arc::new(TokenDecoder::new(byte_level_tokenizer()))
+}
+
+fn spec(stops: &[&str]) -> TextSpec {
+    TextSpec {
+        decoder: decoder(),
+        prompt_token_ids: vec![b'A' as u32],
+        stops: stops.iter().map(|s| s.to_string()).collect(),
+        include_stop: false,
+        skip_special: true,
+    }
+}
+
+/// Push one event per `(handle, sample, token, finish code)`, logprob -0.5 each.
+fn push(streams: &mut OutputStreams, events: &[(u64, u32, u32, u8)]) -> Vec<bool> {
+    let handles: Vec<u64> = events.iter().map(|e| e.0).collect();
+    let samples: Vec<u32> = events.iter().map(|e| e.1).collect();
+    let tokens: Vec<u32> = events.iter().map(|e| e.2).collect();
+    let codes: Vec<u8> = events.iter().map(|e| e.3).collect();
+    let flags = vec![false; events.len()];
+    let logprobs = vec![-0.5f32; events.len()];
+    let mut accepted = Vec::new();
+    streams
+        .push(
+            PushedTokens {
+                handles: &handles,
+                sample_indices: &samples,
+                tokens: &tokens,
+                finish_codes: &codes,
+                stop_tokens: &flags,
+                logprobs: &logprobs,
+            },
+            1.0,
+            0,
+            &mut accepted,
+        )
+        .expect("valid push");
+    accepted
+}
+
+/// `(handle, done, [(index, text, tokens, finish)])` of every output taken.
+type Taken = Vec<(
+    u64,
+    bool,
+    Vec<(u32, String, Vec<u32>, Option<FinishReason>)>,
+)>;
+
+fn take(streams: &mut OutputStreams) -> Taken {
+    let mut out = Vec::new();
+    streams.take_outputs(|view| {
+        let samples = view
+            .samples
+            .iter()
+            .map(|s| (s.index, s.text.to_owned(), s.tokens.to_vec(), s.finish))
+            .collect();
+        out.push((view.handle, view.done, samples));
+    });
+    out
+}
+
+const LENGTH: u8 = FinishReason::Length as u8;
+
+#[test]
+fn delta_outputs_carry_new_text_and_tokens_and_hold_back_split_characters() {
+    let mut streams = OutputStreams::new();
+    streams
+        .add_request(7, 1, OutputMode::Delta, false, Some(spec(&[])))
+        .unwrap();
+    push(&mut streams, &[(7, 0, HELLO, 0)]);
+    assert!(streams.detokenize().is_empty());
+    assert_eq!(
+        take(&mut streams),
+        vec![(7, false, vec![(0, " hello".into(), vec![HELLO], None)])]
+    );
+    // "é" is two byte tokens: no text until both are in.
+    push(&mut streams, &[(7, 0, 0xC3, 0)]);
+    streams.detokenize();
+    assert_eq!(
+        take(&mut streams),
+        vec![(7, false, vec![(0, String::new(), vec![0xC3], None)])]
+    );
+    push(&mut streams, &[(7, 0, 0xA9, LENGTH)]);
+    streams.detokenize();
+    let last = take(&mut streams);
+    assert_eq!(
+        last,
+        vec![(
+            7,
+            true,
+            vec![(0, "é".into(), vec![0xA9], Some(FinishReason::Length))]
+        )]
+    );
+    assert!(
+        streams.is_empty(),
+        "a done request is dropped after its last output"
+    );
+    assert!(take(&mut streams).is_empty());
+}
+
+#[test]
+fn a_stop_string_cuts_text_and_tokens_and_is_reported_once() {
+    let mut streams = OutputStreams::new();
+    streams
+        .add_request(1, 1, OutputMode::Cumulative, false, Some(spec(&[" wor"])))
+        .unwrap();
+    // Three tokens in one step (as after a scheduler catch-up): the stop string
+    // ends in the second; the third is dropped.
+    push(
+        &mut streams,
+        &[(1, 0, HELLO, 0), (1, 0, WORLD, 0), (1, 0, HELLO, 0)],
+    );
+    assert_eq!(streams.detokenize(), vec![(1, 0)]);
+    let sample = streams.get(1).unwrap().samples[0].as_ref().unwrap();
+    assert_eq!(sample.stop, Some(StopReason::Text(" wor".into())));
+    assert_eq!(
+        take(&mut streams),
+        vec![(
+            1,
+            true,
+            vec![(
+                0,
+                " hello".into(),
+                vec![HELLO, WORLD],
+                Some(FinishReason::Stop)
+            )]
+        )]
+    );
+}
+
+#[test]
+fn a_finished_sample_takes_no_tokens() {
+    let mut streams = OutputStreams::new();
+    streams
+        .add_request(1, 1, OutputMode::Delta, false, Some(spec(&[" hello"])))
+        .unwrap();
+    assert_eq!(push(&mut streams, &[(1, 0, HELLO, 0)]), vec![true]);
+    assert_eq!(streams.detokenize(), vec![(1, 0)]);
+    // The next step was planned before the stop string was found.
+    assert_eq!(
+        push(&mut streams, &[(1, 0, WORLD, 0), (99, 0, WORLD, 0)]),
+        vec![false, false]
+    );
+    let taken = take(&mut streams);
+    assert_eq!(
+        taken,
+        vec![(
+            1,
+            true,
+            vec![(0, String::new(), vec![HELLO], Some(FinishReason::Stop))]
+        )]
+    );
+}
+
+#[test]
+fn a_stop_string_overrides_a_length_finish_without_telling_the_scheduler() {
+    let mut streams = OutputStreams::new();
+    streams
+        .add_request(1, 1, OutputMode::Delta, false, Some(spec(&[" world"])))
+        .unwrap();
+    push(&mut streams, &[(1, 0, WORLD, LENGTH)]);
+    assert!(
+        streams.detokenize().is_empty(),
+        "the scheduler already finished it"
+    );
+    let taken = take(&mut streams);
+    assert_eq!(
+        taken,
+        vec![(
+            1,
+            true,
+            vec![(0, String::new(), vec![WORLD], Some(FinishReason::Stop))]
+        )]
+    );
+}
+
+#[test]
+fn final_only_requests_hand_out_one_output_when_every_sample_is_done() {
+    let mut streams = OutputStreams::new();
+    streams
+        .add_request(3, 2, OutputMode::FinalOnly, false, Some(spec(&[])))
+        .unwrap();
+    push(&mut streams, &[(3, 0, HELLO, 0), (3, 1, WORLD, 0)]);
+    streams.detokenize();
+    assert!(take(&mut streams).is_empty());
+    push(&mut streams, &[(3, 0, WORLD, LENGTH), (3, 1, HELLO, 0)]);
+    streams.detokenize();
+    assert!(take(&mut streams).is_empty(), "sample 1 still runs");
+    push(&mut streams, &[(3, 1, HELLO, LENGTH)]);
+    streams.detokenize();
+    let taken = take(&mut streams);
+    assert_eq!(taken.len(), 1);
+    let (_, done, samples) = &taken[0];
+    assert!(*done);
+    assert_eq!(samples[0].1, " hello world");
+    assert_eq!(samples[1].1, " world hello hello");
+    assert_eq!(samples[1].2, vec![WORLD, HELLO, HELLO]);
+}
+
+#[test]
+fn finishing_a_request_closes_it_even_with_samples_not_started() {
+    let mut streams = OutputStreams::new();
+    streams
+        .add_request(5, 3, OutputMode::Delta, false, Some(spec(&["zz"])))
+        .unwrap();
+    push(&mut streams, &[(5, 0, HELLO, 0)]);
+    assert!(streams.finish_request(5, FinishReason::Abort));
+    let view = streams
+        .take_request(5, |v| {
+            let s = &v.samples[0];
+            (v.done, v.samples.len(), s.text.to_owned(), s.finish)
+        })
+        .unwrap();
+    // The held-back tail (a stop string could start there) comes out at the end,
+    // and the samples that never started end too.
+    assert_eq!(
+        view,
+        (true, 3, " hello".to_owned(), Some(FinishReason::Abort))
+    );
+    assert!(streams.is_empty());
+    assert!(!streams.finish_request(5, FinishReason::Abort));
+    assert!(
+        take(&mut streams).is_empty(),
+        "taken at once, not again in the bulk"
+    );
+}
+
+#[test]
+fn without_a_decoder_tokens_stream_and_text_is_empty() {
+    let mut streams = OutputStreams::new();
+    streams
+        .add_request(2, 1, OutputMode::Delta, false, None)
+        .unwrap();
+    push(&mut streams, &[(2, 0, 11, 0)]);
+    push(&mut streams, &[(2, 0, 12, 0)]);
+    streams.detokenize();
+    assert_eq!(
+        take(&mut streams),
+        vec![(2, false, vec![(0, String::new(), vec![11, 12], None)])]
+    );
+}
+
+#[test]
+fn bad_input_is_refused_with_a_message() {
+    let mut streams = OutputStreams::new();
+    assert!(streams
+        .add_request(1, 0, OutputMode::Delta, false, None)
+        .is_err());
+    streams
+        .add_request(1, 1, OutputMode::Delta, false, None)
+        .unwrap();
+    assert!(streams
+        .add_request(1, 1, OutputMode::Delta, false, None)
+        .unwrap_err()
+        .contains("already"));
+    assert!(streams
+        .add_request(2, 1, OutputMode::Delta, false, Some(spec(&[""])))
+        .is_err());
+    let mut accepted = Vec::new();
+    let err = streams
+        .push(
+            PushedTokens {
+                handles: &[1],
+                sample_indices: &[0],
+                tokens: &[],
+                finish_codes: &[0],
+                stop_tokens: &[false],
+                logprobs: &[0.0],
+            },
+            0.0,
+            0,
+            &mut accepted,
+        )
+        .unwrap_err();
+    assert!(err.contains("one sample index, token"), "{err}");
+    let sample_err = std::panic::catch_unwind(|| ()).map(|_| {
+        let mut s = OutputStreams::new();
+        s.add_request(1, 1, OutputMode::Delta, false, None).unwrap();
+        let mut a = Vec::new();
+        s.push(
+            PushedTokens {
+                handles: &[1],
+                sample_indices: &[4],
+                tokens: &[1],
+                finish_codes: &[0],
+                stop_tokens: &[false],
+                logprobs: &[0.0],
+            },
+            0.0,
+            0,
+            &mut a,
+        )
+        .unwrap_err()
+    });
+    assert!(sample_err.unwrap().contains("out of range"));
+}
+
+/// Random requests, modes, chunkings and stops: what the outputs hand out,
+/// joined, equals one detokenizer fed the same tokens, and invariants hold.
+#[test]
+fn randomized_streams_match_a_plain_detokenizer() {
+    let decoder = decoder();
+    let all_stops = ["lo w", "é!"];
+    let vocab = [HELLO, WORLD, 0xC3, 0xA9, b'!' as u32, b'o' as u32];
+    let modes = [
+        OutputMode::Delta,
+        OutputMode::Cumulative,
+        OutputMode::FinalOnly,
+    ];
+    for seed in 0..60u64 {
+        let mut rng = SplitMix64::new(seed);
+        let mut streams = OutputStreams::new();
+        let num_requests = 1 + rng.below(5);
+        let mut planned: Vec<(Vec<u32>, Vec<String>)> = Vec::new();
+        for h in 0..num_requests {
+            let stops: Vec<String> = all_stops[..rng.below(3)]
+                .iter()
+                .map(|s| s.to_string())
+                .collect();
+            let mut s = spec(&[]);
+            s.stops = stops.clone();
+            s.decoder = Arc::clone(&decoder);
+            streams
+                .add_request(h as u64, 1, modes[rng.below(3)], false, Some(s))
+                .unwrap();
+            let len = 1 + rng.below(12);
+            planned.push((
+                (0..len).map(|_| vocab[rng.below(vocab.len())]).collect(),
+                stops,
+            ));
+        }
+        // (text, tokens, done) as a client reassembles them.
+        let mut seen = vec![(String::new(), Vec::new(), false); num_requests];
+        let mut pos = vec![0usize; num_requests];
+        while !streams.is_empty() {
+            let mut events = Vec::new();
+            for (h, (tokens, _)) in planned.iter().enumerate() {
+                if pos[h] < tokens.len() && rng.below(3) > 0 {
+                    let last = pos[h] + 1 == tokens.len();
+                    events.push((h as u64, 0, tokens[pos[h]], if last { LENGTH } else { 0 }));
+                    pos[h] += 1;
+                }
+            }
+            push(&mut streams, &events);
+            if rng.below(2) == 0 {
+                streams.detokenize();
+                streams.take_outputs(|view| {
+                    let client = &mut seen[view.handle as usize];
+                    for s in &view.samples {
+                        if s.token_start == 0 {
+                            client.0.clear();
+                            client.1.clear();
+                        }
+                        client.0.push_str(s.text);
+                        client.1.extend_from_slice(s.tokens);
+                    }
+                    client.2 |= view.done;
+                });
+            }
+            streams.check_invariants().unwrap();
+        }
+        for (h, (tokens, stops)) in planned.iter().enumerate() {
+            let (text, got, done) = &seen[h];
+            assert!(done, "seed {seed}: request {h} never finished");
+            let mut plain = SeqDetokenizer::new(&[b'A' as u32], stops.clone(), false, true);
+            let taken = plain.add_tokens(&decoder, tokens, &mut Scratch::default());
+            assert_eq!(text, plain.text(), "seed {seed}: request {h}");
+            assert_eq!(got, &tokens[..taken], "seed {seed}: request {h}");
+        }
+    }
+}
