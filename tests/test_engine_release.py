@@ -34,13 +34,16 @@ def test_a_dropped_llm_is_collected(tiny_model_dir: Path) -> None:
 
 def test_a_stopped_server_releases_its_engine_and_the_frozen_heap(tiny_model_dir: Path) -> None:
     assert gc_heap.holders() == 0
+    thresholds = gc.get_threshold()
     config = EngineConfig(model=str(tiny_model_dir), **SMALL)
     with InProcessServer(config, model_name="tiny") as server:
         assert gc_heap.holders() == 1  # frozen while the engine thread runs
+        assert gc.get_threshold()[0] >= gc_heap.SERVING_GEN0_THRESHOLD
         with urllib.request.urlopen(f"{server.url}/v1/models", timeout=30) as response:
             assert response.status == 200
         runner = weakref.ref(server.engine.engine.runner)
     assert gc_heap.holders() == 0
+    assert gc.get_threshold() == thresholds
     del server
     gc.collect()
     assert runner() is None

@@ -598,13 +598,14 @@ class LLMEngine:
         """Text and stop strings of every new token, then the outputs of every
         request that progressed: one call each into the output streams."""
         outputs = []
+        by_handle = self._by_handle
         for streams in (self._streams, self._python_streams):
             if not streams:
                 continue
             for handle, index in streams.detokenize():
                 self.scheduler.finish_sample(handle, index, "stop")
             for taken in streams.take_outputs():
-                outputs.append(self._output(self._by_handle[taken[0]], taken))
+                outputs.append(self._output(by_handle[taken[0]], taken))
         return outputs
 
     @property
