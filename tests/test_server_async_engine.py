@@ -42,14 +42,14 @@ class FakeEngine:
 
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None,
                     priority: int = 0, cache_salt: str | None = None, *, delta: bool = False,
-                    arrival_time: float | None = None) -> None:
+                    final_only: bool = False, arrival_time: float | None = None) -> None:
         self.threads.add(threading.current_thread().name)
-        assert delta, "the async engine must ask for deltas"
+        assert delta != final_only, "the async engine asks for deltas or the final output"
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         max_tokens = (params or SamplingParams()).max_tokens or 16
         metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic())
-        self._requests[request_id] = [max_tokens, 0, metrics]
+        self._requests[request_id] = [max_tokens, 0, metrics, final_only]
 
     def _output(self, request_id: str, tokens: list[int], reason: str | None) -> RequestOutput:
         metrics = self._requests[request_id][2]
@@ -76,7 +76,10 @@ class FakeEngine:
             metrics.first_token_time = metrics.first_token_time or now
             metrics.last_token_time = now
             finished = state[1] >= state[0]
-            outputs.append(self._output(request_id, [7], "length" if finished else None))
+            if finished and state[3]:
+                outputs.append(self._output(request_id, [7] * state[1], "length"))
+            elif not state[3]:
+                outputs.append(self._output(request_id, [7], "length" if finished else None))
             if finished:
                 del self._requests[request_id]
         return outputs

@@ -133,6 +133,7 @@ class _Add:
     cache_salt: str | None
     arrival_time: float
     accepted: asyncio.Future[None]
+    final_only: bool = False
 
 
 @dataclass(slots=True)
@@ -237,9 +238,13 @@ class AsyncLLMEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        *,
+        final_only: bool = False,
     ) -> RequestStream:
         """Queue a request; returns its stream of ``RequestOutput`` deltas
-        once the engine thread has accepted it.
+        once the engine thread has accepted it. With ``final_only`` the stream
+        yields one output, the finished request (whole texts and token ids,
+        assembled by the engine's output streams).
 
         Raises what ``LLMEngine.add_request`` raises (``ValueError`` for an
         invalid request, ``QueueFullError`` when the waiting queue is full) and
@@ -254,7 +259,7 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         stream = RequestStream(self, request_id, loop)
         op = _Add(stream, prompt, params, priority, cache_salt, time.monotonic(),
-                  loop.create_future())
+                  loop.create_future(), final_only)
         with self._cond:
             if not self.accepting:
                 raise EngineClosedError("the engine is shutting down; no new requests")
@@ -389,7 +394,8 @@ class AsyncLLMEngine:
         try:
             self.engine.add_request(
                 stream.request_id, op.prompt, op.params, op.priority, op.cache_salt,
-                delta=True, arrival_time=op.arrival_time,
+                delta=not op.final_only, final_only=op.final_only,
+                arrival_time=op.arrival_time,
             )
         except Exception as exc:
             _call_in_loop(stream._loop, _settle, op.accepted, exc)

@@ -271,25 +271,6 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None
 
 
 @dataclass(slots=True)
-class _Choice:
-    """One sample's accumulated output (non-streaming)."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-    def add(self, c: CompletionOutput) -> None:
-        self.text += c.text
-        self.token_ids += c.token_ids
-        if c.logprobs:
-            self.logprobs += c.logprobs
-        if c.finish_reason is not None:
-            self.finish_reason, self.stop_reason = c.finish_reason, c.stop_reason
-
-
-@dataclass(slots=True)
 class _Usage:
     prompt_tokens: list[int]
     cached: list[int]
@@ -455,7 +436,10 @@ class _Server:
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}"
                                                      for i in range(len(prompts))]
         results = await asyncio.gather(
-            *(self.engine.add_request(rid, prompt, params, body.priority, body.cache_salt)
+            # A non-streaming request takes only its final output: the engine's
+            # output streams assemble the whole texts and token ids.
+            *(self.engine.add_request(rid, prompt, params, body.priority, body.cache_salt,
+                                      final_only=not body.stream)
               for rid, prompt in zip(ids, prompts, strict=True)),
             return_exceptions=True,
         )
@@ -608,21 +592,27 @@ async def _completion_events(srv: _Server, gen: _Generation) -> AsyncIterator[by
         gen.abort()
 
 
-async def _collect(gen: _Generation) -> list[_Choice]:
-    choices = [_Choice() for _ in range(len(gen.streams) * gen.n)]
+async def _collect(gen: _Generation) -> list[CompletionOutput]:
+    """Every choice's final output (the streams of a non-streaming request
+    yield one ``RequestOutput`` each, the finished one)."""
+    choices: list[CompletionOutput | None] = [None] * (len(gen.streams) * gen.n)
     try:
         async for i, out in _merge(gen.streams):
             if gen.echo is not None:
                 gen.echo.take(i, out)
             gen.usage.add(i, out)
             for c in out.outputs:
-                choices[i * gen.n + c.index].add(c)
+                choices[i * gen.n + c.index] = c
     finally:
         gen.abort()
-    return choices
+    missing = [index for index, c in enumerate(choices) if c is None]
+    if missing:
+        raise RuntimeError(f"the engine finished without outputs for choices {missing}")
+    return [c for c in choices if c is not None]
 
 
-def _completion_body(srv: _Server, gen: _Generation, choices: list[_Choice]) -> dict[str, Any]:
+def _completion_body(srv: _Server, gen: _Generation,
+                     choices: list[CompletionOutput]) -> dict[str, Any]:
     result = []
     for index, choice in enumerate(choices):
         logprobs = None
@@ -676,7 +666,7 @@ async def _chat_events(srv: _Server, gen: _Generation) -> AsyncIterator[bytes]:
         gen.abort()
 
 
-def _chat_body(srv: _Server, gen: _Generation, choices: list[_Choice]) -> dict[str, Any]:
+def _chat_body(srv: _Server, gen: _Generation, choices: list[CompletionOutput]) -> dict[str, Any]:
     result = []
     for index, choice in enumerate(choices):
         logprobs = None
@@ -702,7 +692,7 @@ async def _respond(
     gen: _Generation,
     stream: bool,
     events: Callable[[_Server, _Generation], AsyncIterator[bytes]],
-    body: Callable[[_Server, _Generation, list[_Choice]], dict[str, Any]],
+    body: Callable[[_Server, _Generation, list[CompletionOutput]], dict[str, Any]],
 ) -> Response:
     """An SSE stream, or the whole answer once every choice finished (499 if
     the client left first; the request is aborted either way)."""
