@@ -357,14 +357,7 @@ impl Scheduler {
             ));
         }
         if c.policy == Policy::Static {
-            let reserve = self.static_reservation(prompt.len(), params);
-            if reserve.div_ceil(c.block_size) * params.n as usize > c.num_blocks {
-                return invalid(format!(
-                    "static batching reserves {reserve} tokens per sequence up front; that does not fit \
-                     in {} blocks of {} tokens",
-                    c.num_blocks, c.block_size
-                ));
-            }
+            self.check_static_reservation_fits(prompt.len(), params)?;
         }
         Ok(())
     }
@@ -468,8 +461,7 @@ impl Scheduler {
         // Samples never forked finish with their parent.
         let unforked = std::mem::take(&mut self.seq_mut(seq).forks_pending);
         self.seq_mut(seq).state = SeqState::Finished(reason);
-        let is_static = self.config.policy == Policy::Static;
-        if is_static && state == SeqState::Running && reason != FinishReason::Abort {
+        if self.keeps_seat_as_ghost(state, reason) {
             self.ghosts.push(seq);
         } else {
             self.release_kv(seq)?;

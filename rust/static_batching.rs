@@ -17,14 +17,41 @@
 //!   schedules no row: there is no last position to recompute;
 //! - when no seat of the batch is running, the ghosts' KV is released.
 
-use super::{Scheduled, Scheduler};
+use super::{Policy, Scheduled, Scheduler};
 use crate::error::{KvError, KvResult};
-use crate::request::{RequestParams, SeqState, Sequence};
+use crate::request::{FinishReason, RequestParams, SeqState, Sequence};
 
 impl Scheduler {
     /// KV slots one static sequence reserves up front.
     pub(super) fn static_reservation(&self, prompt_len: usize, params: &RequestParams) -> usize {
         (prompt_len + params.max_tokens as usize).min(self.config.max_model_len)
+    }
+
+    /// A static request whose `n` reservations could never fit in the pool
+    /// would wait forever: refuse it up front.
+    pub(super) fn check_static_reservation_fits(
+        &self,
+        prompt_len: usize,
+        params: &RequestParams,
+    ) -> KvResult<()> {
+        let c = &self.config;
+        let reserve = self.static_reservation(prompt_len, params);
+        if reserve.div_ceil(c.block_size) * params.n as usize > c.num_blocks {
+            return Err(KvError::InvalidArgument(format!(
+                "static batching reserves {reserve} tokens per sequence up front; that does not fit \
+                 in {} blocks of {} tokens",
+                c.num_blocks, c.block_size
+            )));
+        }
+        Ok(())
+    }
+
+    /// Under the static policy a running sequence that finishes (except by
+    /// abort) keeps its seat and reservation as a ghost until its batch ends.
+    pub(super) fn keeps_seat_as_ghost(&self, state: SeqState, reason: FinishReason) -> bool {
+        self.config.policy == Policy::Static
+            && state == SeqState::Running
+            && reason != FinishReason::Abort
     }
 
     /// When the previous batch is done, seat a new one; then every seat
