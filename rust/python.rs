@@ -10,7 +10,7 @@ use pyo3::types::PyDict;
 use crate::block_pool::{BlockId, BlockPool as CoreBlockPool};
 use crate::error::KvError;
 use crate::kv_cache::{BlockCopy, KvCacheManager as CoreKvCacheManager, SeqId};
-use crate::request::{FinishReason, RequestParams};
+use crate::request::{FinishReason, RequestParams, DEFAULT_MAX_TOKENS};
 use crate::scheduler::{Policy, Scheduler as CoreScheduler, SchedulerConfig, TokenEvent};
 use crate::step_plan::StepPlan as CoreStepPlan;
 
@@ -456,10 +456,13 @@ impl Scheduler {
     }
 
     /// Queue a request; returns its integer handle. Raises ValueError naming
-    /// the problem for an empty or too long prompt or invalid limits. Only
-    /// scheduling facts come here: sampling knobs belong to the runner.
+    /// the problem for an empty prompt, one that leaves no room to generate,
+    /// or limits that cannot be met. `max_tokens=None` generates until
+    /// `max_model_len`; any value is clamped to the room the prompt leaves.
+    /// Only scheduling facts come here: sampling knobs belong to the runner.
     #[pyo3(signature = (
-        prompt_token_ids, *, n = 1, max_tokens = 16, min_tokens = 0, ignore_eos = false,
+        prompt_token_ids, *, n = 1, max_tokens = Some(DEFAULT_MAX_TOKENS), min_tokens = 0,
+        ignore_eos = false,
         stop_token_ids = None, priority = 0, cache_salt = None,
     ))]
     #[allow(clippy::too_many_arguments)]
@@ -467,7 +470,7 @@ impl Scheduler {
         &mut self,
         prompt_token_ids: &Bound<'_, PyAny>,
         n: u32,
-        max_tokens: u32,
+        max_tokens: Option<u32>,
         min_tokens: u32,
         ignore_eos: bool,
         stop_token_ids: Option<Vec<u32>>,
@@ -477,7 +480,7 @@ impl Scheduler {
         let prompt = extract_tokens(prompt_token_ids)?;
         let params = RequestParams {
             n,
-            max_tokens,
+            max_tokens: max_tokens.unwrap_or(u32::MAX),
             min_tokens,
             ignore_eos,
             stop_token_ids: stop_token_ids.unwrap_or_default(),
@@ -697,6 +700,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     }
     // Finish code -> name, as `Scheduler.update` reports codes.
     m.add("FINISH_REASONS", reasons)?;
+    m.add("DEFAULT_MAX_TOKENS", DEFAULT_MAX_TOKENS)?;
     m.add_class::<BlockPool>()?;
     m.add_class::<KVCacheManager>()?;
     m.add_class::<Scheduler>()?;

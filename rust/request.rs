@@ -75,11 +75,16 @@ pub struct RequestParams {
     pub stop_token_ids: Vec<u32>,
 }
 
+/// `max_tokens` when a request names none: the one default of the engine
+/// (Python's `SamplingParams` reads it as `kvpage._core.DEFAULT_MAX_TOKENS`).
+/// vLLM's 16 cuts most answers short.
+pub const DEFAULT_MAX_TOKENS: u32 = 256;
+
 impl Default for RequestParams {
     fn default() -> Self {
         Self {
             n: 1,
-            max_tokens: 16,
+            max_tokens: DEFAULT_MAX_TOKENS,
             min_tokens: 0,
             ignore_eos: false,
             stop_token_ids: Vec::new(),

@@ -273,16 +273,19 @@ impl Scheduler {
     // ---- requests -------------------------------------------------------
 
     /// Queue a request; returns its handle. Rejects, with a message naming
-    /// the value, prompts that are empty, exceed `max_model_len`, or could
-    /// not fit in the whole KV pool, and invalid stop conditions.
+    /// the value, prompts that are empty or leave no room to generate within
+    /// `max_model_len`, requests that could not fit in the whole KV pool, and
+    /// stop conditions that cannot be met. `max_tokens` is clamped to the
+    /// room the prompt leaves (`u32::MAX` = until `max_model_len`): this is
+    /// the one place these limits are checked.
     pub fn add_request(
         &mut self,
         prompt: &[u32],
-        params: RequestParams,
+        mut params: RequestParams,
         priority: i64,
         salt: Option<&str>,
     ) -> KvResult<u64> {
-        self.validate_request(prompt, &params)?;
+        self.validate_request(prompt, &mut params)?;
         let arrival = self.next_arrival;
         self.next_arrival += 1;
         let index = match self.free_requests.pop() {
@@ -328,15 +331,15 @@ impl Scheduler {
         Ok(handle)
     }
 
-    fn validate_request(&self, prompt: &[u32], params: &RequestParams) -> KvResult<()> {
+    fn validate_request(&self, prompt: &[u32], params: &mut RequestParams) -> KvResult<()> {
         let invalid = |msg: String| Err(KvError::InvalidArgument(msg));
         let c = &self.config;
         if prompt.is_empty() {
             return invalid("the prompt is empty: at least 1 token is required".into());
         }
-        if prompt.len() > c.max_model_len {
+        if prompt.len() >= c.max_model_len {
             return invalid(format!(
-                "the prompt has {} tokens, more than max_model_len={}",
+                "the prompt has {} tokens; max_model_len is {}, which leaves no room to generate",
                 prompt.len(),
                 c.max_model_len
             ));
@@ -354,6 +357,17 @@ impl Scheduler {
             return invalid(format!(
                 "min_tokens ({}) must be <= max_tokens ({})",
                 params.min_tokens, params.max_tokens
+            ));
+        }
+        let room = (c.max_model_len - prompt.len()) as u32;
+        params.max_tokens = params.max_tokens.min(room);
+        if params.min_tokens > params.max_tokens {
+            return invalid(format!(
+                "min_tokens={} cannot be reached: only {room} tokens fit after the {}-token \
+                 prompt within max_model_len={}",
+                params.min_tokens,
+                prompt.len(),
+                c.max_model_len
             ));
         }
         if c.policy == Policy::Static {

@@ -524,7 +524,7 @@ fn stop_conditions_eos_min_tokens_stop_ids_and_max_model_len() {
         )
         .unwrap();
     let model_len = sched
-        .add_request(&prompt(10, 0), params(100), 0, None)
+        .add_request(&prompt(10, 0), params(u32::MAX), 0, None)
         .unwrap();
     let out = run(&mut sched, |step, row| {
         if row == 3 {
@@ -568,6 +568,29 @@ fn bad_requests_are_rejected_with_the_offending_value() {
             .contains("n must")
     );
     assert!(err(sched.add_request(&prompt(3, 0), params(0), 0, None)).contains("max_tokens"));
+    assert!(
+        err(sched.add_request(&prompt(64, 0), params(1), 0, None)).contains("no room to generate"),
+        "a prompt of max_model_len tokens leaves no room"
+    );
+    let unreachable = RequestParams {
+        min_tokens: 10,
+        ..params(100)
+    };
+    assert!(
+        err(sched.add_request(&prompt(60, 0), unreachable, 0, None))
+            .contains("min_tokens=10 cannot be reached: only 4 tokens fit"),
+        "min_tokens is checked against max_tokens clamped to the room left"
+    );
+    assert!(err(sched.add_request(
+        &prompt(3, 0),
+        RequestParams {
+            min_tokens: 9,
+            ..params(8)
+        },
+        0,
+        None
+    ))
+    .contains("min_tokens (9) must be <= max_tokens (8)"));
     let pool_too_small = SchedulerConfig {
         max_model_len: 1000,
         ..config(8, 4)

@@ -42,7 +42,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from kvpage.model import AttentionMetadata, ModelConfig, forward, get_attention_backend  # noqa: E402
 from kvpage.model.params import Params  # noqa: E402
-from kvpage.runner import ModelRunner, SamplingParams, StepOutput, StepPlan  # noqa: E402
+from kvpage.runner import DeviceSamplingParams, ModelRunner, StepOutput, StepPlan  # noqa: E402
 from kvpage.runner.kv_cache import KVCacheSpec, allocate_kv_cache  # noqa: E402
 
 TINY = dict(
@@ -277,7 +277,7 @@ def generate(
     runner: ModelRunner,
     prompts: list[list[int]],
     max_new_tokens: int,
-    params: SamplingParams | list[SamplingParams] | None = None,
+    params: DeviceSamplingParams | list[DeviceSamplingParams] | None = None,
     slots: list[int] | None = None,
     outputs: list[tuple[StepPlan, StepOutput]] | None = None,
     **planner_kwargs: Any,
@@ -291,7 +291,7 @@ def generate(
     for i, prompt in enumerate(prompts):
         slot = slots[i] if slots else i
         p = params[i] if isinstance(params, list) else params
-        runner.set_request(slot, p or SamplingParams(temperature=0.0), prompt)
+        runner.set_request(slot, p or DeviceSamplingParams(temperature=0.0), prompt)
         planner.add(slot, prompt, max_new_tokens)
     while (plan := planner.next_plan()) is not None:
         out = runner.execute(plan)

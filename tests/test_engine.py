@@ -194,7 +194,8 @@ def test_chat_uses_the_chat_template(llm: LLM) -> None:
         (dict(top_p=0.0), "top_p"),
         (dict(n=0), "n"),
         (dict(max_tokens=0), "max_tokens"),
-        (dict(logprobs=10_000), "logprobs"),
+        (dict(logprobs=-1), "logprobs"),
+        (dict(prompt_logprobs=1.5), "prompt_logprobs"),
         (dict(stop=[""]), "stop"),
         (dict(presence_penalty=float("nan")), "presence_penalty"),
         (dict(min_tokens=5, max_tokens=2), "min_tokens"),
@@ -205,10 +206,25 @@ def test_invalid_sampling_params_name_the_field(kwargs: dict, field: str) -> Non
         SamplingParams(**kwargs)
 
 
+def test_the_engine_max_logprobs_is_the_one_logprobs_limit(tiny_model_dir: Path) -> None:
+    """``SamplingParams`` does not cap ``logprobs`` itself: an engine configured for
+    more than 20 serves them, and its own limit names ``max_logprobs``."""
+    llm = make_llm(tiny_model_dir, max_logprobs=24)
+    params = SamplingParams(temperature=0.0, max_tokens=2, logprobs=24, ignore_eos=True)
+    (out,) = llm.generate([PROMPTS[0]], params, use_tqdm=False)
+    assert [len(entry) >= 24 for entry in out.outputs[0].logprobs] == [True, True]
+    with pytest.raises(ValueError, match=r"logprobs must be <= 24 \(max_logprobs\)"):
+        llm.engine.add_request("too-many", PROMPTS[0], SamplingParams(logprobs=25))
+    assert_all_blocks_back(llm.engine)
+
+
 def test_bad_requests_are_rejected_and_leave_the_engine_healthy(llm: LLM) -> None:
     engine = llm.engine
     with pytest.raises(ValueError, match="max_model_len"):
         engine.add_request("too-long", {"prompt_token_ids": [1] * 128})
+    with pytest.raises(ValueError, match="min_tokens=20 cannot be reached: only 8 tokens fit"):
+        engine.add_request("unreachable", {"prompt_token_ids": [1] * 120},
+                           SamplingParams(min_tokens=20, max_tokens=None))
     with pytest.raises(ValueError, match="vocabulary"):
         engine.add_request("bad-id", {"prompt_token_ids": [1, 10**9]})
     with pytest.raises(ValueError, match="empty"):

@@ -173,7 +173,9 @@ HUGE_REQUESTS: list[tuple[str, dict[str, Any], bool]] = [
     ("n-negative", {"n": -1}, False),
     ("max-tokens-u32-max", {"max_tokens": 2**32 - 1}, True),
     ("max-tokens-overflow", {"max_tokens": 2**32}, False),
-    ("min-tokens-u32-max", {"min_tokens": 2**32 - 1, "max_tokens": 2**32 - 1}, True),
+    # min_tokens beyond the room the prompt leaves in max_model_len can never be met
+    ("min-tokens-u32-max", {"min_tokens": 2**32 - 1, "max_tokens": 2**32 - 1}, False),
+    ("min-tokens-fill-max-model-len", {"min_tokens": 61, "max_tokens": None}, True),
     ("min-over-max", {"min_tokens": 9, "max_tokens": 3}, False),
     ("priority-i64-max", {"priority": 2**63 - 1}, True),
     ("priority-i64-min", {"priority": -(2**63)}, True),

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from kvpage.model import load_model
 from model_fixtures import (
+    DeviceSamplingParams,
     ModelRunner,
     PlainPlanner,
-    SamplingParams,
     build_hf_model,
     generate,
     hf_greedy,
@@ -104,7 +104,7 @@ def test_first_token_logprobs_match_hf(variant: Any) -> None:
 
     prompt = PROMPTS[2]
     planner = PlainPlanner(runner.num_blocks, runner.block_size, token_budget=32)
-    runner.set_request(0, SamplingParams(temperature=0.0, logprobs=4), prompt)
+    runner.set_request(0, DeviceSamplingParams(temperature=0.0, logprobs=4), prompt)
     planner.add(0, prompt, 1)
     out = runner.execute(planner.next_plan())
     logits = hf_logits(model, prompt)[-1].astype(np.float64)

@@ -164,7 +164,7 @@ def test_streaming_deltas_carry_them_once(llm: LLM) -> None:
     assert_all_blocks_back(llm)
 
 
-@pytest.mark.parametrize("value", [-1, 21, 1.5, True])
+@pytest.mark.parametrize("value", [-1, 1.5, True])
 def test_bad_values_name_the_field(value: object) -> None:
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=value)  # type: ignore[arg-type]

@@ -10,7 +10,7 @@ import model_fixtures  # noqa: F401  (sys.path / import setup, before kvpage)
 import numpy as np
 import pytest
 from kvpage.model import ModelConfig, load_model
-from kvpage.runner import ModelRunner, SamplingParams, StepOutput, StepPlan
+from kvpage.runner import DeviceSamplingParams, ModelRunner, StepOutput, StepPlan
 from model_fixtures import (
     PlainPlanner,
     build_hf_model,
@@ -75,7 +75,7 @@ def test_padding_does_not_change_outputs(
     results = []
     for r in (runner, wide):
         outputs: list[tuple[StepPlan, StepOutput]] = []
-        sampling = [SamplingParams(temperature=0.0, logprobs=3)] * len(PROMPTS)
+        sampling = [DeviceSamplingParams(temperature=0.0, logprobs=3)] * len(PROMPTS)
         tokens = generate(
             r, PROMPTS, 6, sampling, outputs=outputs, token_budget=12, chunk_size=5, seed=1
         )
@@ -109,7 +109,7 @@ def _prefill(runner: ModelRunner, slot: int, prompt: list[int], blocks: list[int
         logits_indices=np.asarray([n - 1], np.int32),
         sample_rows=np.asarray([slot], np.int32),
     )
-    runner.set_request(slot, SamplingParams(temperature=0.0, logprobs=1), prompt)
+    runner.set_request(slot, DeviceSamplingParams(temperature=0.0, logprobs=1), prompt)
     return int(runner.execute(plan).sampled_token_ids[0])
 
 
@@ -143,7 +143,7 @@ def _decode(
 
 def test_copy_on_write_forks_share_history(config: ModelConfig, params: Any) -> None:
     runner = make_runner(config, params, max_fused_copies=2)
-    greedy = SamplingParams(temperature=0.0, logprobs=1)
+    greedy = DeviceSamplingParams(temperature=0.0, logprobs=1)
     prompt = PROMPTS[0][:10]  # blocks 5, 9 full; block 2 holds 2 tokens
     token = _prefill(runner, 0, prompt, [5, 9, 2])
     for slot in (1, 2, 3):
@@ -182,26 +182,27 @@ def test_copy_on_write_forks_share_history(config: ModelConfig, params: Any) -> 
 def test_compile_count_fixed_after_warmup(runner: ModelRunner) -> None:
     before = runner.num_compilations
     variants = [
-        SamplingParams(temperature=0.0),
-        SamplingParams(temperature=0.9, top_k=5, top_p=0.8, seed=3, logprobs=2),
-        SamplingParams(temperature=1.2, min_p=0.1, presence_penalty=0.5, frequency_penalty=0.3),
-        SamplingParams(temperature=0.0, repetition_penalty=1.3, logprobs=3),
+        DeviceSamplingParams(temperature=0.0),
+        DeviceSamplingParams(temperature=0.9, top_k=5, top_p=0.8, seed=3, logprobs=2),
+        DeviceSamplingParams(temperature=1.2, min_p=0.1, presence_penalty=0.5,
+                             frequency_penalty=0.3),
+        DeviceSamplingParams(temperature=0.0, repetition_penalty=1.3, logprobs=3),
     ]
     for i, sampling in enumerate(variants):
         prompts = PROMPTS[: 1 + i % 3]
         generate(runner, prompts, 3 + i, sampling, token_budget=16 - i, chunk_size=4 + i)
     # CoW copies within and beyond the fused limit go through precompiled paths too.
     _prefill(runner, 0, PROMPTS[0][:10], [5, 9, 2])
-    runner.set_request(1, SamplingParams(temperature=0.5), PROMPTS[0][:10])
+    runner.set_request(1, DeviceSamplingParams(temperature=0.5), PROMPTS[0][:10])
     _decode(runner, 1, 10, [[5, 9, 2], [5, 9, 7]], [0, 1], [2] * 9, [7] * 9)
     assert runner.num_compilations == before
     assert runner.compiled_buckets == sorted(runner.warmup_buckets())
 
 
 def test_seeded_request_ignores_batch_composition(runner: ModelRunner) -> None:
-    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=77)
+    seeded = DeviceSamplingParams(temperature=1.0, top_p=0.95, seed=77)
     alone = generate(runner, [PROMPTS[1]], 10, [seeded], slots=[5])[0]
-    others = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.5, top_k=4)]
+    others = [DeviceSamplingParams(temperature=0.7), DeviceSamplingParams(temperature=1.5, top_k=4)]
     together = generate(
         runner,
         [PROMPTS[0], PROMPTS[1], PROMPTS[2]],
@@ -213,12 +214,12 @@ def test_seeded_request_ignores_batch_composition(runner: ModelRunner) -> None:
     )[1]
     assert alone == together
     # Seeds are 64-bit: one differing only in the high word gives other draws.
-    high = SamplingParams(temperature=1.0, top_p=0.95, seed=77 + (1 << 32))
+    high = DeviceSamplingParams(temperature=1.0, top_p=0.95, seed=77 + (1 << 32))
     assert generate(runner, [PROMPTS[1]], 10, [high])[0] != alone
 
 
 def test_unseeded_sampling_varies(runner: ModelRunner) -> None:
-    sampling = SamplingParams(temperature=1.5)
+    sampling = DeviceSamplingParams(temperature=1.5)
     first = generate(runner, [PROMPTS[2]], 8, [sampling])[0]
     second = generate(runner, [PROMPTS[2]], 8, [sampling])[0]
     assert first != second
@@ -227,15 +228,15 @@ def test_unseeded_sampling_varies(runner: ModelRunner) -> None:
 @pytest.mark.parametrize(
     "sampling",
     [
-        SamplingParams(temperature=0.0, repetition_penalty=1.8),
-        SamplingParams(temperature=0.0, presence_penalty=1.5, frequency_penalty=0.7),
-        SamplingParams(
+        DeviceSamplingParams(temperature=0.0, repetition_penalty=1.8),
+        DeviceSamplingParams(temperature=0.0, presence_penalty=1.5, frequency_penalty=0.7),
+        DeviceSamplingParams(
             temperature=0.0, repetition_penalty=0.7, presence_penalty=-0.5, frequency_penalty=0.4
         ),
     ],
 )
 def test_penalties_match_reference_greedy(
-    hf_model: Any, runner: ModelRunner, sampling: SamplingParams
+    hf_model: Any, runner: ModelRunner, sampling: DeviceSamplingParams
 ) -> None:
     model = hf_model[0]
     prompt = [5, 6, 7, 5, 6, 7, 100, 101]
@@ -256,7 +257,7 @@ def test_penalties_match_reference_greedy(
 
 
 def test_set_request_resumes_penalty_state(runner: ModelRunner) -> None:
-    sampling = SamplingParams(temperature=0.0, presence_penalty=1.5, frequency_penalty=0.7)
+    sampling = DeviceSamplingParams(temperature=0.0, presence_penalty=1.5, frequency_penalty=0.7)
     prompt = [9, 8, 7, 6]
     full = generate(runner, [prompt], 10, [sampling])[0]
     first = full[:4]
@@ -322,7 +323,7 @@ def _simple_plan(**changes: Any) -> StepPlan:
     ],
 )
 def test_invalid_plans_are_rejected(runner: ModelRunner, changes: dict[str, Any]) -> None:
-    runner.set_request(0, SamplingParams(temperature=0.0))
+    runner.set_request(0, DeviceSamplingParams(temperature=0.0))
     assert runner.execute(_simple_plan()).sampled_token_ids.shape == (1,)
     with pytest.raises(ValueError):
         runner.execute(_simple_plan(**changes))
@@ -330,13 +331,13 @@ def test_invalid_plans_are_rejected(runner: ModelRunner, changes: dict[str, Any]
 
 def test_set_request_validation(runner: ModelRunner) -> None:
     with pytest.raises(ValueError, match="slot"):
-        runner.set_request(8, SamplingParams())
+        runner.set_request(8, DeviceSamplingParams())
     with pytest.raises(ValueError, match="logprobs"):
-        runner.set_request(0, SamplingParams(logprobs=4))
+        runner.set_request(0, DeviceSamplingParams(logprobs=4))
     with pytest.raises(ValueError, match="max_model_len"):
-        runner.set_request(0, SamplingParams(), list(range(65)))
+        runner.set_request(0, DeviceSamplingParams(), list(range(65)))
     with pytest.raises(ValueError):
-        SamplingParams(top_p=0.0)
+        DeviceSamplingParams(top_p=0.0)
 
 
 def test_runner_rejects_unsupported_lengths(config: ModelConfig, params: Any) -> None:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from kvpage._core import Scheduler
+from kvpage._core import DEFAULT_MAX_TOKENS, Scheduler
 from kvpage.sim import simulate
 from kvpage.workload import make_workload
 
@@ -173,6 +173,9 @@ def test_stop_conditions_and_finish_codes() -> None:
     [
         (dict(prompt_token_ids=[]), "empty"),
         (dict(prompt_token_ids=list(range(129))), "129 tokens"),
+        (dict(prompt_token_ids=list(range(128))), "no room to generate"),
+        (dict(prompt_token_ids=list(range(120)), min_tokens=9, max_tokens=None),
+         "min_tokens=9 cannot be reached: only 8 tokens fit"),
         (dict(prompt_token_ids=[1], n=0), "n must"),
         (dict(prompt_token_ids=[1], max_tokens=0), "max_tokens"),
         (dict(prompt_token_ids=[1], min_tokens=5, max_tokens=2), "min_tokens"),
@@ -184,6 +187,20 @@ def test_bad_requests_raise_value_error_naming_the_problem(kwargs: dict, message
     with pytest.raises(ValueError, match=message):
         sched.add_request(**kwargs)
     sched.check_invariants()
+
+
+def test_max_tokens_default_is_the_public_default_and_none_runs_to_max_model_len() -> None:
+    from kvpage import SamplingParams
+
+    assert SamplingParams().max_tokens == DEFAULT_MAX_TOKENS == 256
+    sched = make()
+    default = sched.add_request([1] * 10, ignore_eos=True)
+    until_full = sched.add_request([2] * 120, max_tokens=None, ignore_eos=True)
+    clamped = sched.add_request([3] * 124, max_tokens=50, ignore_eos=True)
+    outputs = drain(sched)
+    assert len(outputs[(default, 0)]) == 118, "the default 256 is clamped to the 118 left"
+    assert len(outputs[(until_full, 0)]) == 8, "None generates until max_model_len (128)"
+    assert len(outputs[(clamped, 0)]) == 4
 
 
 def test_bad_configs_and_out_of_order_calls_raise() -> None:

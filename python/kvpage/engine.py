@@ -360,18 +360,6 @@ class LLMEngine:
                 f"prompt_logprobs must be <= {self.config.max_logprobs} (max_logprobs), "
                 f"got {params.prompt_logprobs}"
             )
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
-                "which leaves no room to generate"
-            )
-        max_tokens = params.max_tokens or self.max_model_len - len(ids)
-        max_tokens = min(max_tokens, self.max_model_len - len(ids))
-        if params.min_tokens > max_tokens:
-            raise ValueError(
-                f"min_tokens={params.min_tokens} cannot be reached: only {max_tokens} tokens fit "
-                f"after the {len(ids)}-token prompt within max_model_len={self.max_model_len}"
-            )
         grammar = None
         if params.structured_outputs is not None:  # compile errors: ValueError, nothing queued
             grammar = self.grammar_compiler.compile(params.structured_outputs)
@@ -383,7 +371,7 @@ class LLMEngine:
         handle = self.scheduler.add_request(
             np.asarray(ids, np.int64),
             n=params.n,
-            max_tokens=max_tokens,
+            max_tokens=params.max_tokens,  # None: until max_model_len; the core clamps
             min_tokens=params.min_tokens,
             ignore_eos=params.ignore_eos,
             stop_token_ids=params.stop_token_ids,

@@ -11,13 +11,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvpage.runner.sampling_params import SamplingParams as DeviceSamplingParams
+from kvpage._core import DEFAULT_MAX_TOKENS  # the one default, owned by the Rust core
+from kvpage.runner.sampling_params import DeviceSamplingParams
 from kvpage.structured_outputs.params import StructuredOutputsParams
 
-DEFAULT_MAX_TOKENS = 256
-"""A usable default (vLLM's 16 cuts most answers short)."""
-
-MAX_LOGPROBS = 20
 MAX_N = 64
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256
@@ -111,15 +108,14 @@ class SamplingParams:
             )
         check(
             "logprobs",
-            self.logprobs is None
-            or (integer(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-            f"None or an integer in [0, {MAX_LOGPROBS}]",
+            self.logprobs is None or (integer(self.logprobs) and self.logprobs >= 0),
+            "None or an integer >= 0 (the engine's max_logprobs bounds it)",
         )
         check(
             "prompt_logprobs",
             self.prompt_logprobs is None
-            or (integer(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
-            f"None or an integer in [0, {MAX_LOGPROBS}]",
+            or (integer(self.prompt_logprobs) and self.prompt_logprobs >= 0),
+            "None or an integer >= 0 (the engine's max_logprobs bounds it)",
         )
         for name in ("presence_penalty", "frequency_penalty"):
             check(

@@ -6,7 +6,7 @@
   under tensor parallelism, see :mod:`kvpage.parallel`).
 * :mod:`~kvpage.runner.kv_cache_sizing` -- how many blocks the pool gets, and why.
 * :mod:`~kvpage.runner.sampler`        -- batched device sampling.
-* :mod:`~kvpage.runner.sampling_params` -- per-request :class:`SamplingParams`.
+* :mod:`~kvpage.runner.sampling_params` -- per-request :class:`DeviceSamplingParams`.
 * :mod:`~kvpage.runner.sampling_table` -- per-slot sampling state on device.
 * :mod:`~kvpage.runner.step_inputs`    -- packing a plan into one padded buffer.
 * :mod:`~kvpage.runner.buckets`        -- padded sizes.
@@ -15,7 +15,7 @@
 from kvpage.runner.kv_cache import KVCacheSpec, allocate_kv_cache
 from kvpage.runner.kv_cache_sizing import KVCacheDecision, decide_num_blocks
 from kvpage.runner.model_runner import ModelRunner
-from kvpage.runner.sampling_params import SamplingParams
+from kvpage.runner.sampling_params import DeviceSamplingParams
 from kvpage.runner.step_output import StepOutput
 from kvpage.runner.step_plan import StepPlan, StepPlanLike
 
@@ -23,7 +23,7 @@ __all__ = [
     "KVCacheDecision",
     "KVCacheSpec",
     "ModelRunner",
-    "SamplingParams",
+    "DeviceSamplingParams",
     "StepOutput",
     "StepPlan",
     "StepPlanLike",

@@ -65,7 +65,7 @@ from kvpage.runner.kv_cache import KVCacheSpec, KVPools, allocate_kv_cache, copy
 from kvpage.runner.kv_cache_sizing import KVCacheDecision, decide_num_blocks
 from kvpage.runner.prompt_logprobs import PromptScores, score_prompt_tokens
 from kvpage.runner.sampler import sample
-from kvpage.runner.sampling_params import SamplingParams
+from kvpage.runner.sampling_params import DeviceSamplingParams
 from kvpage.runner.sampling_table import (
     SamplingTable,
     gather_inputs,
@@ -595,7 +595,7 @@ class ModelRunner:
     def set_request(
         self,
         slot: int,
-        params: SamplingParams,
+        params: DeviceSamplingParams,
         prompt_token_ids: Sequence[int] | np.ndarray = (),
         output_token_ids: Sequence[int] | np.ndarray = (),
     ) -> None:

@@ -1,8 +1,11 @@
-"""Per-request sampling parameters (host side), with vLLM-compatible meanings.
+"""What the device sampler reads of one request, with vLLM-compatible meanings.
 
-This file owns :class:`SamplingParams`: what a request asks of the sampler. The runner
-copies these numbers into a device table row (see :mod:`kvpage.runner.sampling_table`),
-so changing them never changes a compiled shape.
+This file owns :class:`DeviceSamplingParams`: the sampler's knobs only. Users write
+the public :class:`kvpage.SamplingParams` (validated, with the scheduler's stop
+conditions too), which hands the runner one of these
+(``SamplingParams.device_params``). The runner copies these numbers into a device
+table row (see :mod:`kvpage.runner.sampling_table`), so changing them never changes
+a compiled shape.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ GREEDY_EPSILON = 1e-5
 
 
 @dataclass(slots=True)
-class SamplingParams:
+class DeviceSamplingParams:
     """How to pick each next token of one request.
 
     * ``temperature``: 0 (or < 1e-5) means greedy; otherwise logits are divided by it.

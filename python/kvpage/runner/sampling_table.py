@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvpage.runner.sampler import SamplingInputs
-from kvpage.runner.sampling_params import SamplingParams
+from kvpage.runner.sampling_params import DeviceSamplingParams
 
 # Columns of SamplingTable.floats
 TEMPERATURE, TOP_P, MIN_P, PRESENCE, FREQUENCY, REPETITION = range(6)
@@ -40,7 +40,7 @@ class SamplingTable(NamedTuple):
 
 
 def params_to_rows(
-    params: SamplingParams, num_generated: int
+    params: DeviceSamplingParams, num_generated: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The float row, int row and seed that :func:`write_slot` stores for ``params``."""
     floats = np.zeros(NUM_FLOAT_COLUMNS, np.float32)
@@ -60,7 +60,7 @@ def params_to_rows(
     return floats, ints, seed
 
 
-def stop_mask_row(params: SamplingParams, vocab_size: int) -> np.ndarray:
+def stop_mask_row(params: DeviceSamplingParams, vocab_size: int) -> np.ndarray:
     """The ``bool [vocab]`` stop-token row :func:`write_slot` stores for ``params`` (empty
     when ``min_tokens`` is 0: nothing is ever masked then)."""
     row = np.zeros(vocab_size, np.bool_)
@@ -75,7 +75,7 @@ def init_sampling_table(
 ) -> SamplingTable:
     """All ``num_slots + 1`` rows greedy with no history (the last row is the padding row)."""
     rows = num_slots + 1
-    floats, ints, seed = params_to_rows(SamplingParams(temperature=0.0), 0)
+    floats, ints, seed = params_to_rows(DeviceSamplingParams(temperature=0.0), 0)
     table = SamplingTable(
         floats=jnp.tile(jnp.asarray(floats), (rows, 1)),
         ints=jnp.tile(jnp.asarray(ints), (rows, 1)),
