@@ -201,8 +201,15 @@ class _Guard:
 
 
 def _sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() \
-        + b"\n\n"
+    """One SSE event. JSON leaves U+2028, U+2029 and U+0085 raw, and clients that
+    split lines as ``str.splitlines`` does (httpx's ``aiter_lines``, so the OpenAI
+    SDK's older versions and many scripts) would cut the event there: they go
+    escaped (the same JSON string either way)."""
+    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    if "\u2028" in text or "\u2029" in text or "\x85" in text:
+        text = text.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029") \
+            .replace("\x85", "\\u0085")
+    return b"data: " + text.encode() + b"\n\n"
 
 
 _DONE = b"data: [DONE]\n\n"
