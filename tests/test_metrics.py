@@ -6,7 +6,9 @@ from __future__ import annotations
 import logging
 
 import pytest
-from kvpage.metrics import EngineMetrics, request_finish_reason
+from hypothesis import given
+from hypothesis import strategies as st
+from kvpage.metrics import EngineMetrics, observe_many, request_finish_reason
 from kvpage.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from prometheus_client import CollectorRegistry
 
@@ -152,3 +154,35 @@ def test_buckets_1_2_5() -> None:
 
     assert buckets_1_2_5(100) == (1, 2, 5, 10, 20, 50, 100)
     assert buckets_1_2_5(1) == (1,)
+
+
+@given(st.lists(st.one_of(st.floats(-1.0, 100.0), st.sampled_from(
+    [0.0, 0.001, 0.0025, 0.005, 0.04, 1.0, 80.0, float("inf"), float("nan")])), max_size=64))
+def test_observe_many_counts_as_observe_does(amounts: list[float]) -> None:
+    """One update per bucket for a step's amounts gives the series one
+    ``observe`` per amount gives (bounds included, +Inf, NaN)."""
+    batched, single = EngineMetrics("m"), EngineMetrics("m")
+    observe_many(batched.inter_token_latency, amounts)
+    for amount in amounts:
+        single.inter_token_latency.observe(amount)
+    def samples(m: EngineMetrics) -> dict[tuple[str, str], float]:
+        return {(s.name, s.labels.get("le", "")): s.value for family in m.registry.collect()
+                if family.name.endswith("inter_token_latency_seconds")
+                for s in family.samples if not s.name.endswith("_created")}
+
+    got, expected = samples(batched), samples(single)
+    sum_key = ("kvpage:inter_token_latency_seconds_sum", "")
+    assert got.pop(sum_key) == pytest.approx(expected.pop(sum_key), nan_ok=True)
+    assert got == expected and len(expected) == 15  # 14 buckets (+Inf included), count
+
+
+def test_streaming_outputs_observe_inter_token_latency_once_per_token() -> None:
+    m = EngineMetrics("m")
+    outputs = [_output(f"r{i}", 1, None) for i in range(20)]
+    m.on_outputs(outputs, now=10.0)
+    m.on_outputs(outputs, now=10.5)  # every request's second token, 0.5 s later
+    m.on_outputs(outputs, now=10.75)
+    assert _value(m, "kvpage:inter_token_latency_seconds_count") == 40
+    assert _value(m, "kvpage:inter_token_latency_seconds_sum") == pytest.approx(20 * 0.75)
+    assert _value(m, "kvpage:inter_token_latency_seconds_bucket", le="0.256") == 20
+    assert _value(m, "kvpage:inter_token_latency_seconds_bucket", le="0.512") == 40

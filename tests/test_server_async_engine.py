@@ -8,6 +8,7 @@ and ``run_server``'s SIGTERM handling in a subprocess.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -21,7 +22,12 @@ from typing import Any
 
 import httpx
 import pytest
-from kvpage.async_engine import AsyncLLMEngine, EngineClosedError, RequestFailedError
+from kvpage.async_engine import (
+    AsyncLLMEngine,
+    EngineClosedError,
+    RequestFailedError,
+    RequestStream,
+)
 from kvpage.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvpage.sampling_params import SamplingParams
 
@@ -244,6 +250,76 @@ def test_shutdown_lets_running_requests_finish_within_grace(fake: FakeEngine) ->
     assert not engine.is_running and not fake.has_unfinished_requests()
     with pytest.raises(EngineClosedError):
         engine.submit(lambda e: None).result(1)
+
+
+def test_next_batch_takes_what_is_queued_and_raises_an_error_behind_it() -> None:
+    def output(finished: bool) -> RequestOutput:
+        return RequestOutput("x", None, [1], [CompletionOutput(0, "t", [7])], finished,
+                             RequestMetrics(arrival_time=0.0))
+
+    async def main() -> None:
+        stream = RequestStream(SimpleNamespace(abort=lambda _: None), "x",
+                               asyncio.get_running_loop())
+        for item in (output(False), output(False), RequestFailedError("boom"), output(True)):
+            stream._queue.put_nowait(item)
+        assert len(await stream.next_batch()) == 2 and not stream.finished
+        with pytest.raises(RequestFailedError, match="boom"):
+            await stream.next_batch()
+        assert stream.finished
+        with pytest.raises(StopAsyncIteration):
+            await stream.next_batch()
+
+    asyncio.run(main())
+
+
+async def _post_stream(app: Any, body: dict[str, Any], stall_s: float) -> list[bytes]:
+    """POST ``body`` to ``app`` (ASGI, no server); the client stalls ``stall_s``
+    after the first body chunk, as a slow or busy reader does. Returns the body
+    chunks as sent."""
+    raw = json.dumps(body).encode()
+    requested = False
+    chunks: list[bytes] = []
+
+    async def receive() -> dict[str, Any]:
+        nonlocal requested
+        if not requested:
+            requested = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await asyncio.Event().wait()  # the client never leaves
+        raise AssertionError("unreachable")
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            assert message["status"] == 200
+        elif message.get("body"):
+            chunks.append(message["body"])
+            if len(chunks) == 1:
+                await asyncio.sleep(stall_s)
+
+    path = "/v1/completions"
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
+             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1),
+             "server": ("127.0.0.1", 80), "headers": [(b"content-type", b"application/json")]}
+    await app(scope, receive, send)
+    return chunks
+
+
+def test_a_stream_behind_the_engine_catches_up_in_one_send(engine: AsyncLLMEngine) -> None:
+    """The engine makes tokens while the handler waits on its client: the tokens
+    queued meanwhile go out as their own events, in order, in one send (one wake
+    and one socket write for many tokens, so a busy server falls behind less)."""
+    from kvpage.server import build_app
+
+    app = build_app(engine, served_model_name="fake")
+    chunks = asyncio.run(_post_stream(app, {"model": "fake", "prompt": [1, 2, 3],
+                                            "max_tokens": 24, "stream": True}, 0.3))
+    events = b"".join(chunks).split(b"\n\n")
+    assert events[-2:] == [b"data: [DONE]", b""]
+    texts = [json.loads(e[len(b"data: "):])["choices"][0] for e in events[:-2]]
+    assert [c["text"] for c in texts] == ["t"] * 24, "one event per token, none lost"
+    assert [c["finish_reason"] for c in texts] == [None] * 23 + ["length"]
+    assert len(chunks) <= 3, f"{len(chunks)} sends for 24 events after a 0.3 s stall"
 
 
 def test_metrics_follow_the_engine(engine: AsyncLLMEngine) -> None:

@@ -7,24 +7,48 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from kvpage.bench.sse import SSEEvents, sse_lines
-from kvpage.server import _sse
+from kvpage.sse_events import ChunkTemplate, sse_event
 
 # Characters JSON may leave raw that str.splitlines (and httpx's aiter_lines) break at.
 SEPARATORS = "\u2028\u2029\x85"
 TEXT = "a\u2028b\u2029c\x85d\ne\rf\x1cg"
 
 
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@given(
+    st.fixed_dictionaries({"id": st.text(), "object": st.sampled_from(["text_completion", "%s"]),
+                           "created": st.integers(0, 2**40), "model": st.text()}),
+    st.dictionaries(st.text(), _JSON_VALUES, max_size=6),
+)
+@example({"id": "100%s", "object": "%%", "created": 1, "model": "m%d"},
+         {"index": 0, "te%sxt": "50%s \u2028", "delta": {"content": "%"}, "logprobs": None})
+def test_a_chunk_template_writes_what_json_dumps_writes(fixed: dict, choice: dict) -> None:
+    expected = sse_event({**fixed, "choices": [choice]})
+    assert ChunkTemplate(fixed, list(choice)).event(*choice.values()) == expected
+    payload = json.dumps({**fixed, "choices": [choice]}, ensure_ascii=False,
+                         separators=(",", ":"))
+    escaped = payload.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029") \
+        .replace("\x85", "\\u0085")
+    assert expected == b"data: " + escaped.encode() + b"\n\n"
+
+
 def test_events_have_no_raw_line_separators_and_keep_their_text() -> None:
-    event = _sse({"choices": [{"text": TEXT}]})
+    event = sse_event({"choices": [{"text": TEXT}]})
     decoded = event.decode()
     assert not any(ch in decoded for ch in SEPARATORS)
     lines = decoded.splitlines()
     assert lines[0].startswith("data: ") and lines[1:] == [""]
     assert json.loads(lines[0][6:])["choices"][0]["text"] == TEXT
-    plain = _sse({"text": "héllo 🙂"}).decode()
+    plain = sse_event({"text": "héllo 🙂"}).decode()
     assert "héllo 🙂" in plain, "other non-ASCII text stays as it is"
 
 
@@ -52,7 +76,9 @@ def test_lines_end_only_at_cr_lf_or_crlf_wherever_the_chunks_are_cut(
     lines: list[str], ends: list[str], cuts: list[int]
 ) -> None:
     ends = ends[: len(lines)]
-    for i in range(len(lines) - 1):  # a CR, then an empty line ended by LF, reads as CRLF
+    # A CR, then an empty line ended by LF, reads as CRLF: end such lines with LF, from
+    # the last one back (a change can make the line before it such a line too).
+    for i in reversed(range(len(lines) - 1)):
         if ends[i] == "\r" and lines[i + 1] == "" and ends[i + 1].startswith("\n"):
             ends[i] = "\n"
     text = "".join(line + end for line, end in zip(lines, ends, strict=True))

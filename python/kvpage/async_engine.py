@@ -73,6 +73,7 @@ class RequestStream:
         self._engine = engine
         self._loop = loop
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._held: BaseException | None = None  # an error behind a batch, raised next
         self._done = False  # consumer side: the last item was taken
         self._closed = False  # producer side (engine thread): the last item was sent
 
@@ -92,7 +93,28 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self._done:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        if self._held is not None:
+            item, self._held = self._held, None
+        else:
+            item = await self._queue.get()
+        return self._take(item)
+
+    async def next_batch(self) -> list[RequestOutput]:
+        """The next output and every later one already delivered, in order (at
+        least one): a consumer that fell behind the engine catches up in one
+        wake-up, and a server writes them in one send. Raises as iteration does
+        (``StopAsyncIteration`` once ``finished``); an error queued behind
+        outputs is raised by the next call."""
+        batch = [await self.__anext__()]
+        while not self._done and not self._queue.empty():
+            item = self._queue.get_nowait()
+            if isinstance(item, BaseException):
+                self._held = item
+                break
+            batch.append(self._take(item))
+        return batch
+
+    def _take(self, item: RequestOutput | BaseException) -> RequestOutput:
         if isinstance(item, BaseException):
             self._done = True
             raise item
@@ -128,13 +150,15 @@ def _put_all(batch: list[tuple[asyncio.Queue[Any], RequestOutput | BaseException
         queue.put_nowait(item)
 
 
-def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
-    if future.done():  # the caller gave up (cancelled)
-        return
-    if error is None:
-        future.set_result(None)
-    else:
-        future.set_exception(error)
+def _settle_all(settled: list[tuple[asyncio.Future[None], BaseException | None]]) -> None:
+    """On the event loop: whether each added request was accepted."""
+    for future, error in settled:
+        if future.done():  # the caller gave up (cancelled)
+            continue
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
 
 
 @dataclass(slots=True)
@@ -389,20 +413,28 @@ class AsyncLLMEngine:
                 self._step()
 
     def _apply(self, ops: Iterable[_Add | _Abort | _Call]) -> None:
-        for op in ops:
-            if isinstance(op, _Add):
-                self._apply_add(op)
-            elif isinstance(op, _Abort):
-                self._abort([op.request_id])
-            else:
-                try:
-                    result = op.fn(self.engine)
-                except BaseException as exc:
-                    op.future.set_exception(exc)
+        # Acceptances go to each event loop in one call, as step outputs do.
+        settled: dict[asyncio.AbstractEventLoop, list[Any]] = {}
+        try:
+            for op in ops:
+                if isinstance(op, _Add):
+                    error = self._apply_add(op)
+                    settled.setdefault(op.stream._loop, []).append((op.accepted, error))
+                elif isinstance(op, _Abort):
+                    self._abort([op.request_id])
                 else:
-                    op.future.set_result(result)
+                    try:
+                        result = op.fn(self.engine)
+                    except BaseException as exc:
+                        op.future.set_exception(exc)
+                    else:
+                        op.future.set_result(result)
+        finally:
+            for loop, items in settled.items():
+                _call_in_loop(loop, _settle_all, items)
 
-    def _apply_add(self, op: _Add) -> None:
+    def _apply_add(self, op: _Add) -> Exception | None:
+        """Add one request to the engine; returns why it was refused, if it was."""
         stream = op.stream
         try:
             self.engine.add_request(
@@ -411,16 +443,15 @@ class AsyncLLMEngine:
                 arrival_time=op.arrival_time,
             )
         except Exception as exc:
-            _call_in_loop(stream._loop, _settle, op.accepted, exc)
-            return
+            return exc
         self._streams[stream.request_id] = stream
-        _call_in_loop(stream._loop, _settle, op.accepted, None)
         params = op.params
         try:
             self.metrics.on_add(stream.request_id, params.n if params else 1,
                                 params.max_tokens if params else None)
         except Exception:  # metrics must never stop the engine
             logger.exception("updating metrics failed")
+        return None
 
     def _abort(self, request_ids: list[str]) -> None:
         if not request_ids:
@@ -514,7 +545,7 @@ class AsyncLLMEngine:
             ops, self._inbox = self._inbox, []
         for op in ops:
             if isinstance(op, _Add):
-                _call_in_loop(op.stream._loop, _settle, op.accepted, error)
+                _call_in_loop(op.stream._loop, _settle_all, [(op.accepted, error)])
             elif isinstance(op, _Call) and not op.future.done():
                 op.future.set_exception(error)
         streams, self._streams = self._streams, {}

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -94,6 +95,34 @@ class _Seen:
     sample_tokens: dict[int, int] | None = None
     n: int | None = None
     max_tokens: int | None = None
+
+
+def observe_many(histogram: Any, amounts: Sequence[float]) -> None:
+    """``histogram.observe(a)`` for every ``a`` in ``amounts``, as one update per
+    bucket: a step's inter-token latencies (one per streaming request) cost
+    ~0.75 us each through ``observe``'s bucket scan and locks, as much as the rest
+    of the engine's host work per sequence. Falls back to ``observe`` where the
+    histogram's layout is not prometheus_client's (``_upper_bounds``, ``_buckets``
+    not cumulative, ``_sum``)."""
+    if not amounts:
+        return
+    bounds = getattr(histogram, "_upper_bounds", None)
+    buckets = getattr(histogram, "_buckets", None)
+    total = getattr(histogram, "_sum", None)
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets) \
+            or len(amounts) < 8:
+        for amount in amounts:
+            histogram.observe(amount)
+        return
+    histogram._raise_if_not_observable()
+    values = np.asarray(amounts, np.float64)
+    # observe() counts an amount in the first bucket whose bound is >= it
+    counts = np.bincount(np.searchsorted(np.asarray(bounds, np.float64), values, side="left"),
+                         minlength=len(bounds))
+    total.inc(float(values.sum()))
+    for bucket, count in zip(buckets, counts.tolist(), strict=False):
+        if count:
+            bucket.inc(count)
 
 
 def request_finish_reason(output: RequestOutput) -> str:
@@ -264,6 +293,7 @@ class EngineMetrics:
         ``time.monotonic()``); ``finished_reason`` overrides the reason of
         finished ones."""
         now = time.monotonic() if now is None else now
+        gaps: list[float] = []  # inter-token latencies, observed together at the end
         for out in outputs:
             seen = self._live.get(out.request_id)
             if seen is None:
@@ -288,12 +318,13 @@ class EngineMetrics:
                     seen.first_token_time = now
                     self.time_to_first_token.observe(max(0.0, now - m.arrival_time))
                 elif seen.last_token_time is not None and now > seen.last_token_time:
-                    self.inter_token_latency.observe(now - seen.last_token_time)
+                    gaps.append(now - seen.last_token_time)
                 seen.last_token_time = now
             if out.finished:
                 self._live.pop(out.request_id, None)
                 self.request_success(finished_reason or request_finish_reason(out)).inc()
                 self._observe_finished(out, seen, now)
+        observe_many(self.inter_token_latency, gaps)
 
     def _observe_finished(self, out: RequestOutput, seen: _Seen, now: float) -> None:
         m = out.metrics

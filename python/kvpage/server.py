@@ -74,6 +74,7 @@ from kvpage.protocol import (
     value_error,
 )
 from kvpage.sampling_params import SamplingParams
+from kvpage.sse_events import DONE, ChunkTemplate, sse_event
 
 logger = logging.getLogger(__name__)
 
@@ -200,38 +201,29 @@ class _Guard:
 # ---- helpers ----------------------------------------------------------------
 
 
-def _sse(payload: dict[str, Any]) -> bytes:
-    """One SSE event. JSON leaves U+2028, U+2029 and U+0085 raw, and clients that
-    split lines as ``str.splitlines`` does (httpx's ``aiter_lines``, so the OpenAI
-    SDK's older versions and many scripts) would cut the event there: they go
-    escaped (the same JSON string either way)."""
-    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-    if "\u2028" in text or "\u2029" in text or "\x85" in text:
-        text = text.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029") \
-            .replace("\x85", "\\u0085")
-    return b"data: " + text.encode() + b"\n\n"
-
-
-_DONE = b"data: [DONE]\n\n"
-
-
 def _finite(value: float) -> float:
     return value if math.isfinite(value) else _MIN_LOGPROB if value < 0 or math.isnan(value) \
         else -_MIN_LOGPROB
 
 
-async def _merge(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) from several request streams as they come."""
+async def _merged_batches(
+    streams: Sequence[RequestStream],
+) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
+    """(prompt index, output) pairs from several request streams, in batches of
+    everything ready at once (each stream's outputs in order): when the handler
+    is behind the engine, one wake-up and one send carry several steps."""
     if len(streams) == 1:
-        async for output in streams[0]:
-            yield 0, output
+        stream = streams[0]
+        while not stream.finished:
+            yield [(0, output) for output in await stream.next_batch()]
         return
-    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, list[RequestOutput] | BaseException | None]] = \
+        asyncio.Queue()
 
     async def pump(index: int, stream: RequestStream) -> None:
         try:
-            async for output in stream:
-                queue.put_nowait((index, output))
+            while not stream.finished:
+                queue.put_nowait((index, await stream.next_batch()))
         except Exception as exc:
             queue.put_nowait((index, exc))
         finally:
@@ -241,13 +233,21 @@ async def _merge(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, R
     try:
         remaining = len(tasks)
         while remaining:
-            index, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield index, item
+            items = [await queue.get()]
+            while not queue.empty():
+                items.append(queue.get_nowait())
+            batch: list[tuple[int, RequestOutput]] = []
+            for index, item in items:
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    if batch:
+                        yield batch
+                    raise item
+                else:
+                    batch.extend((index, output) for output in item)
+            if batch:
+                yield batch
     finally:
         for task in tasks:
             task.cancel()
@@ -520,7 +520,7 @@ class _Server:
 
 def _stream_error(exc: BaseException) -> bytes:
     error = _engine_error(exc)
-    return _sse(error.body())
+    return sse_event(error.body())
 
 
 class _SSEResponse(StreamingResponse):
@@ -542,59 +542,68 @@ class _SSEResponse(StreamingResponse):
 # ---- streaming ----------------------------------------------------------------
 
 
-async def _choice_deltas(gen: _Generation) -> AsyncIterator[tuple[int, Any, bool]]:
-    """(choice index, completion delta, wants logprobs) for every delta
-    worth sending, across all prompts and samples; counts usage on the way
-    and drops anything after a choice's final delta."""
+async def _choice_deltas(gen: _Generation) -> AsyncIterator[list[tuple[int, Any, bool]]]:
+    """(choice index, completion delta, wants logprobs) for every delta worth
+    sending, across all prompts and samples, in batches of what is ready at once
+    (one send each); counts usage on the way and drops anything after a choice's
+    final delta."""
     done: set[int] = set()
-    async for i, out in _merge(gen.streams):
-        if gen.echo is not None:
-            gen.echo.take(i, out)
-        gen.usage.add(i, out)
-        for c in out.outputs:
-            index = i * gen.n + c.index
-            wants_logprobs = gen.num_logprobs is not None and bool(c.logprobs)
-            if index in done or not (c.text or c.finish_reason or wants_logprobs):
-                continue
-            if c.finish_reason is not None:
-                done.add(index)
-            yield index, c, wants_logprobs
+    async for batch in _merged_batches(gen.streams):
+        deltas = []
+        for i, out in batch:
+            if gen.echo is not None:
+                gen.echo.take(i, out)
+            gen.usage.add(i, out)
+            for c in out.outputs:
+                index = i * gen.n + c.index
+                wants_logprobs = gen.num_logprobs is not None and bool(c.logprobs)
+                if index in done or not (c.text or c.finish_reason or wants_logprobs):
+                    continue
+                if c.finish_reason is not None:
+                    done.add(index)
+                deltas.append((index, c, wants_logprobs))
+        if deltas:
+            yield deltas
 
 
 # ---- completions --------------------------------------------------------------
 
 
 async def _completion_events(srv: _Server, gen: _Generation) -> AsyncIterator[bytes]:
+    template = ChunkTemplate({"id": gen.request_id, "object": "text_completion",
+                              "created": gen.created, "model": gen.model},
+                             ("index", "text", "logprobs", "finish_reason", "stop_reason"))
     offsets: dict[int, int] = {}
     echoed: set[int] = set()
     try:
-        async for index, c, wants_logprobs in _choice_deltas(gen):
-            logprobs = None
-            if wants_logprobs:
-                logprobs = srv.completion_logprobs(c.token_ids, c.logprobs, gen.num_logprobs,
-                                                   offsets.get(index, 0))
-            text = c.text
-            echo = gen.echo
-            if echo is not None and echo.prompt_texts is not None and index not in echoed:
-                # vLLM's streaming echo: the prompt comes with each choice's first chunk
-                echoed.add(index)
-                text = echo.prompt_texts[index // gen.n] + text
-                if gen.num_logprobs is not None:
-                    logprobs = srv.echoed_logprobs(gen, index, logprobs)
-            if logprobs is not None:
-                offsets[index] = offsets.get(index, 0) + sum(map(len, logprobs["tokens"]))
-            yield _sse({"id": gen.request_id, "object": "text_completion",
-                        "created": gen.created, "model": gen.model,
-                        "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                     "finish_reason": c.finish_reason,
-                                     "stop_reason": c.stop_reason}]})
+        async for deltas in _choice_deltas(gen):
+            events = []
+            for index, c, wants_logprobs in deltas:
+                logprobs = None
+                if wants_logprobs:
+                    logprobs = srv.completion_logprobs(c.token_ids, c.logprobs,
+                                                       gen.num_logprobs, offsets.get(index, 0))
+                text = c.text
+                echo = gen.echo
+                if echo is not None and echo.prompt_texts is not None and index not in echoed:
+                    # vLLM's streaming echo: the prompt comes with each choice's first chunk
+                    echoed.add(index)
+                    text = echo.prompt_texts[index // gen.n] + text
+                    if gen.num_logprobs is not None:
+                        logprobs = srv.echoed_logprobs(gen, index, logprobs)
+                if logprobs is not None:
+                    offsets[index] = offsets.get(index, 0) + sum(map(len, logprobs["tokens"]))
+                events.append(template.event(index, text, logprobs, c.finish_reason,
+                                             c.stop_reason))
+            yield b"".join(events)
         if gen.include_usage:
-            yield _sse({"id": gen.request_id, "object": "text_completion", "created": gen.created,
-                        "model": gen.model, "choices": [], "usage": gen.usage.json()})
-        yield _DONE
+            yield sse_event({"id": gen.request_id, "object": "text_completion",
+                             "created": gen.created, "model": gen.model, "choices": [],
+                             "usage": gen.usage.json()})
+        yield DONE
     except (RequestFailedError, EngineClosedError) as exc:
         yield _stream_error(exc)
-        yield _DONE
+        yield DONE
     finally:
         gen.abort()
 
@@ -604,12 +613,13 @@ async def _collect(gen: _Generation) -> list[CompletionOutput]:
     yield one ``RequestOutput`` each, the finished one)."""
     choices: list[CompletionOutput | None] = [None] * (len(gen.streams) * gen.n)
     try:
-        async for i, out in _merge(gen.streams):
-            if gen.echo is not None:
-                gen.echo.take(i, out)
-            gen.usage.add(i, out)
-            for c in out.outputs:
-                choices[i * gen.n + c.index] = c
+        async for batch in _merged_batches(gen.streams):
+            for i, out in batch:
+                if gen.echo is not None:
+                    gen.echo.take(i, out)
+                gen.usage.add(i, out)
+                for c in out.outputs:
+                    choices[i * gen.n + c.index] = c
     finally:
         gen.abort()
     missing = [index for index, c in enumerate(choices) if c is None]
@@ -646,29 +656,31 @@ def _completion_body(srv: _Server, gen: _Generation,
 
 
 async def _chat_events(srv: _Server, gen: _Generation) -> AsyncIterator[bytes]:
-    def chunk(choices: list[dict[str, Any]]) -> bytes:
-        return _sse({"id": gen.request_id, "object": "chat.completion.chunk",
-                     "created": gen.created, "model": gen.model, "choices": choices})
+    fixed = {"id": gen.request_id, "object": "chat.completion.chunk", "created": gen.created,
+             "model": gen.model}
+    template = ChunkTemplate(fixed, ("index", "delta", "logprobs", "finish_reason",
+                                     "stop_reason"))
 
     try:
         for index in range(len(gen.streams) * gen.n):
-            yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
-                          "logprobs": None, "finish_reason": None}])
-        async for index, c, wants_logprobs in _choice_deltas(gen):
-            logprobs = None
-            if wants_logprobs:
-                logprobs = srv.chat_logprobs(c.token_ids, c.logprobs, gen.num_logprobs)
-            yield chunk([{"index": index, "delta": {"content": c.text} if c.text else {},
-                          "logprobs": logprobs, "finish_reason": c.finish_reason,
-                          "stop_reason": c.stop_reason}])
+            yield sse_event({**fixed, "choices": [{
+                "index": index, "delta": {"role": "assistant", "content": ""},
+                "logprobs": None, "finish_reason": None}]})
+        async for deltas in _choice_deltas(gen):
+            events = []
+            for index, c, wants_logprobs in deltas:
+                logprobs = None
+                if wants_logprobs:
+                    logprobs = srv.chat_logprobs(c.token_ids, c.logprobs, gen.num_logprobs)
+                events.append(template.event(index, {"content": c.text} if c.text else {},
+                                             logprobs, c.finish_reason, c.stop_reason))
+            yield b"".join(events)
         if gen.include_usage:
-            yield _sse({"id": gen.request_id, "object": "chat.completion.chunk",
-                        "created": gen.created, "model": gen.model, "choices": [],
-                        "usage": gen.usage.json()})
-        yield _DONE
+            yield sse_event({**fixed, "choices": [], "usage": gen.usage.json()})
+        yield DONE
     except (RequestFailedError, EngineClosedError) as exc:
         yield _stream_error(exc)
-        yield _DONE
+        yield DONE
     finally:
         gen.abort()
 
