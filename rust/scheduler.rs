@@ -359,7 +359,7 @@ impl Scheduler {
                 params.min_tokens, params.max_tokens
             ));
         }
-        let room = (c.max_model_len - prompt.len()) as u32;
+        let room = u32::try_from(c.max_model_len - prompt.len()).unwrap_or(u32::MAX);
         params.max_tokens = params.max_tokens.min(room);
         if params.min_tokens > params.max_tokens {
             return invalid(format!(
