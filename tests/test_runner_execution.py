@@ -64,8 +64,11 @@ def runner(config: ModelConfig, params: Any) -> ModelRunner:
 
 def test_warmup_compiles_every_bucket_once(runner: ModelRunner) -> None:
     assert runner.compiled_buckets == sorted(runner.warmup_buckets())
-    # steps + the slot writer + the stand-alone block copier
-    assert runner.num_compilations == len(runner.warmup_buckets()) + 2
+    # per bucket embed, layer and logits pieces; a sampler per sequence bucket; the slot
+    # writer and the stand-alone block copier (kvpage.runner.layered_step)
+    buckets = runner.warmup_buckets()
+    samplers = {seqs for _, seqs, _ in buckets}
+    assert runner.num_compilations == 3 * len(buckets) + len(samplers) + 2
 
 
 def test_padding_does_not_change_outputs(

@@ -30,7 +30,8 @@ def _resolve_model(model: str | None) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    args.warmup = bool(args.warmup)
+    if args.warmup is None:
+        args.warmup = "none"  # a one-off run compiles only the buckets it uses
     from kvpage.llm import LLM
     from kvpage.sampling_params import SamplingParams
 
@@ -72,7 +73,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvpage.server import run_server
 
     if args.warmup is None:
-        args.warmup = True  # a server compiles before it takes traffic
+        args.warmup = "background"  # serve at once; the other buckets compile meanwhile
     config = engine_config_from_args(args, args.model)
     run_server(args.model, args.host, args.port, args.api_key, config,
                public_metrics=args.public_metrics or None,

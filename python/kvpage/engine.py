@@ -43,10 +43,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 
 from kvpage._core import OutputStreams, Scheduler, TokenDecoder
+from kvpage.compilation_cache import compile_counts, enable_compilation_cache
 from kvpage.detokenizer import _PROMPT_CONTEXT_TOKENS, rust_token_decoder
 from kvpage.engine_config import EngineConfig
 from kvpage.model.config import ModelConfig
@@ -140,16 +140,6 @@ def _merge_eos_ids(config: ModelConfig, model_dir: Path | None, tokenizer: Any) 
     return sorted(ids)
 
 
-def _enable_compilation_cache(path: str | None) -> None:
-    """Point JAX's persistent compilation cache at ``path`` unless the user
-    already configured one."""
-    if not path or jax.config.jax_compilation_cache_dir:
-        return
-    cache_dir = Path(path).expanduser()
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(cache_dir))
-
-
 def load_tokenizer(model_dir: str | Path) -> Any:
     """The model's Hugging Face tokenizer, from local files only."""
     from transformers import AutoTokenizer
@@ -210,7 +200,8 @@ class LLMEngine:
         batched = max(config.max_num_batched_tokens, config.max_num_seqs)
         if not config.enable_chunked_prefill:
             batched = max(batched, max_model_len)
-        _enable_compilation_cache(config.compilation_cache_dir)
+        self.compilation_cache_dir = enable_compilation_cache(config.compilation_cache_dir)
+        compiles_before = compile_counts()
         self.runner = runner or ModelRunner(
             model_config,
             params,
@@ -268,8 +259,13 @@ class LLMEngine:
         self.counters["structured_mask_steps"] = 0
         self.counters["structured_mask_hidden_steps"] = 0
         self.counters["structured_mask_s"] = 0.0
-        if config.warmup:
+        if config.warmup == "full":
             self.runner.warmup(progress=True)
+        elif config.warmup == "background":
+            self.runner.start_background_compile()
+        self.startup_compiles = compile_counts() - compiles_before
+        """Executables XLA compiled (and loaded from the persistent cache) while this
+        engine started; with ``warmup="background"`` the rest follow on their thread."""
 
     # ---- construction ---------------------------------------------------
 

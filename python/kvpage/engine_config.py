@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 
 POLICIES = ("fcfs", "priority", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+WARMUP_MODES = ("none", "background", "full")
 
 
 @dataclass(slots=True)
@@ -45,12 +46,15 @@ class EngineConfig:
     max_logprobs: int = 20
     overlap_host_work: bool = True
     """Detokenize step t while the device runs step t + 1."""
-    warmup: bool = False
-    """Compile every step bucket at startup (with a progress bar) instead of
-    on first use; servers want it, one-off scripts usually do not."""
-    compilation_cache_dir: str | None = "~/.cache/kvpage/xla"
-    """JAX's persistent compilation cache, so a restart skips compiles; None leaves
-    JAX's own setting alone."""
+    warmup: str = "none"
+    """When step buckets compile: ``"none"`` on first use (a step waits only for its
+    own bucket), ``"background"`` on a background thread from startup while requests
+    already run (``kvpage serve``'s default), ``"full"`` all at startup before the first
+    request (a progress bar). ``True`` / ``False`` mean ``"full"`` / ``"none"``."""
+    compilation_cache_dir: str | None = "auto"
+    """JAX's persistent compilation cache, so a restart compiles nothing: ``"auto"`` is
+    ``$XDG_CACHE_HOME/kvpage/xla`` (``~/.cache/kvpage/xla``), a path uses that directory,
+    None turns it off. A cache the process already configured is left alone."""
 
     def __post_init__(self) -> None:
         def positive(name: str, upper: int = 1 << 24) -> None:
@@ -85,6 +89,10 @@ class EngineConfig:
                 "long_prefill_token_threshold must be >= 0 (0 = no cap), got "
                 f"{self.long_prefill_token_threshold!r}"
             )
+        if isinstance(self.warmup, bool):
+            self.warmup = "full" if self.warmup else "none"
+        if self.warmup not in WARMUP_MODES:
+            raise ValueError(f"warmup must be one of {WARMUP_MODES}, got {self.warmup!r}")
         if not 0 <= self.max_logprobs <= 1024:
             raise ValueError(f"max_logprobs must be in [0, 1024], got {self.max_logprobs!r}")
 
@@ -192,11 +200,27 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="largest logprobs a request may ask for",
     )
     g.add_argument("--seed", type=int, default=0, help="engine seed")
-    g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile every step bucket at startup (default: on for serve)")
+    g.add_argument(
+        "--warmup", nargs="?", const="full", default=None, choices=WARMUP_MODES,
+        help="when step buckets compile: none (on first use; generate's default), "
+        "background (from startup, while requests already run; serve's default) or full "
+        "(all before the first request; --warmup alone)",
+    )
+    g.add_argument("--no-warmup", dest="warmup", action="store_const", const="none",
+                   help="same as --warmup none")
+    g.add_argument(
+        "--compilation-cache-dir", default="auto", metavar="DIR",
+        help="persistent XLA compilation cache, so a restart compiles nothing (default: "
+        "$XDG_CACHE_HOME/kvpage/xla, i.e. ~/.cache/kvpage/xla); 'none' turns it off",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfig:
     """The config the flags of :func:`add_engine_args` describe."""
     names = {f.name for f in fields(EngineConfig)} - {"model"}
-    return EngineConfig(model=model, **{n: getattr(args, n) for n in names if hasattr(args, n)})
+    values = {n: getattr(args, n) for n in names if hasattr(args, n)}
+    if values.get("warmup") is None:
+        values.pop("warmup", None)
+    if str(values.get("compilation_cache_dir", "auto")).lower() in ("none", "off", ""):
+        values["compilation_cache_dir"] = None
+    return EngineConfig(model=model, **values)

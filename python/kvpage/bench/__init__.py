@@ -8,6 +8,7 @@
     kvpage bench vs-hf [MODEL]                                      vs a naive HF loop
     kvpage bench step-profile [MODEL]                               where a step's time goes
     kvpage bench roofline                                           predicted H100/H200 tok/s
+    kvpage bench startup [MODEL]                                    time to ready, cold and warm
 
 ``compare`` runs the two lessons of continuous batching and PagedAttention
 on the same model and workload, only the scheduling policy changed, and can
@@ -28,6 +29,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         roofline,
         scheduler,
         serve,
+        startup,
         step_profile,
         throughput,
         vs_hf,
@@ -35,7 +37,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
 
     bench = subparsers.add_parser(
         "bench",
-        help="benchmarks: throughput, serve, scheduler, host, compare, vs-hf, step-profile",
+        help="benchmarks: throughput, serve, scheduler, host, compare, vs-hf, startup, ...",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -48,4 +50,5 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     vs_hf.add_parser(sub)
     step_profile.add_parser(sub)
     roofline.add_parser(sub)
+    startup.add_parser(sub)
     return bench

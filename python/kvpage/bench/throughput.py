@@ -99,14 +99,8 @@ def add_parser(sub: Any) -> None:
     )
     add_common_args(p)
     add_engine_args(p)
-    if "--warmup" not in p._option_string_actions:
-        p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
-                       help="compile every step bucket at startup")
-    # The bench's own reading of --warmup: on unless --no-warmup.
-    p._option_string_actions["--warmup"].help = (
-        "compile every step bucket before timing, as a server does at start (default: on; "
-        "--no-warmup = compilation time counts in the result)"
-    )
+    # The bench's own reading of --warmup: every bucket compiled before timing unless
+    # --no-warmup (--warmup none), when compilation time counts in the result.
     p.set_defaults(func=cmd_throughput, max_model_len=None)
 
 
@@ -175,7 +169,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args, str(loaded.model_dir) if loaded.model_dir else None)
     requests = workload_from_args(args, loaded.vocab_size)
     result, info = run_throughput(
-        loaded, config, requests, ignore_eos=args.ignore_eos, warmup=args.warmup is not False
+        loaded, config, requests, ignore_eos=args.ignore_eos, warmup=args.warmup != "none"
     )
     print(f"model: {info['model']}  policy: {config.scheduling_policy}  "
           f"max_num_seqs: {config.max_num_seqs}  KV blocks: {info['num_kv_blocks']} x "

@@ -107,6 +107,35 @@ def _mlp(mlp: dict[str, Any], hidden: jax.Array) -> jax.Array:
     return linear(jax.nn.silu(gate) * up, mlp["down_proj"])
 
 
+def embed_tokens(params: Params, token_ids: jax.Array) -> jax.Array:
+    """The input embeddings ``[T, hidden]`` of ``token_ids``."""
+    return jnp.take(params["embed_tokens"]["weight"], token_ids, axis=0)
+
+
+def decoder_layer(
+    config: ModelConfig,
+    layer: dict[str, Any],
+    hidden: jax.Array,
+    positions: jax.Array,
+    pool: KVPool,
+    meta: AttentionMetadata,
+    backend: AttentionBackend,
+    decode_only: bool = False,
+) -> tuple[jax.Array, KVPool]:
+    """One decoder layer: attention (writing this step's K/V into ``pool``) then the MLP,
+    each with its residual. Every layer of a model has the same shapes, so the model
+    runner compiles this once and calls it per layer (compile time independent of depth)."""
+    eps = config.rms_norm_eps
+    cos, sin = rope_cos_sin(positions, config_inverse_frequencies(config))
+    normed = rms_norm(hidden, layer["input_layernorm"]["weight"], eps)
+    attn_out, pool = _attention_block(
+        config, layer["self_attn"], normed, cos, sin, pool, meta, backend, decode_only
+    )
+    hidden = hidden + attn_out
+    normed = rms_norm(hidden, layer["post_attention_layernorm"]["weight"], eps)
+    return hidden + _mlp(layer["mlp"], normed), pool
+
+
 def decoder_hidden_states(
     params: Params,
     config: ModelConfig,
@@ -117,28 +146,23 @@ def decoder_hidden_states(
     backend: AttentionBackend,
     decode_only: bool = False,
 ) -> tuple[jax.Array, list[KVPool]]:
-    """Last-layer hidden states ``[T, hidden]`` (before the final norm) and updated pools.
+    """Last-layer hidden states ``[T, hidden]`` (before the final norm) and updated pools,
+    with every layer traced in one function (the reference composition; the runner calls
+    :func:`decoder_layer` per layer instead).
 
     ``decode_only`` promises every live sequence has exactly one new token (lets the
     attention backend pick a decode kernel).
     """
     if len(kv_pools) != config.num_layers:
         raise ValueError(f"expected {config.num_layers} KV pools, got {len(kv_pools)}")
-    embed = params["embed_tokens"]["weight"]
-    hidden = jnp.take(embed, token_ids, axis=0)
-    cos, sin = rope_cos_sin(positions, config_inverse_frequencies(config))
+    hidden = embed_tokens(params, token_ids)
     new_pools: list[KVPool] = []
-    eps = config.rms_norm_eps
     for i in range(config.num_layers):
-        layer = layer_params(params, i)
-        normed = rms_norm(hidden, layer["input_layernorm"]["weight"], eps)
-        attn_out, pool = _attention_block(
-            config, layer["self_attn"], normed, cos, sin, kv_pools[i], meta, backend, decode_only
+        hidden, pool = decoder_layer(
+            config, layer_params(params, i), hidden, positions, kv_pools[i], meta, backend,
+            decode_only,
         )
         new_pools.append(pool)
-        hidden = hidden + attn_out
-        normed = rms_norm(hidden, layer["post_attention_layernorm"]["weight"], eps)
-        hidden = hidden + _mlp(layer["mlp"], normed)
     return hidden, new_pools
 
 

@@ -54,3 +54,34 @@ def pick_bucket(buckets: Sequence[int], size: int, name: str) -> int:
         if bucket >= size:
             return bucket
     raise ValueError(f"{name} {size} exceeds the largest bucket {buckets[-1]}")
+
+
+FALLBACK_MAX_RATIO = 4
+"""While its own bucket compiles in the background, a step may run in a compiled bucket
+with at most this many times its padded tokens (a step's cost follows its padded rows on
+a CPU); with none that close, it compiles its own bucket on the spot."""
+
+StepKey = tuple[int, int, bool]
+
+
+def pick_fallback(key: StepKey, compiled: Sequence[StepKey]) -> StepKey | None:
+    """The smallest compiled bucket that can run a step of bucket ``key``: at least its
+    tokens and sequences, at most :data:`FALLBACK_MAX_RATIO` times its tokens, and the
+    same variant -- except that a mixed bucket also runs a pure-decode step."""
+    tokens, seqs, decode_only = key
+    fits = [
+        k
+        for k in compiled
+        if k[0] >= tokens
+        and k[1] >= seqs
+        and k[0] <= FALLBACK_MAX_RATIO * tokens
+        and (k[2] == decode_only or not k[2])
+    ]
+    return min(fits, key=lambda k: (k[0], k[1], not k[2])) if fits else None
+
+
+def background_order(keys: Sequence[StepKey]) -> list[StepKey]:
+    """The order the background compiler builds buckets in: pure-decode buckets first,
+    smallest first (every request decodes, most at small batch), then mixed (prefill)
+    buckets, smallest first."""
+    return sorted(keys, key=lambda k: (not k[2], k[0], k[1]))

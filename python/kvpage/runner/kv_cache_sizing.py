@@ -8,8 +8,14 @@ Policy, in order:
    is already in use (the params), minus the largest step's activations
    (:func:`step_activation_bytes`), as vLLM profiles before sizing its cache.
 4. CPU (or a device without memory statistics): enough for ``max_num_seqs`` sequences
-   of ``max_model_len`` tokens, but never more than :data:`CPU_KV_MEMORY_FRACTION` of
-   the memory the OS reports available after the params are loaded.
+   of ``max_model_len`` tokens, but never more than :func:`cpu_kv_budget`:
+   :data:`CPU_KV_MEMORY_FRACTION` of the machine's *total* memory, at most
+   :data:`CPU_KV_MEMORY_CAP` (vLLM's CPU default), in whole GiB. That budget is the same
+   at every start on a machine, so the pool's shape -- part of every compiled
+   executable -- is too, and a restart hits the persistent compilation cache (sizing from
+   the moment's *available* memory gave 7,774 blocks one start and 8,056 the next). Only
+   when the budget exceeds half of what is available now is it halved until it fits
+   (logged: that start then compiles for its smaller pool).
 
 Whatever the route, the pool must hold at least one ``max_model_len`` sequence, or the
 configuration is refused with a :class:`ValueError` that names the numbers and the way
@@ -31,7 +37,12 @@ from kvpage.model.config import ModelConfig
 logger = logging.getLogger("kvpage.kv_cache")
 
 CPU_KV_MEMORY_FRACTION = 0.25
-"""Most of the host's available memory a default CPU pool may take."""
+"""Most of the host's total memory a default CPU pool may take."""
+
+CPU_KV_MEMORY_CAP = 4 << 30
+"""Largest default CPU pool (bytes): 4 GiB, as vLLM's ``VLLM_CPU_KVCACHE_SPACE``. Zero-
+filling the pool is part of every start (about 1 GB/s here); more needs
+``--kv-cache-memory``."""
 
 GIB = 1 << 30
 
@@ -56,6 +67,40 @@ class KVCacheDecision:
             f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = "
             f"{self.capacity_tokens} tokens, {self.total_bytes / GIB:.2f} GiB ({self.reason})"
         )
+
+
+def host_total_bytes() -> int | None:
+    """``MemTotal`` of /proc/meminfo (physical pages elsewhere); None when unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def cpu_kv_budget(total: int | None, available: int | None) -> tuple[int | None, str]:
+    """Bytes a default CPU pool may take and why (see the module docstring); None when
+    the machine's memory is unknown."""
+    if total is None:
+        return None, "host memory unknown"
+    budget = min(int(total * CPU_KV_MEMORY_FRACTION), CPU_KV_MEMORY_CAP) // GIB * GIB
+    budget = max(budget, GIB // 4)
+    reason = (
+        f"min({CPU_KV_MEMORY_FRACTION:.0%} of {total / GIB:.1f} GiB host memory, "
+        f"{CPU_KV_MEMORY_CAP / GIB:.0f} GiB)"
+    )
+    if available is not None and budget > available // 2:
+        while budget > available // 2 and budget > GIB // 4:
+            budget //= 2
+        reason += f", halved to fit {available / GIB:.1f} GiB available now"
+        logger.warning("little host memory available: KV cache budget %s", reason)
+    return budget, reason
 
 
 def host_available_bytes() -> int | None:
@@ -138,15 +183,8 @@ def decide_num_blocks(
                 f"{activations / GIB:.2f} GiB reserved for step activations",
             )
         else:
-            available = host_available_bytes()
-            if available is None:
-                cap, where = wanted, "host memory unknown"
-            else:
-                cap = int(available * CPU_KV_MEMORY_FRACTION) // bytes_per_block - 1
-                where = (
-                    f"at most {CPU_KV_MEMORY_FRACTION:.0%} of {available / GIB:.1f} GiB "
-                    "available host memory"
-                )
+            budget, where = cpu_kv_budget(host_total_bytes(), host_available_bytes())
+            cap = wanted if budget is None else budget // bytes_per_block - 1
             blocks = min(wanted, cap)
             reason = (
                 f"max_num_seqs={max_num_seqs} x max_model_len={max_model_len}"

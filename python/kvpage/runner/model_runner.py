@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -44,7 +45,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 from kvpage.model.attention import get_attention_backend
 from kvpage.model.config import ModelConfig
 from kvpage.model.linear_kernels import host_matmuls
-from kvpage.model.llama import compute_logits, decoder_hidden_states
+from kvpage.model.llama import compute_logits
 from kvpage.model.params import Params, validate_params
 from kvpage.parallel import (
     TP_AXIS,
@@ -55,23 +56,34 @@ from kvpage.parallel import (
     place,
     shard_attention_backend,
 )
+from kvpage.runner.background_compiler import BackgroundCompiler
 from kvpage.runner.buckets import (
+    background_order,
     default_minimums,
     normalize_buckets,
     pick_bucket,
+    pick_fallback,
     power_of_two_buckets,
 )
+from kvpage.runner.executable_cache import ExecutableCache
 from kvpage.runner.kv_cache import KVCacheSpec, KVPools, allocate_kv_cache, copy_blocks
 from kvpage.runner.kv_cache_sizing import KVCacheDecision, decide_num_blocks
-from kvpage.runner.prompt_logprobs import PromptScores, score_prompt_tokens
-from kvpage.runner.sampler import sample
+from kvpage.runner.layered_step import (
+    StepBucket,
+    embed_weight,
+    head_params,
+    is_stacked,
+    make_embed,
+    make_finish,
+    make_layer,
+    make_logits,
+)
+from kvpage.runner.prompt_logprobs import PromptScores
 from kvpage.runner.sampling_params import DeviceSamplingParams
 from kvpage.runner.sampling_table import (
     SamplingTable,
-    gather_inputs,
     init_sampling_table,
     params_to_rows,
-    record_sampled,
     stop_mask_row,
     write_slot,
 )
@@ -249,13 +261,18 @@ class ModelRunner:
         self.last_bitmask_overlapped = False
         """Whether the forward pass was still running when the last step's
         ``token_bitmask_fn`` returned (its host work hidden behind the device)."""
-        self._step_executables: dict[StepKey, jax.stages.Compiled] = {}
-        self._split_executables: dict[StepKey, tuple[Any, Any]] = {}
-        self._prompt_step_executables: dict[tuple[int, int], jax.stages.Compiled] = {}
+        self._executables = ExecutableCache()
+        """Step buckets, samplers and helpers (:mod:`kvpage.runner.layered_step`)."""
+        self._background: BackgroundCompiler | None = None
+        self.fallback_steps = 0
+        """Steps that ran in a larger compiled bucket while theirs was being compiled."""
         self._layouts: dict[tuple[int, int], tuple[PackedLayout, np.ndarray]] = {}
-        self._write_slot_executable: jax.stages.Compiled | None = None
-        self._copy_executable: jax.stages.Compiled | None = None
+        self._count_lock = threading.Lock()
         self._num_compilations = 0
+        self._stacked = is_stacked(self.params)
+        self._layer_indices = [
+            jax.device_put(np.int32(i), self._replicated) for i in range(config.num_layers)
+        ] if self._stacked else []
 
     # ------------------------------------------------------------------ properties
     @property
@@ -289,7 +306,16 @@ class ModelRunner:
     @property
     def compiled_buckets(self) -> list[StepKey]:
         """``(padded tokens, padded seqs, decode_only)`` of every compiled step."""
-        return sorted(self._step_executables)
+        return sorted(k[1:] for k in self._executables.ready_keys() if k[0] == "bucket")
+
+    @property
+    def compiled_scoring_buckets(self) -> list[tuple[int, int]]:
+        """``(padded tokens, padded seqs)`` of every compiled prompt-logprobs variant."""
+        return sorted(k[1:] for k in self._executables.ready_keys() if k[0] == "scored")
+
+    @property
+    def background_compiler(self) -> BackgroundCompiler | None:
+        return self._background
 
     def warmup_buckets(self) -> list[StepKey]:
         """The step variants :meth:`warmup` compiles.
@@ -323,8 +349,7 @@ class ModelRunner:
         entry = self._layouts.get(key)
         if entry is None:
             layout = PackedLayout(key[0], key[1], self.max_fused_copies, self.max_blocks_per_seq)
-            entry = (layout, layout.template(self._padding))
-            self._layouts[key] = entry
+            entry = self._layouts.setdefault(key, (layout, layout.template(self._padding)))
         return entry
 
     def _copy_blocks(self, pools: KVPools, src: jax.Array, dst: jax.Array) -> KVPools:
@@ -364,174 +389,160 @@ class ModelRunner:
         )
         return jitted.lower(*args)
 
-    def _make_step_parts(
-        self, layout: PackedLayout, decode_only: bool, score_prompts: bool = False
-    ) -> tuple[Callable[..., Any], Callable[..., Any]]:
-        """The step's two halves: ``forward`` (block copies, the model, logits at the
-        sampled positions) and ``finish`` (sampling, with the grammar bitmask, and the
-        sampling-state update). ``score_prompts``: ``forward`` also takes the int32
-        ``[T]`` prompt targets and returns ``((logits, PromptScores), pools)``
-        (:mod:`kvpage.runner.prompt_logprobs`)."""
-        config, backend = self.config, self.backend
-        num_top, base_seed = self.max_logprobs, self._base_key_seed
-        replicated = self._replicated if self.mesh is not None else None
+    def _abstract(self, tree: Any, sharding: Any = None) -> Any:
+        """``tree``'s leaves as ShapeDtypeStructs (lowering never touches live buffers,
+        which the engine thread may be donating meanwhile). ``sharding``: one sharding
+        for every leaf, or None to keep each leaf's own."""
+        return jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(
+                x.shape, x.dtype, sharding=sharding if sharding is not None else x.sharding
+            ),
+            tree,
+        )
+
+    def _logits_of(self) -> Callable[[Params, jax.Array], jax.Array]:
+        """Final norm + lm_head; with a mesh, each device projects its vocab rows and the
+        logits are then replicated (every device samples the same full rows)."""
+        config = self.config
+        if self.mesh is None:
+            return lambda head, rows: compute_logits(head, config, rows)
+        replicated = self._replicated
         vocab_split = None
-        if self.mesh is not None and config.vocab_size % self.tensor_parallel_size == 0:
+        if config.vocab_size % self.tensor_parallel_size == 0:
             vocab_split = NamedSharding(self.mesh, PartitionSpec(None, TP_AXIS))
-        copy = self._copy_blocks
 
-        def logits_of(params: Params, hidden: jax.Array) -> jax.Array:
-            logits = compute_logits(params, config, hidden)
-            if vocab_split is not None:  # each device: its vocab rows of the lm_head
+        def logits_of(head: Params, rows: jax.Array) -> jax.Array:
+            logits = compute_logits(head, config, rows)
+            if vocab_split is not None:
                 logits = jax.lax.with_sharding_constraint(logits, vocab_split)
-            if replicated is not None:  # sample on full rows: identical on every device
-                logits = jax.lax.with_sharding_constraint(logits, replicated)
-            return logits
+            return jax.lax.with_sharding_constraint(logits, replicated)
 
-        def forward(
-            params: Params, pools: KVPools, packed: jax.Array, targets: jax.Array | None = None
-        ) -> tuple[Any, KVPools]:
-            arrays = layout.unpack(packed)
-            if layout.num_copies:
-                pools = copy(pools, arrays.copy_src, arrays.copy_dst)
-            hidden, pools = decoder_hidden_states(
-                params,
-                config,
-                arrays.token_ids,
-                arrays.positions,
-                pools,
-                arrays.meta,
-                backend,
-                decode_only,
-            )
-            scores = None
-            if score_prompts:
-                scores = score_prompt_tokens(
-                    hidden, targets, lambda rows: logits_of(params, rows), max(num_top, 1)
-                )
-            hidden = jnp.take(hidden, arrays.logits_indices, axis=0)
-            logits = logits_of(params, hidden).astype(jnp.float32)
-            if score_prompts:
-                return (logits, scores), pools
-            return logits, pools
+        return logits_of
 
-        def finish(
-            table: SamplingTable, packed: jax.Array, logits: jax.Array, token_bitmask: jax.Array
-        ) -> tuple[Any, SamplingTable]:
-            arrays = layout.unpack(packed)
-            inputs = gather_inputs(table, arrays.sample_rows)
-            step_key = jax.random.fold_in(jax.random.key(base_seed), arrays.step_counter)
-            out = sample(
-                logits, inputs, step_key, num_top, arrays.want_top_logprobs, token_bitmask
-            )
-            valid = jnp.arange(layout.num_seqs) < arrays.num_sampled
-            table = record_sampled(table, arrays.sample_rows, out.token_ids, valid)
-            return out, table
-
-        return forward, finish
-
-    def _make_step(
-        self, layout: PackedLayout, decode_only: bool, score_prompts: bool = False
-    ) -> Callable[..., Any]:
-        """The fused step of one bucket: forward then finish in one executable. The
-        prompt-logprobs variant (``score_prompts``) takes the targets as a sixth
-        argument and returns ``((sampled, PromptScores), pools, table)``."""
-        forward, finish = self._make_step_parts(layout, decode_only, score_prompts)
-
-        def step(
-            params: Params,
-            pools: KVPools,
-            table: SamplingTable,
-            packed: jax.Array,
-            token_bitmask: jax.Array,
-            targets: jax.Array | None = None,
-        ) -> tuple[Any, KVPools, SamplingTable]:
-            logits_and_scores, pools = forward(params, pools, packed, targets)
-            if score_prompts:
-                logits, scores = logits_and_scores
-                out, table = finish(table, packed, logits, token_bitmask)
-                return (out, scores), pools, table
-            out, table = finish(table, packed, logits_and_scores, token_bitmask)
-            return out, pools, table
-
-        return step
-
-    def _compile_split_step(self, key: StepKey) -> tuple[Any, Any]:
-        """The step as two executables, forward (KV pools donated) then sampling
-        (sampling table donated), for steps whose grammar masks are computed on the
-        host while the forward runs. Compiled on first use of a bucket by such a step."""
-        layout, _ = self._layout(key[:2])
+    def _build_bucket(self, key: StepKey) -> StepBucket:
+        """Compile bucket ``key``'s embed, layer and logits pieces (and its sampler, keyed
+        by the sequence bucket, if new): :mod:`kvpage.runner.layered_step`."""
+        t, s, decode_only = key
+        layout, _ = self._layout((t, s))
         rep = self._replicated
         packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=rep)
-        logits = jax.ShapeDtypeStruct(
-            (layout.num_seqs, self.config.vocab_size), jnp.float32, sharding=rep
+        params = self._abstract(self.params)
+        shardings = self._param_shardings
+        hidden = jax.ShapeDtypeStruct(
+            (t, self.config.hidden_size), embed_weight(params).dtype, sharding=rep
         )
-        bitmask = jax.ShapeDtypeStruct(
-            (layout.num_seqs, bitmask_words(self.config.vocab_size)), jnp.int32, sharding=rep
+        pool = self._abstract(self.kv_pools[0], self._pool_sharding)
+        pool_sh = (self._pool_sharding, self._pool_sharding)
+        embed = self._jit(
+            make_embed(layout), (), (embed_weight(params), packed),
+            (embed_weight(shardings), rep), rep,
+        ).compile()
+        layer_fn = make_layer(
+            self.config, layout, self.backend, decode_only, self._copy_blocks, self._stacked
         )
-        pools = self._shardings(self.kv_pools, self._pool_sharding)
-        table = self._shardings(self.sampling_table)
-        forward, finish = self._make_step_parts(layout, key[2])
-        compiled = (
-            self._jit(
-                forward, (1,), (self.params, self.kv_pools, packed),
-                (self._param_shardings, pools, rep), (rep, pools),
-            ).compile(),
-            self._jit(
-                finish, (0,), (self.sampling_table, packed, logits, bitmask),
-                (table, rep, rep, rep), (rep, table),
-            ).compile(),
-        )
-        self._split_executables[key] = compiled
-        self._num_compilations += 2
-        return compiled
+        if self._stacked:
+            index = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
+            layer = self._jit(
+                layer_fn, (2,), (params["layers"], index, pool, hidden, packed),
+                (shardings["layers"], rep, pool_sh, rep, rep), (rep, pool_sh),
+            ).compile()
+        else:
+            layer = self._jit(
+                layer_fn, (1,), (params["layers"][0], pool, hidden, packed),
+                (shardings["layers"][0], pool_sh, rep, rep), (rep, pool_sh),
+            ).compile()
+        logits = self._compile_logits(layout, score_prompts=False)
+        self._count_compiles(3)
+        self._finish_fn(s)
+        return StepBucket(embed, layer, logits)
 
-    def _lower_step(self, key: StepKey, score_prompts: bool = False) -> jax.stages.Lowered:
-        layout, _ = self._layout(key[:2])
+    def _compile_logits(self, layout: PackedLayout, score_prompts: bool) -> jax.stages.Compiled:
         rep = self._replicated
-        packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=rep)
-        bitmask = jax.ShapeDtypeStruct(
-            (layout.num_seqs, bitmask_words(self.config.vocab_size)), jnp.int32, sharding=rep
+        head = head_params(self.config, self._abstract(self.params))
+        head_sh = head_params(self.config, self._param_shardings)
+        hidden = jax.ShapeDtypeStruct(
+            (layout.num_tokens, self.config.hidden_size), head["norm"]["weight"].dtype,
+            sharding=rep,
         )
-        pools = self._shardings(self.kv_pools, self._pool_sharding)
-        table = self._shardings(self.sampling_table)
-        args: tuple[Any, ...] = (self.params, self.kv_pools, self.sampling_table, packed, bitmask)
-        shardings: tuple[Any, ...] = (self._param_shardings, pools, table, rep, rep)
+        packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=rep)
+        args: tuple[Any, ...] = (head, hidden, packed)
+        shardings: tuple[Any, ...] = (head_sh, rep, rep)
         if score_prompts:
             args += (jax.ShapeDtypeStruct((layout.num_tokens,), jnp.int32, sharding=rep),)
             shardings += (rep,)
-        return self._jit(
-            self._make_step(layout, key[2], score_prompts),
-            (1, 2),
-            args,
-            shardings,
-            (rep, pools, table),
+        fn = make_logits(
+            self.config, layout, self._logits_of(), self.max_logprobs, score_prompts
         )
+        return self._jit(fn, (), args, shardings, rep).compile()
 
-    def _prompt_step(self, key: tuple[int, int]) -> jax.stages.Compiled:
-        """The prompt-logprobs variant of bucket ``key`` (compiled on first use; never by
-        :meth:`warmup`, so servers whose clients never ask for prompt logprobs never pay)."""
-        executable = self._prompt_step_executables.get(key)
-        if executable is None:
-            executable = self._lower_step((*key, False), score_prompts=True).compile()
-            self._prompt_step_executables[key] = executable
-            self._num_compilations += 1
-        return executable
+    def _finish_fn(self, num_seqs: int) -> jax.stages.Compiled:
+        """The sampler of sequence bucket ``num_seqs`` (shared by every token bucket)."""
 
-    def _compile_step(self, key: StepKey) -> jax.stages.Compiled:
-        executable = self._lower_step(key).compile()
-        self._step_executables[key] = executable
-        self._num_compilations += 1
-        return executable
+        def build() -> jax.stages.Compiled:
+            rep = self._replicated
+            vocab = self.config.vocab_size
+            args = (
+                self._abstract(self.sampling_table),
+                jax.ShapeDtypeStruct((num_seqs + 3,), jnp.int32, sharding=rep),
+                jax.ShapeDtypeStruct((num_seqs, vocab), jnp.float32, sharding=rep),
+                jax.ShapeDtypeStruct((num_seqs, bitmask_words(vocab)), jnp.int32, sharding=rep),
+            )
+            table = self._shardings(self.sampling_table)
+            fn = make_finish(num_seqs, self.max_logprobs, self._base_key_seed)
+            compiled = self._jit(fn, (0,), args, (table, rep, rep, rep), (rep, table)).compile()
+            self._count_compiles(1)
+            return compiled
+
+        return self._executables.get_or_build(("finish", num_seqs), build)
+
+    def _scored_logits_fn(self, key: tuple[int, int]) -> jax.stages.Compiled:
+        """The prompt-logprobs variant of bucket ``key``'s logits piece (compiled on first
+        use; never by :meth:`warmup`, so servers whose clients never ask for prompt
+        logprobs never pay)."""
+
+        def build() -> jax.stages.Compiled:
+            compiled = self._compile_logits(self._layout(key)[0], score_prompts=True)
+            self._count_compiles(1)
+            return compiled
+
+        return self._executables.get_or_build(("scored", *key), build)
+
+    def _count_compiles(self, n: int) -> None:
+        with self._count_lock:
+            self._num_compilations += n
+
+    def bucket(self, key: StepKey) -> StepBucket:
+        """Bucket ``key``'s executables, compiled now if needed (or awaited from the
+        background compiler when it is building them)."""
+        return self._executables.get_or_build(("bucket", *key), lambda: self._build_bucket(key))
+
+    def _bucket_for(self, key: StepKey) -> tuple[StepKey, StepBucket]:
+        """The bucket a step of bucket ``key`` runs in: its own once compiled; while the
+        background compiler has not reached it, a compiled one at most
+        ``FALLBACK_MAX_RATIO`` times larger (and ``key`` is compiled next); else its own,
+        compiled now."""
+        ready = self._executables.get(("bucket", *key))
+        if ready is not None:
+            return key, ready
+        background = self._background
+        if background is not None and not self._executables.is_pending(("bucket", *key)):
+            fallback = pick_fallback(
+                key, [k[1:] for k in self._executables.ready_keys() if k[0] == "bucket"]
+            )
+            if fallback is not None:
+                background.promote(key)
+                self.fallback_steps += 1
+                return fallback, self._executables.get(("bucket", *fallback))
+        return key, self.bucket(key)
 
     def _write_slot_fn(self) -> jax.stages.Compiled:
-        if self._write_slot_executable is None:
+        def build() -> jax.stages.Compiled:
             ids_len = self.max_model_len if self.enable_penalties else 1
             rep = self._replicated
             ids = jax.ShapeDtypeStruct((ids_len,), jnp.int32, sharding=rep)
             table = self._shardings(self.sampling_table)
             args = (
-                self.sampling_table,
+                self._abstract(self.sampling_table),
                 jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
                 jax.ShapeDtypeStruct(
                     (self.sampling_table.floats.shape[1],), jnp.float32, sharding=rep
@@ -542,54 +553,70 @@ class ModelRunner:
                 ids,
                 jax.ShapeDtypeStruct((self.config.vocab_size,), jnp.bool_, sharding=rep),
             )
-            lowered = self._jit(write_slot, (0,), args, (table,) + (rep,) * 7, table)
-            self._write_slot_executable = lowered.compile()
-            self._num_compilations += 1
-        return self._write_slot_executable
+            compiled = self._jit(write_slot, (0,), args, (table,) + (rep,) * 7, table).compile()
+            self._count_compiles(1)
+            return compiled
+
+        return self._executables.get_or_build("write_slot", build)
 
     def _copy_fn(self) -> jax.stages.Compiled:
-        if self._copy_executable is None:
+        """Whole-block copies in one layer's pool (called per layer)."""
+
+        def build() -> jax.stages.Compiled:
             index = jax.ShapeDtypeStruct((_COPY_CHUNK,), jnp.int32, sharding=self._replicated)
-            pools = self._shardings(self.kv_pools, self._pool_sharding)
+            pool = self._abstract(self.kv_pools[0], self._pool_sharding)
+            pool_sh = (self._pool_sharding, self._pool_sharding)
             lowered = self._jit(
-                self._copy_blocks,
+                lambda pool, src, dst: self._copy_blocks([pool], src, dst)[0],
                 (0,),
-                (self.kv_pools, index, index),
-                (pools, self._replicated, self._replicated),
-                pools,
+                (pool, index, index),
+                (pool_sh, self._replicated, self._replicated),
+                pool_sh,
             )
-            self._copy_executable = lowered.compile()
-            self._num_compilations += 1
-        return self._copy_executable
+            compiled = lowered.compile()
+            self._count_compiles(1)
+            return compiled
+
+        return self._executables.get_or_build("copy", build)
 
     def warmup(self, progress: bool = True, max_workers: int = 1) -> None:
-        """Compile every bucket pair of :meth:`warmup_buckets` plus the helper executables.
-
-        ``max_workers > 1`` compiles several buckets concurrently (XLA compiles outside
-        the GIL).
-        """
+        """Compile every bucket of :meth:`warmup_buckets` plus the helper executables
+        (``warmup="full"``). ``max_workers > 1`` compiles several buckets concurrently
+        (XLA compiles outside the GIL)."""
         from tqdm.auto import tqdm
 
         self._write_slot_fn()
         self._copy_fn()
-        pending = [k for k in self.warmup_buckets() if k not in self._step_executables]
+        pending = [k for k in self.warmup_buckets() if k not in self.compiled_buckets]
         bar = tqdm(total=len(pending), desc="compiling step buckets", disable=not progress)
         try:
             if max_workers <= 1:
                 for key in pending:
                     bar.set_postfix(tokens=key[0], seqs=key[1])
-                    self._compile_step(key)
+                    self.bucket(key)
                     bar.update(1)
                 return
-            lowered = {key: self._lower_step(key) for key in pending}
             with concurrent.futures.ThreadPoolExecutor(max_workers) as pool:
-                futures = {pool.submit(low.compile): key for key, low in lowered.items()}
-                for future in concurrent.futures.as_completed(futures):
-                    self._step_executables[futures[future]] = future.result()
-                    self._num_compilations += 1
+                for _ in pool.map(self.bucket, pending):
                     bar.update(1)
         finally:
             bar.close()
+
+    def start_background_compile(self) -> BackgroundCompiler:
+        """Compile the helpers now and every bucket of :meth:`warmup_buckets` on a
+        background thread, most useful first (``warmup="background"``); steps meanwhile
+        run as :meth:`_bucket_for` says."""
+        self._write_slot_fn()
+        self._copy_fn()
+        if self._background is None:
+            self._background = BackgroundCompiler(
+                self, "bucket", background_order(self.warmup_buckets())
+            )
+        return self._background
+
+    def stop_background_compile(self) -> None:
+        if self._background is not None:
+            self._background.stop()
 
     # ------------------------------------------------------------------ requests
     def set_request(
@@ -726,9 +753,9 @@ class ModelRunner:
             n = min(_COPY_CHUNK, len(src) - start)
             chunk_src[:n] = src[start : start + n]
             chunk_dst[:n] = dst[start : start + n]
-            self.kv_pools = copy(
-                self.kv_pools, self._host_input(chunk_src), self._host_input(chunk_dst)
-            )
+            chunk_src, chunk_dst = self._host_input(chunk_src), self._host_input(chunk_dst)
+            for i, pool in enumerate(self.kv_pools):
+                self.kv_pools[i] = copy(pool, chunk_src, chunk_dst)
 
     def recover_device_state(self) -> bool:
         """After a failed step: if the donated KV pools or sampling table were
@@ -782,6 +809,7 @@ class ModelRunner:
         # sampled rows (one per forked sample) than sequence rows.
         t_pad, s_pad = self.padded_sizes(num_tokens, max(num_seqs, num_sampled))
         decode_only = self.backend.decode_specialized and bool(plan.decode_only)
+        (t_pad, s_pad, _), bucket = self._bucket_for((t_pad, s_pad, decode_only))
         fuse_copies = len(plan.copy_src) <= self.max_fused_copies
         if not fuse_copies:
             self.run_block_copies(plan.copy_src, plan.copy_dst)
@@ -789,45 +817,44 @@ class ModelRunner:
         want_top = self.max_logprobs > 0 and bool(
             num_sampled and self._slot_logprobs[plan.sample_rows].max() > 0
         )
-        packed = layout.pack(
+        packed_host = layout.pack(
             plan, template, self.block_size, self._step_counter, want_top, fuse_copies
         )
-        key = (t_pad, s_pad, decode_only)
+        targets = None
+        if prompt_targets is not None:
+            targets = np.full(t_pad, -1, np.int32)
+            targets[:num_tokens] = np.asarray(prompt_targets, np.int32)[:num_tokens]
+            if targets.max() >= self.config.vocab_size:
+                raise ValueError("prompt_targets hold a token id outside the vocabulary")
         try:
-            if prompt_targets is not None:
-                targets = np.full(t_pad, -1, np.int32)
-                targets[:num_tokens] = np.asarray(prompt_targets, np.int32)[:num_tokens]
-                if targets.max() >= self.config.vocab_size:
-                    raise ValueError("prompt_targets hold a token id outside the vocabulary")
-                executable = self._prompt_step((t_pad, s_pad))
-                masks = token_bitmask_fn() if token_bitmask_fn is not None else None
-                if masks is None:
-                    masks = getattr(plan, "token_bitmask", None)
-                out, self.kv_pools, self.sampling_table = executable(
-                    self.params, self.kv_pools, self.sampling_table, self._host_input(packed),
-                    self._token_bitmask_input(masks, s_pad), self._host_input(targets),
-                )
-                self.last_enqueue_time = time.perf_counter()
-            elif token_bitmask_fn is None:
-                executable = self._step_executables.get(key) or self._compile_step(key)
-                bitmask = self._token_bitmask_input(getattr(plan, "token_bitmask", None), s_pad)
-                out, self.kv_pools, self.sampling_table = executable(
-                    self.params, self.kv_pools, self.sampling_table, self._host_input(packed),
-                    bitmask,
-                )
-                self.last_enqueue_time = time.perf_counter()
+            # One transfer; every piece of the step reads the same device buffer.
+            packed = jax.device_put(self._host_input(packed_host), self._replicated)
+            params = self.params
+            hidden = bucket.embed(embed_weight(params), packed)
+            pools = self.kv_pools
+            if self._stacked:
+                layers = params["layers"]
+                for i, index in enumerate(self._layer_indices):
+                    hidden, pools[i] = bucket.layer(layers, index, pools[i], hidden, packed)
             else:
-                forward, finish = self._split_executables.get(key) or self._compile_split_step(
-                    key
-                )
-                packed_input = self._host_input(packed)
-                logits, self.kv_pools = forward(self.params, self.kv_pools, packed_input)
-                self.last_enqueue_time = time.perf_counter()
-                bitmask = self._token_bitmask_input(token_bitmask_fn(), s_pad)  # overlaps
+                for i, layer in enumerate(params["layers"]):
+                    hidden, pools[i] = bucket.layer(layer, pools[i], hidden, packed)
+            head = head_params(self.config, params)
+            scores = None
+            if targets is not None:
+                scored = self._scored_logits_fn((t_pad, s_pad))
+                logits, info, scores = scored(head, hidden, packed, self._host_input(targets))
+            else:
+                logits, info = bucket.logits(head, hidden, packed)
+            self.last_enqueue_time = time.perf_counter()
+            if token_bitmask_fn is not None:
+                masks = token_bitmask_fn()  # host work while the forward pass runs
                 self.last_bitmask_overlapped = not logits.is_ready()
-                out, self.sampling_table = finish(
-                    self.sampling_table, packed_input, logits, bitmask
-                )
+            else:
+                masks = getattr(plan, "token_bitmask", None)
+            out, self.sampling_table = self._finish_fn(s_pad)(
+                self.sampling_table, info, logits, self._token_bitmask_input(masks, s_pad)
+            )
         except Exception as exc:
             if any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(self.params)):
                 raise RuntimeError(
@@ -836,9 +863,6 @@ class ModelRunner:
                 ) from exc
             raise
         self._step_counter += 1
-        scores = None
-        if prompt_targets is not None:
-            out, scores = out
         return PendingStep(out, num_sampled, want_top, scores, num_tokens)
 
     def _token_bitmask_input(self, bitmask: np.ndarray | None, rows: int) -> Any:

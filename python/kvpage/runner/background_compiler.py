@@ -1,0 +1,97 @@
+"""Compiles a runner's step buckets on a daemon thread while it already serves.
+
+This file owns :class:`BackgroundCompiler` (``warmup="background"``, the server's
+default). The engine takes requests as soon as the weights are loaded; a step whose
+bucket is not compiled yet runs in a compiled bucket at most
+:data:`kvpage.runner.buckets.FALLBACK_MAX_RATIO` times larger (its own bucket then moves
+to the front of this queue) or, when there is none, compiles its own bucket on the spot.
+Meanwhile this thread compiles the rest in the order given (most useful first). XLA
+compiles outside the GIL, so the engine thread keeps stepping.
+
+Invariants: the thread holds the runner only while it builds one key (a dropped runner
+ends the thread after that build); :func:`stop_all` (run at interpreter exit) stops every
+thread and waits for the build in flight, so no XLA compile outlives the interpreter.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any
+
+logger = logging.getLogger("kvpage.compile")
+
+_LIVE: weakref.WeakSet[BackgroundCompiler] = weakref.WeakSet()
+
+
+class BackgroundCompiler:
+    """Builds ``keys`` in order on a daemon thread through ``owner``'s ``build_name``
+    method (looked up through a weak reference on each key)."""
+
+    def __init__(self, owner: Any, build_name: str, keys: Iterable[Hashable]) -> None:
+        self._owner = weakref.ref(owner)
+        self._build_name = build_name
+        self._queue: list[Hashable] = list(keys)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._idle = threading.Event()
+        self.built = 0
+        self.failed: list[tuple[Hashable, str]] = []
+        self._thread = threading.Thread(target=self._run, name="kvpage-compile", daemon=True)
+        _LIVE.add(self)
+        self._thread.start()
+
+    def promote(self, key: Hashable) -> None:
+        """Build ``key`` next (a step is waiting in a larger bucket for it)."""
+        with self._lock:
+            if key in self._queue:
+                self._queue.remove(key)
+            self._queue.insert(0, key)
+
+    @property
+    def remaining(self) -> int:
+        return len(self._queue)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every key is built (True) or ``timeout`` passes (False)."""
+        return self._idle.wait(timeout)
+
+    def stop(self, timeout: float | None = 60.0) -> None:
+        """Build nothing more; wait for the build in flight."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _next(self) -> Hashable | None:
+        with self._lock:
+            return self._queue.pop(0) if self._queue else None
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                key = self._next()
+                if key is None:
+                    return
+                owner = self._owner()
+                if owner is None:
+                    return
+                build: Callable[[Hashable], Any] = getattr(owner, self._build_name)
+                try:
+                    build(key)
+                    self.built += 1
+                except Exception as err:  # a bad bucket must not end the thread
+                    logger.warning("background compile of %s failed: %s", key, err)
+                    self.failed.append((key, str(err)))
+                del owner, build
+        finally:
+            self._idle.set()
+
+
+@atexit.register
+def stop_all() -> None:
+    """Stop every background compiler and wait for its build in flight."""
+    for compiler in list(_LIVE):
+        compiler.stop()

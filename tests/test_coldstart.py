@@ -1,0 +1,145 @@
+"""Cold start: compile cost independent of depth, serving before every bucket is
+compiled, and a second start that compiles nothing (issue #25)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvpage import LLM, SamplingParams
+from kvpage.cli import build_parser
+from kvpage.engine_config import engine_config_from_args
+from kvpage.model.params import param_spec, tree_from_flat
+from kvpage.model.presets import preset
+from kvpage.runner.buckets import FALLBACK_MAX_RATIO, background_order, pick_fallback
+from kvpage.runner.model_runner import ModelRunner
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+PROMPTS = ["Once upon a time", "The module", "A list is a sequence of"]
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, block_size=8)
+
+
+def _runner(num_layers: int) -> ModelRunner:
+    config = dataclasses.replace(preset("tiny-llama"), num_layers=num_layers)
+    rng = np.random.default_rng(0)
+    params = tree_from_flat(
+        config,
+        {n: rng.standard_normal(s).astype(np.float32) * 0.02 for n, s in param_spec(config).items()},
+    )
+    return ModelRunner(config, params, num_blocks=32, block_size=4, max_model_len=64,
+                       max_num_seqs=4, max_num_batched_tokens=16)
+
+
+def _hlo(compiled: object) -> str:
+    """The optimized HLO without source locations (its metadata and stack-frame table)."""
+    text = compiled.as_text().split("\nFileNames")[0]  # type: ignore[attr-defined]
+    return re.sub(r",? metadata=\{[^}]*\}", "", text)
+
+
+def test_compiled_step_does_not_grow_with_depth() -> None:
+    """The executables of a 12-layer model are those of a 2-layer one: the decoder
+    compiles as one layer, called once per layer."""
+    shallow, deep = _runner(2), _runner(12)
+    for key in ((1, 1, False), (16, 4, False)):
+        a, b = shallow.bucket(key), deep.bucket(key)
+        for piece in ("embed", "layer", "logits"):
+            assert _hlo(getattr(a, piece)) == _hlo(getattr(b, piece)), piece
+    assert shallow.num_compilations == deep.num_compilations
+
+
+def test_background_compile_serves_at_once_with_the_same_tokens(tiny_model_dir: Path) -> None:
+    lazy = LLM(str(tiny_model_dir), warmup="none", **ENGINE)
+    expected = [o.outputs[0].token_ids for o in lazy.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert lazy.engine.runner.background_compiler is None
+    assert len(lazy.engine.runner.compiled_buckets) < lazy.engine.runner.max_step_executables
+
+    served = LLM(str(tiny_model_dir), warmup="background", **ENGINE)
+    runner = served.engine.runner
+    got = [o.outputs[0].token_ids for o in served.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert got == expected  # whichever bucket each step ran in
+    background = runner.background_compiler
+    assert background is not None and background.wait(timeout=600)
+    assert background.failed == []
+    assert runner.compiled_buckets == sorted(runner.warmup_buckets())
+    again = [o.outputs[0].token_ids for o in served.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert again == expected
+
+
+def test_a_step_runs_in_a_close_larger_bucket_or_its_own() -> None:
+    compiled = [(1, 1, True), (4, 4, True), (16, 4, False), (64, 8, False)]
+    assert pick_fallback((2, 2, True), compiled) == (4, 4, True)
+    assert pick_fallback((4, 2, False), compiled) == (16, 4, False)
+    assert pick_fallback((16, 8, True), compiled) == (64, 8, False)
+    assert pick_fallback((8, 8, True), compiled) is None  # 64 > 4 x 8
+    # never more than FALLBACK_MAX_RATIO times the tokens, never a decode-only bucket
+    # for a step with prefill rows, never fewer sequences
+    assert pick_fallback((2, 1, False), compiled) is None
+    assert FALLBACK_MAX_RATIO < 32
+    assert pick_fallback((16, 8, False), compiled) == (64, 8, False)
+    assert pick_fallback((32, 16, False), compiled) is None
+    order = background_order([(16, 4, False), (4, 4, True), (1, 1, True), (8, 2, False)])
+    assert order == [(1, 1, True), (4, 4, True), (8, 2, False), (16, 4, False)]
+
+
+def test_warmup_flags() -> None:
+    parser = build_parser()
+
+    def mode(*flags: str) -> str:
+        args = parser.parse_args(["generate", "--prompt", "x", *flags])
+        return engine_config_from_args(args, "m").warmup
+
+    assert mode() == "none"
+    assert mode("--warmup") == "full"
+    assert mode("--warmup", "background") == "background"
+    assert mode("--no-warmup") == "none"
+    args = parser.parse_args(["generate", "--prompt", "x", "--compilation-cache-dir", "none"])
+    assert engine_config_from_args(args, "m").compilation_cache_dir is None
+    with pytest.raises(ValueError, match="warmup must be one of"):
+        LLM("unused", warmup="sometimes")
+
+
+_START = textwrap.dedent(
+    """
+    import json, sys
+    from kvpage import LLM, SamplingParams
+    from kvpage.compilation_cache import compile_counts
+    llm = LLM(sys.argv[1], max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
+              block_size=8)
+    outs = llm.generate(["Once upon a time", "The module"],
+                        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                        use_tqdm=False)
+    c = compile_counts()
+    print(json.dumps({"compiled": c.compiled, "loaded": c.loaded,
+                      "cache": str(llm.engine.compilation_cache_dir),
+                      "tokens": [o.outputs[0].token_ids for o in outs]}))
+    """
+)
+
+
+def test_second_start_compiles_nothing(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Two starts of the same model and flags: the second loads every executable from
+    the persistent cache ($XDG_CACHE_HOME/kvpage/xla) and compiles none."""
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "xdg"))
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+
+    def start() -> dict:
+        done = subprocess.run([sys.executable, "-c", _START, str(tiny_model_dir)], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    first, second = start(), start()
+    assert first["cache"] == str(tmp_path / "xdg" / "kvpage" / "xla")
+    assert first["compiled"] > 0
+    assert second["compiled"] == 0
+    assert second["loaded"] == first["compiled"] + first["loaded"]
+    assert second["tokens"] == first["tokens"]
