@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from kvpage import LLM, SamplingParams
 from kvpage.cli import build_parser
 from kvpage.engine_config import engine_config_from_args
@@ -31,9 +30,9 @@ ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, bloc
 def _runner(num_layers: int) -> ModelRunner:
     config = dataclasses.replace(preset("tiny-llama"), num_layers=num_layers)
     rng = np.random.default_rng(0)
+    spec = param_spec(config)
     params = tree_from_flat(
-        config,
-        {n: rng.standard_normal(s).astype(np.float32) * 0.02 for n, s in param_spec(config).items()},
+        config, {n: rng.standard_normal(s).astype(np.float32) * 0.02 for n, s in spec.items()}
     )
     return ModelRunner(config, params, num_blocks=32, block_size=4, max_model_len=64,
                        max_num_seqs=4, max_num_batched_tokens=16)
