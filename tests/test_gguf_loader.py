@@ -191,6 +191,32 @@ def test_not_a_gguf_file(tmp_path: Path) -> None:
         load_gguf(tmp_path / "missing.gguf")
 
 
+def test_header_reader_agrees_with_the_gguf_package(llama_gguf: tuple[Any, Path]) -> None:
+    """kvpage's one-pass header reader gives the gguf package's metadata and tensors."""
+    import gguf
+    from kvpage.model.gguf_file import GGUFFile
+
+    _, path = llama_gguf
+    ours, theirs = GGUFFile(path), gguf.GGUFReader(path)
+
+    def value(field: Any) -> Any:
+        def scalar(part: np.ndarray, kind: Any) -> Any:
+            return bytes(part).decode() if kind == gguf.GGUFValueType.STRING else part.tolist()[0]
+
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            return [scalar(field.parts[i], field.types[-1]) for i in field.data]
+        return scalar(field.parts[field.data[0]], field.types[0])
+
+    expected = {k: value(f) for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+    assert ours.fields == expected
+    assert len(ours.tensors) == len(theirs.tensors)
+    for mine, ref in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (mine.name, mine.tensor_type, mine.n_bytes, mine.data_offset) == (
+            ref.name, ref.tensor_type, ref.n_bytes, ref.data_offset)
+        assert mine.shape == tuple(ref.shape.tolist())
+        assert mine.data.dtype == ref.data.dtype and np.array_equal(mine.data, ref.data)
+
+
 @pytest.mark.parametrize("keep", [0.5, 0.999, 0.01])
 def test_truncated_file(llama_gguf: tuple[Any, Path], tmp_path: Path, keep: float) -> None:
     _, path = llama_gguf

@@ -1,8 +1,8 @@
 """Reading a GGUF file (llama.cpp's format) into kvpage's config, params and tokenizer.
 
 This file owns GGUF: :func:`read_gguf_config` turns the file's metadata into a
-:class:`ModelConfig`, :func:`load_gguf` also dequantizes every tensor (through the
-``gguf`` package's ``GGUFReader`` and ``gguf.quants.dequantize``) into the
+:class:`ModelConfig`, :func:`load_gguf` also dequantizes every tensor (header and index:
+:mod:`kvpage.model.gguf_file`; values: ``gguf.quants.dequantize``) into the
 :mod:`kvpage.model.params` pytree under HF names, and :func:`load_gguf_tokenizer` builds
 the Hugging Face tokenizer (with the chat template) that the file's metadata describes.
 
@@ -30,6 +30,7 @@ import numpy as np
 
 from kvpage.model.config import ModelConfig, RopeConfig
 from kvpage.model.errors import CheckpointError
+from kvpage.model.gguf_file import GGUFFile
 from kvpage.model.params import Params, jnp_dtype, param_spec, tree_from_flat
 from kvpage.model.rope import inverse_frequencies
 
@@ -88,11 +89,9 @@ def is_gguf(path: str | Path) -> bool:
         return f.read(4) == _MAGIC
 
 
-def _open(path: str | Path) -> Any:
-    """A ``gguf.GGUFReader`` over ``path``; every way the file can be unreadable is a
-    :class:`CheckpointError` naming it."""
-    import gguf
-
+def _open(path: str | Path) -> GGUFFile:
+    """The file's metadata and tensor index (:mod:`kvpage.model.gguf_file`); every way
+    the file can be unreadable is a :class:`CheckpointError` naming it."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"GGUF file not found: {path}")
@@ -104,7 +103,7 @@ def _open(path: str | Path) -> Any:
             f"{path} is not a GGUF file (it starts with {magic!r}, not {_MAGIC!r})"
         )
     try:
-        reader = gguf.GGUFReader(path)
+        reader = GGUFFile(path)
     except (ValueError, IndexError, KeyError, TypeError, OverflowError, UnicodeDecodeError) as exc:
         raise CheckpointError(
             f"cannot read GGUF file {path} ({size} bytes; truncated, corrupt, or newer "
@@ -120,22 +119,9 @@ def _open(path: str | Path) -> Any:
     return reader
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
     """One metadata value as a Python scalar, string or list (``default`` if absent)."""
-    import gguf
-
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-
-    def scalar(part: np.ndarray, kind: Any) -> Any:
-        if kind == gguf.GGUFValueType.STRING:
-            return bytes(part).decode("utf-8")
-        return part.tolist()[0]
-
-    if field.types[0] == gguf.GGUFValueType.ARRAY:
-        return [scalar(field.parts[i], field.types[-1]) for i in field.data]
-    return scalar(field.parts[field.data[0]], field.types[0])
+    return reader.fields.get(key, default)
 
 
 def _architecture(reader: Any, path: Path) -> str:
@@ -157,7 +143,7 @@ def _required_int(reader: Any, key: str, path: Path) -> int:
 
 def _tensor_shape(tensor: Any) -> tuple[int, ...]:
     """The HF/numpy shape (GGUF lists dimensions fastest-varying first)."""
-    return tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    return tuple(int(d) for d in reversed(tuple(tensor.shape)))
 
 
 def _rope(reader: Any, arch: str, head_dim: int, context: int, path: Path) -> RopeConfig:
