@@ -69,19 +69,29 @@ class KVCacheDecision:
         )
 
 
-def host_total_bytes() -> int | None:
-    """``MemTotal`` of /proc/meminfo (physical pages elsewhere); None when unknown."""
+def _meminfo_bytes(field: str, pages: str) -> int | None:
+    """``field`` of /proc/meminfo, else ``os.sysconf(pages)`` pages; None when unknown."""
     try:
         with open("/proc/meminfo", encoding="ascii") as meminfo:
             for line in meminfo:
-                if line.startswith("MemTotal:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf(pages) * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def host_total_bytes() -> int | None:
+    """The machine's physical memory (``MemTotal``)."""
+    return _meminfo_bytes("MemTotal", "SC_PHYS_PAGES")
+
+
+def host_available_bytes() -> int | None:
+    """What the OS can hand out now without swapping (``MemAvailable``)."""
+    return _meminfo_bytes("MemAvailable", "SC_AVPHYS_PAGES")
 
 
 def cpu_kv_budget(total: int | None, available: int | None) -> tuple[int | None, str]:
@@ -101,22 +111,6 @@ def cpu_kv_budget(total: int | None, available: int | None) -> tuple[int | None,
         reason += f", halved to fit {available / GIB:.1f} GiB available now"
         logger.warning("little host memory available: KV cache budget %s", reason)
     return budget, reason
-
-
-def host_available_bytes() -> int | None:
-    """``MemAvailable`` of /proc/meminfo (what the OS can hand out without swapping);
-    free physical pages elsewhere; None when neither is known."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def step_activation_bytes(
