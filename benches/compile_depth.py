@@ -13,16 +13,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
+from typing import Any
 
 import numpy as np
 
 
-def smollm2_shapes() -> object:
+def smollm2_shapes() -> Any:
     from kvpage.model.config import ModelConfig
 
     return ModelConfig(
         architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576,
-        intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, max_position_embeddings=8192,
+        intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+        max_position_embeddings=8192,
         rms_norm_eps=1e-5, tie_word_embeddings=True, dtype="float32",
     )
 
