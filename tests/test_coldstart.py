@@ -20,6 +20,7 @@ from kvpage.engine_config import engine_config_from_args
 from kvpage.model.params import param_spec, tree_from_flat
 from kvpage.model.presets import preset
 from kvpage.runner.buckets import FALLBACK_MAX_RATIO, background_order, pick_fallback
+from kvpage.runner.layered_step import LAYERS_PER_CALL, layer_groups
 from kvpage.runner.model_runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -45,14 +46,25 @@ def _hlo(compiled: object) -> str:
 
 
 def test_compiled_step_does_not_grow_with_depth() -> None:
-    """The executables of a 12-layer model are those of a 2-layer one: the decoder
-    compiles as one layer, called once per layer."""
-    shallow, deep = _runner(2), _runner(12)
+    """The executables of a 24-layer model are those of a 6-layer one: the decoder
+    compiles as one group of layers (LAYERS_PER_CALL), called once per group."""
+    shallow, deep = _runner(6), _runner(24)
     for key in ((1, 1, False), (16, 4, False)):
         a, b = shallow.bucket(key), deep.bucket(key)
-        for piece in ("embed", "layer", "logits"):
-            assert _hlo(getattr(a, piece)) == _hlo(getattr(b, piece)), piece
+        assert _hlo(a.embed) == _hlo(b.embed) and _hlo(a.select) == _hlo(b.select)
+        assert a.layers.keys() == b.layers.keys() == {3}
+        assert _hlo(a.layers[3]) == _hlo(b.layers[3])
     assert shallow.num_compilations == deep.num_compilations
+
+
+def test_layer_groups_cover_every_layer_once() -> None:
+    for depth in (1, 2, 7, 12, 22, 30, 31, 32, 80):
+        groups = layer_groups(depth)
+        assert [i for start, n in groups for i in range(start, start + n)] == list(range(depth))
+        assert len({n for _, n in groups}) <= 2  # at most one shorter last call
+        assert max(n for _, n in groups) <= max(LAYERS_PER_CALL)
+    assert layer_groups(30) == [(i, 3) for i in range(0, 30, 3)]
+    assert layer_groups(32) == [(i, 4) for i in range(0, 32, 4)]
 
 
 def test_background_compile_serves_at_once_with_the_same_tokens(tiny_model_dir: Path) -> None:

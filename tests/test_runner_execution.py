@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from kvpage.model import ModelConfig, load_model
 from kvpage.runner import DeviceSamplingParams, ModelRunner, StepOutput, StepPlan
+from kvpage.runner.layered_step import layer_groups
 from model_fixtures import (
     PlainPlanner,
     build_hf_model,
@@ -64,11 +65,12 @@ def runner(config: ModelConfig, params: Any) -> ModelRunner:
 
 def test_warmup_compiles_every_bucket_once(runner: ModelRunner) -> None:
     assert runner.compiled_buckets == sorted(runner.warmup_buckets())
-    # per bucket embed, layer and logits pieces; a sampler per sequence bucket; the slot
-    # writer and the stand-alone block copier (kvpage.runner.layered_step)
+    # per bucket embed, layer-group and logits pieces; a sampler per sequence bucket; the
+    # slot writer and the stand-alone block copier (kvpage.runner.layered_step)
     buckets = runner.warmup_buckets()
     samplers = {seqs for _, seqs, _ in buckets}
-    assert runner.num_compilations == 3 * len(buckets) + len(samplers) + 2
+    pieces = 2 + len({n for _, n in layer_groups(runner.config.num_layers)})
+    assert runner.num_compilations == pieces * len(buckets) + len(samplers) + 2
 
 
 def test_padding_does_not_change_outputs(

@@ -1,33 +1,36 @@
-"""One step of one bucket as a loop over ONE compiled decoder layer.
+"""One step of one bucket as a loop over one compiled group of decoder layers.
 
 This file owns how a step is cut into executables so that compile time does not grow
 with the model's depth. Every decoder layer of a Llama-family model has the same shapes,
-so the runner compiles a layer once per bucket and calls it once per layer, each call
-donating that layer's KV pool (updated in place). For a bucket -- ``T`` padded tokens,
-``S`` padded sequences, the pure-decode variant or not -- the pieces are::
+so the runner compiles a group of G layers (:data:`LAYERS_PER_CALL`) once per bucket and
+calls it once per group, each call donating those layers' KV pools (updated in place).
+For a bucket -- ``T`` padded tokens, ``S`` padded sequences, the pure-decode variant or
+not -- the pieces are::
 
-    embed   (embed weight, packed)                        -> hidden [T, h]
-    layer   (layer params, (k, v) pool, hidden, packed)   -> (hidden, pool)     per layer
-    logits  (head params, hidden, packed[, targets])      -> (logits [S, V], info[, scores])
-    finish  (sampling table, info, logits, bitmask)       -> (sampled, table)   keyed by S
+    embed   (embed weight, packed)                    -> hidden [T, h]
+    layers  (G layers' params and pools, hidden, packed) -> (hidden, pools)  once per G layers
+    select  (hidden, packed)                          -> (rows [S, h], info)
+    head    (head params, rows, info, table, bitmask) -> (sampled, table)   keyed by S
 
 ``info`` is the sampler's share of the packed step inputs (:class:`SampleInfo`), so the
-sampler -- the costliest piece to compile -- is keyed by ``S`` alone and shared by every
-token bucket. The host enqueues the pieces in order; dispatch is asynchronous, so it
-queues layer ``i + 1`` while the device runs layer ``i`` (on CPU about 45 us a call
-against ~0.7 ms of work per SmolLM2 layer at one row: benches/RESULTS.md, "Cold start").
-Grammar masks computed on the host slot in between ``logits`` and ``finish``, so their
-host work overlaps the forward pass with no separate executable.
+head -- lm_head and sampler, the costliest piece to compile -- is keyed by ``S`` alone
+and shared by every token bucket. A step that scores prompt tokens runs a ``select``
+that also projects every token through the lm_head (compiled on first use). The host
+enqueues the pieces in order; dispatch is asynchronous, so it queues group ``i + 1`` while
+the device runs group ``i`` (benches/RESULTS.md, "Cold start").
+Grammar masks computed on the host slot in between ``select`` and ``head``, so their
+host work overlaps the layers with no separate executable.
 
 Invariants:
 
 * The math is :func:`kvpage.model.llama.forward`'s, layer by layer (greedy parity with the
   all-layers-in-one trace is exact: same ops, same order).
-* ``layer`` never sees more than one layer's weights and KV pool: its HLO, and so its
-  compile time, is independent of ``num_layers``.
+* ``layers`` never sees more than ``max(LAYERS_PER_CALL)`` layers' weights and KV pools:
+  its HLO, and so its compile time, is independent of ``num_layers``.
 * A stacked parameter layout (leaves with a leading ``num_layers`` axis, as scan-based
-  training code keeps them) runs the same layer with a device scalar index, reading the
-  layer's slice inside the executable: no copy of the tree is made on update.
+  training code keeps them) runs the same group with a device scalar index of its first
+  layer, reading the layers' slices inside the executable: no copy of the tree is made on
+  update.
 """
 
 from __future__ import annotations
@@ -53,8 +56,9 @@ class StepBucket(NamedTuple):
     """The compiled pieces of one bucket (its sampler is keyed by ``S`` and kept apart)."""
 
     embed: Any
-    layer: Any
-    logits: Any
+    layers: dict[int, Any]
+    """Layer-group size -> the compiled piece running that many layers."""
+    select: Any
 
 
 def head_params(config: ModelConfig, params: Params) -> Params:
@@ -103,73 +107,112 @@ def make_embed(layout: PackedLayout) -> Callable[[jax.Array, jax.Array], jax.Arr
     return embed
 
 
-def make_layer(
+LAYERS_PER_CALL = (3, 4, 2)
+"""Decoder layers per compiled call, the first that divides the model's depth (else the
+first, with a shorter last call). One call costs ~0.15 ms of fixed overhead on XLA:CPU
+(SmolLM2 at one row: 30 one-layer calls 21.8 ms a step, one 30-layer executable 17.4 ms,
+ten 3-layer calls 17.1 ms), so three layers a call recover it while compile time stays
+independent of depth (a 3-layer piece compiles in ~1.2 s, a 30-layer step took 4.5 s)."""
+
+
+def layer_groups(num_layers: int) -> list[tuple[int, int]]:
+    """``(first layer, number of layers)`` of each layer call of a step, in order."""
+    size = next((g for g in LAYERS_PER_CALL if num_layers % g == 0), LAYERS_PER_CALL[0])
+    size = max(1, min(size, num_layers))
+    return [(start, min(size, num_layers - start)) for start in range(0, num_layers, size)]
+
+
+def make_layers(
     config: ModelConfig,
     layout: PackedLayout,
     backend: AttentionBackend,
     decode_only: bool,
     copy_blocks: Callable[[KVPools, jax.Array, jax.Array], KVPools],
+    count: int,
     stacked: bool,
-) -> Callable[..., tuple[jax.Array, KVPool]]:
-    """The layer piece: this step's fused copy-on-write block copies in this layer's pool,
-    then :func:`decoder_layer`. With ``stacked`` it takes ``(layers, index, pool, hidden,
-    packed)`` and slices layer ``index`` of the stacked tree inside the executable."""
+) -> Callable[..., tuple[jax.Array, list[KVPool]]]:
+    """The layer piece: ``count`` consecutive layers, each doing this step's fused
+    copy-on-write block copies in its pool, then :func:`decoder_layer`. Takes ``(layers,
+    pools, hidden, packed)`` with ``count``-long lists of layer params and pools; with
+    ``stacked`` it takes ``(stacked layers, first index, pools, hidden, packed)`` and
+    slices its layers from the stacked tree inside the executable."""
 
-    def run(layer: Any, pool: KVPool, hidden: jax.Array, packed: jax.Array) -> Any:
+    def run(layers: Any, pools: list[KVPool], hidden: jax.Array, packed: jax.Array) -> Any:
         a = layout.unpack(packed)
-        if layout.num_copies:
-            pool = copy_blocks([pool], a.copy_src, a.copy_dst)[0]
-        return decoder_layer(
-            config, layer, hidden, a.positions, pool, a.meta, backend, decode_only
-        )
+        out = []
+        for layer, pool in zip(layers, pools, strict=True):
+            if layout.num_copies:
+                pool = copy_blocks([pool], a.copy_src, a.copy_dst)[0]
+            hidden, pool = decoder_layer(
+                config, layer, hidden, a.positions, pool, a.meta, backend, decode_only
+            )
+            out.append(pool)
+        return hidden, out
 
     if not stacked:
         return run
 
     def run_stacked(
-        layers: Any, index: jax.Array, pool: KVPool, hidden: jax.Array, packed: jax.Array
+        stacked_layers: Any, first: jax.Array, pools: list[KVPool], hidden: jax.Array,
+        packed: jax.Array,
     ) -> Any:
-        layer = jax.tree_util.tree_map(
-            lambda leaf: jax.lax.dynamic_index_in_dim(leaf, index, keepdims=False), layers
-        )
-        return run(layer, pool, hidden, packed)
+        layers = [
+            jax.tree_util.tree_map(
+                lambda leaf, i=i: jax.lax.dynamic_index_in_dim(leaf, first + i, keepdims=False),
+                stacked_layers,
+            )
+            for i in range(count)
+        ]
+        return run(layers, pools, hidden, packed)
 
     return run_stacked
 
 
-def make_logits(
-    config: ModelConfig,
+def make_select(
     layout: PackedLayout,
     logits_of: Callable[[Params, jax.Array], jax.Array],
     num_top: int,
     score_prompts: bool,
 ) -> Callable[..., Any]:
-    """The logits piece: final norm and lm_head at the sampled rows (``logits_of``, which
-    may constrain shardings), plus :class:`SampleInfo`. ``score_prompts``: it also takes
-    the int32 ``[T]`` prompt targets and returns their :class:`PromptScores` third
-    (:mod:`kvpage.runner.prompt_logprobs`)."""
+    """The select piece: the last-layer hidden states of the sampled rows, and
+    :class:`SampleInfo`. Takes ``(hidden, packed)``; with ``score_prompts`` it takes
+    ``(head params, hidden, packed, targets)`` and also returns the :class:`PromptScores`
+    of the int32 ``[T]`` prompt targets (:mod:`kvpage.runner.prompt_logprobs`)."""
 
-    def logits(head: Params, hidden: jax.Array, packed: jax.Array, *targets: jax.Array) -> Any:
-        a = layout.unpack(packed)
-        rows = jnp.take(hidden, a.logits_indices, axis=0)
-        out = logits_of(head, rows).astype(jnp.float32), SampleInfo.pack(layout, packed)
-        if score_prompts:
-            scores = score_prompt_tokens(
-                hidden, targets[0], lambda h: logits_of(head, h), max(num_top, 1)
-            )
-            return (*out, scores)
-        return out
+    def select(hidden: jax.Array, packed: jax.Array) -> tuple[jax.Array, jax.Array]:
+        rows = jnp.take(hidden, layout.unpack(packed).logits_indices, axis=0)
+        return rows, SampleInfo.pack(layout, packed)
 
-    return logits
+    if not score_prompts:
+        return select
+
+    def select_and_score(
+        head: Params, hidden: jax.Array, packed: jax.Array, targets: jax.Array
+    ) -> Any:
+        scores = score_prompt_tokens(
+            hidden, targets, lambda h: logits_of(head, h), max(num_top, 1)
+        )
+        return (*select(hidden, packed), scores)
+
+    return select_and_score
 
 
-def make_finish(num_seqs: int, num_top: int, base_seed: int) -> Callable[..., Any]:
-    """The sampling piece of a bucket of ``num_seqs`` padded rows: sample with the grammar
-    bitmask and record the tokens in the sampling table (donated)."""
+def make_head(
+    num_seqs: int,
+    logits_of: Callable[[Params, jax.Array], jax.Array],
+    num_top: int,
+    base_seed: int,
+) -> Callable[..., Any]:
+    """The head piece of a bucket of ``num_seqs`` padded rows: final norm and lm_head at
+    the selected rows, then sampling with the grammar bitmask, recording the tokens in the
+    sampling table (donated). One executable: logits and sampler apart cost SmolLM2 up to
+    60 % more at 4 rows (16.1 vs 9.8 ms) than fused."""
 
-    def finish(
-        table: SamplingTable, info: jax.Array, logits: jax.Array, token_bitmask: jax.Array
+    def head(
+        params: Params, rows: jax.Array, info: jax.Array, table: SamplingTable,
+        token_bitmask: jax.Array,
     ) -> tuple[Any, SamplingTable]:
+        logits = logits_of(params, rows).astype(jnp.float32)
         s = SampleInfo.unpack(info, num_seqs)
         inputs = gather_inputs(table, s.sample_rows)
         step_key = jax.random.fold_in(jax.random.key(base_seed), s.step_counter)
@@ -177,4 +220,4 @@ def make_finish(num_seqs: int, num_top: int, base_seed: int) -> Callable[..., An
         valid = jnp.arange(num_seqs) < s.num_sampled
         return out, record_sampled(table, s.sample_rows, out.token_ids, valid)
 
-    return finish
+    return head

@@ -73,10 +73,11 @@ from kvpage.runner.layered_step import (
     embed_weight,
     head_params,
     is_stacked,
+    layer_groups,
     make_embed,
-    make_finish,
-    make_layer,
-    make_logits,
+    make_head,
+    make_layers,
+    make_select,
 )
 from kvpage.runner.prompt_logprobs import PromptScores
 from kvpage.runner.sampling_params import DeviceSamplingParams
@@ -270,6 +271,7 @@ class ModelRunner:
         self._count_lock = threading.Lock()
         self._num_compilations = 0
         self._stacked = is_stacked(self.params)
+        self._layer_groups = layer_groups(config.num_layers)
         self._layer_indices = [
             jax.device_put(np.int32(i), self._replicated) for i in range(config.num_layers)
         ] if self._stacked else []
@@ -420,7 +422,7 @@ class ModelRunner:
         return logits_of
 
     def _build_bucket(self, key: StepKey) -> StepBucket:
-        """Compile bucket ``key``'s embed, layer and logits pieces (and its sampler, keyed
+        """Compile bucket ``key``'s embed, layer-group and select pieces (and its head, keyed
         by the sequence bucket, if new): :mod:`kvpage.runner.layered_step`."""
         t, s, decode_only = key
         layout, _ = self._layout((t, s))
@@ -437,71 +439,84 @@ class ModelRunner:
             make_embed(layout), (), (embed_weight(params), packed),
             (embed_weight(shardings), rep), rep,
         ).compile()
-        layer_fn = make_layer(
-            self.config, layout, self.backend, decode_only, self._copy_blocks, self._stacked
-        )
-        if self._stacked:
-            index = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
-            layer = self._jit(
-                layer_fn, (2,), (params["layers"], index, pool, hidden, packed),
-                (shardings["layers"], rep, pool_sh, rep, rep), (rep, pool_sh),
-            ).compile()
-        else:
-            layer = self._jit(
-                layer_fn, (1,), (params["layers"][0], pool, hidden, packed),
-                (shardings["layers"][0], pool_sh, rep, rep), (rep, pool_sh),
-            ).compile()
-        logits = self._compile_logits(layout, score_prompts=False)
-        self._count_compiles(3)
-        self._finish_fn(s)
-        return StepBucket(embed, layer, logits)
+        layers = {}
+        for count in sorted({count for _, count in self._layer_groups}):
+            fn = make_layers(
+                self.config, layout, self.backend, decode_only, self._copy_blocks, count,
+                self._stacked,
+            )
+            pools = [pool] * count
+            pools_sh = [pool_sh] * count
+            if self._stacked:
+                index = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
+                layers[count] = self._jit(
+                    fn, (2,), (params["layers"], index, pools, hidden, packed),
+                    (shardings["layers"], rep, pools_sh, rep, rep), (rep, pools_sh),
+                ).compile()
+            else:
+                group = params["layers"][:count]
+                layers[count] = self._jit(
+                    fn, (1,), (group, pools, hidden, packed),
+                    (shardings["layers"][:count], pools_sh, rep, rep), (rep, pools_sh),
+                ).compile()
+        select = self._compile_select(layout, score_prompts=False)
+        self._count_compiles(2 + len(layers))
+        self._head_fn(s)
+        return StepBucket(embed, layers, select)
 
-    def _compile_logits(self, layout: PackedLayout, score_prompts: bool) -> jax.stages.Compiled:
+    def _compile_select(self, layout: PackedLayout, score_prompts: bool) -> jax.stages.Compiled:
         rep = self._replicated
-        head = head_params(self.config, self._abstract(self.params))
-        head_sh = head_params(self.config, self._param_shardings)
         hidden = jax.ShapeDtypeStruct(
-            (layout.num_tokens, self.config.hidden_size), head["norm"]["weight"].dtype,
-            sharding=rep,
+            (layout.num_tokens, self.config.hidden_size),
+            embed_weight(self._abstract(self.params)).dtype, sharding=rep,
         )
         packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=rep)
-        args: tuple[Any, ...] = (head, hidden, packed)
-        shardings: tuple[Any, ...] = (head_sh, rep, rep)
+        args: tuple[Any, ...] = (hidden, packed)
+        shardings: tuple[Any, ...] = (rep, rep)
         if score_prompts:
-            args += (jax.ShapeDtypeStruct((layout.num_tokens,), jnp.int32, sharding=rep),)
-            shardings += (rep,)
-        fn = make_logits(
-            self.config, layout, self._logits_of(), self.max_logprobs, score_prompts
-        )
+            head = head_params(self.config, self._abstract(self.params))
+            targets = jax.ShapeDtypeStruct((layout.num_tokens,), jnp.int32, sharding=rep)
+            args = (head, *args, targets)
+            shardings = (head_params(self.config, self._param_shardings), *shardings, rep)
+        fn = make_select(layout, self._logits_of(), self.max_logprobs, score_prompts)
         return self._jit(fn, (), args, shardings, rep).compile()
 
-    def _finish_fn(self, num_seqs: int) -> jax.stages.Compiled:
-        """The sampler of sequence bucket ``num_seqs`` (shared by every token bucket)."""
+    def _head_fn(self, num_seqs: int) -> jax.stages.Compiled:
+        """lm_head and sampler of sequence bucket ``num_seqs`` (shared by every token
+        bucket)."""
 
         def build() -> jax.stages.Compiled:
             rep = self._replicated
             vocab = self.config.vocab_size
+            params = self._abstract(self.params)
             args = (
-                self._abstract(self.sampling_table),
+                head_params(self.config, params),
+                jax.ShapeDtypeStruct(
+                    (num_seqs, self.config.hidden_size), embed_weight(params).dtype,
+                    sharding=rep,
+                ),
                 jax.ShapeDtypeStruct((num_seqs + 3,), jnp.int32, sharding=rep),
-                jax.ShapeDtypeStruct((num_seqs, vocab), jnp.float32, sharding=rep),
+                self._abstract(self.sampling_table),
                 jax.ShapeDtypeStruct((num_seqs, bitmask_words(vocab)), jnp.int32, sharding=rep),
             )
             table = self._shardings(self.sampling_table)
-            fn = make_finish(num_seqs, self.max_logprobs, self._base_key_seed)
-            compiled = self._jit(fn, (0,), args, (table, rep, rep, rep), (rep, table)).compile()
+            head_sh = head_params(self.config, self._param_shardings)
+            fn = make_head(num_seqs, self._logits_of(), self.max_logprobs, self._base_key_seed)
+            compiled = self._jit(
+                fn, (3,), args, (head_sh, rep, rep, table, rep), (rep, table)
+            ).compile()
             self._count_compiles(1)
             return compiled
 
-        return self._executables.get_or_build(("finish", num_seqs), build)
+        return self._executables.get_or_build(("head", num_seqs), build)
 
-    def _scored_logits_fn(self, key: tuple[int, int]) -> jax.stages.Compiled:
-        """The prompt-logprobs variant of bucket ``key``'s logits piece (compiled on first
+    def _scored_select_fn(self, key: tuple[int, int]) -> jax.stages.Compiled:
+        """The prompt-logprobs variant of bucket ``key``'s select piece (compiled on first
         use; never by :meth:`warmup`, so servers whose clients never ask for prompt
         logprobs never pay)."""
 
         def build() -> jax.stages.Compiled:
-            compiled = self._compile_logits(self._layout(key)[0], score_prompts=True)
+            compiled = self._compile_select(self._layout(key)[0], score_prompts=True)
             self._count_compiles(1)
             return compiled
 
@@ -832,28 +847,32 @@ class ModelRunner:
             params = self.params
             hidden = bucket.embed(embed_weight(params), packed)
             pools = self.kv_pools
-            if self._stacked:
-                layers = params["layers"]
-                for i, index in enumerate(self._layer_indices):
-                    hidden, pools[i] = bucket.layer(layers, index, pools[i], hidden, packed)
-            else:
-                for i, layer in enumerate(params["layers"]):
-                    hidden, pools[i] = bucket.layer(layer, pools[i], hidden, packed)
+            for start, count in self._layer_groups:
+                end = start + count
+                if self._stacked:
+                    hidden, pools[start:end] = bucket.layers[count](
+                        params["layers"], self._layer_indices[start], pools[start:end], hidden,
+                        packed,
+                    )
+                else:
+                    hidden, pools[start:end] = bucket.layers[count](
+                        params["layers"][start:end], pools[start:end], hidden, packed
+                    )
             head = head_params(self.config, params)
             scores = None
             if targets is not None:
-                scored = self._scored_logits_fn((t_pad, s_pad))
-                logits, info, scores = scored(head, hidden, packed, self._host_input(targets))
+                scored = self._scored_select_fn((t_pad, s_pad))
+                rows, info, scores = scored(head, hidden, packed, self._host_input(targets))
             else:
-                logits, info = bucket.logits(head, hidden, packed)
+                rows, info = bucket.select(hidden, packed)
             self.last_enqueue_time = time.perf_counter()
             if token_bitmask_fn is not None:
-                masks = token_bitmask_fn()  # host work while the forward pass runs
-                self.last_bitmask_overlapped = not logits.is_ready()
+                masks = token_bitmask_fn()  # host work while the layers run
+                self.last_bitmask_overlapped = not rows.is_ready()
             else:
                 masks = getattr(plan, "token_bitmask", None)
-            out, self.sampling_table = self._finish_fn(s_pad)(
-                self.sampling_table, info, logits, self._token_bitmask_input(masks, s_pad)
+            out, self.sampling_table = self._head_fn(s_pad)(
+                head, rows, info, self.sampling_table, self._token_bitmask_input(masks, s_pad)
             )
         except Exception as exc:
             if any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(self.params)):
