@@ -7,10 +7,11 @@ The policy (the one place it is stated):
 
 * Token buckets are powers of two up to ``max_num_batched_tokens``, sequence buckets
   powers of two up to ``max_num_seqs``. They start at 1 on a CPU, where a step's cost
-  follows its padded rows from the first row on (SmolLM2-135M's layers: 20 ms at 1 row,
-  50 ms at 16), and at 16 tokens / 8 sequences on an accelerator, where a decode step
-  costs the same up to a few dozen rows and each extra executable only costs compile
-  time.
+  follows its padded rows (SmolLM2-135M, whole decode steps: 22 ms at 1 row, 46 at 4,
+  71 at 16, 173 at 64, 566 at 256; ``benches/bucket_curve.py``), but skip 2
+  (:data:`CPU_SKIPPED_BUCKETS`: 2 rows cost 43 ms, within 7 % of 4); and at 16 tokens /
+  8 sequences on an accelerator, where a decode step costs the same up to a few dozen
+  rows and each extra executable only costs compile time.
 * Only the block-table *width* never makes a bucket: attention loops over the live KV
   (``pallas_kernels``), so ``max_model_len`` adds no executables and no work.
 * A step padded to T tokens gets at least ``T / max_token_seq_ratio`` sequence rows,
@@ -53,6 +54,21 @@ def power_of_two_buckets(minimum: int, maximum: int) -> tuple[int, ...]:
 def default_minimums(platform: str) -> tuple[int, int]:
     """Smallest (token, sequence) bucket for a device platform (see the module docstring)."""
     return (1, 1) if platform == "cpu" else (16, 8)
+
+
+CPU_SKIPPED_BUCKETS = frozenset({2})
+"""Sizes a CPU never compiles: a 2-row step costs within 7 % of a 4-row one (SmolLM2,
+XLA's dot: 43.0 vs 46.0 ms; the host small-batch matmul streams the weights once for 2-32
+rows alike), so a 2-row bucket would pay back its ~2 s compile only after ~650 steps."""
+
+
+def default_buckets(platform: str, maximum: int, kind: str) -> tuple[int, ...]:
+    """The default token (``kind="tokens"``) or sequence bucket list up to ``maximum``."""
+    minimum = default_minimums(platform)[0 if kind == "tokens" else 1]
+    buckets = power_of_two_buckets(min(minimum, maximum), maximum)
+    if platform == "cpu":  # never the largest: it bounds every step
+        buckets = tuple(b for b in buckets[:-1] if b not in CPU_SKIPPED_BUCKETS) + buckets[-1:]
+    return buckets
 
 
 def normalize_buckets(buckets: Sequence[int], name: str) -> tuple[int, ...]:

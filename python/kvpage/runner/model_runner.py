@@ -59,11 +59,10 @@ from kvpage.parallel import (
 from kvpage.runner.background_compiler import BackgroundCompiler
 from kvpage.runner.buckets import (
     background_order,
-    default_minimums,
+    default_buckets,
     normalize_buckets,
     pick_bucket,
     pick_fallback,
-    power_of_two_buckets,
 )
 from kvpage.runner.executable_cache import ExecutableCache
 from kvpage.runner.kv_cache import KVCacheSpec, KVPools, allocate_kv_cache, copy_blocks
@@ -230,15 +229,13 @@ class ModelRunner:
         self.enable_penalties = enable_penalties
         self.validate_plans = validate_plans
 
-        min_tokens, min_seqs = default_minimums(self.device.platform)
-        max_tokens = max_num_batched_tokens
+        platform = self.device.platform
         self.token_buckets = normalize_buckets(
-            token_buckets or power_of_two_buckets(min(min_tokens, max_tokens), max_tokens),
+            token_buckets or default_buckets(platform, max_num_batched_tokens, "tokens"),
             "token_buckets",
         )
         self.seq_buckets = normalize_buckets(
-            seq_buckets or power_of_two_buckets(min(min_seqs, max_num_seqs), max_num_seqs),
-            "seq_buckets",
+            seq_buckets or default_buckets(platform, max_num_seqs, "seqs"), "seq_buckets"
         )
         self._padding = PaddingValues(
             scratch_slot=self.kv_spec.scratch_slot,
