@@ -16,16 +16,17 @@ The policy (the one place it is stated):
   (``pallas_kernels``), so ``max_model_len`` adds no executables and no work.
 * A step padded to T tokens gets at least ``T / max_token_seq_ratio`` sequence rows,
   which bounds the (T, S) pairs; :meth:`ModelRunner.warmup_buckets` lists every pair a
-  configuration can reach (``ModelRunner.max_step_executables``; 44 for SmolLM2 at the
+  configuration can reach (``ModelRunner.max_step_executables``; 38 for SmolLM2 at the
   defaults).
-* What a bucket costs to compile (issue #25): its embed, ONE decoder layer (called once
-  per layer) and its logits piece; samplers are keyed by S alone and shared by every T
-  (:mod:`kvpage.runner.layered_step`). SmolLM2 on this 2-core CPU, empty cache: a bucket
-  took 4.5-4.8 s when the step traced all 30 layers; now its layer compiles in 0.35-0.6 s
-  and a new S adds a 1.1-1.3 s sampler; from the persistent cache, tens of ms. At that
-  price a bucket earns its compile within its first few dozen steps (a CPU step's cost
-  follows its padded rows: one SmolLM2 layer 0.7 ms at one row), so the grid stays
-  fine-grained, and what is never used is never compiled:
+* What a bucket costs to compile (issue #25): its embed, ONE group of three decoder
+  layers (called once per group) and its select piece; the head (lm_head + sampler) is
+  keyed by S alone and shared by every T (:mod:`kvpage.runner.layered_step`). SmolLM2 on
+  this 2-core CPU, empty cache: a bucket took 4.5-4.8 s when the step traced all 30
+  layers; now 1.3-1.5 s, plus ~0.8 s for a head the first time an S is used
+  (``benches/bucket_curve.py``); from the persistent cache, tens of ms. Against the step
+  curve above, a decode bucket pays back its compile within 10-300 steps of the next
+  bucket up (2 rows aside), so the grid stays fine-grained, and what is never used is
+  never compiled.
 * When they compile: on first use (``warmup="none"``, ``kvpage generate`` and ``LLM``),
   all at start-up (``"full"``), or on a background thread while requests already run
   (``"background"``, ``kvpage serve``): pure-decode buckets first, smallest first, then
