@@ -19,7 +19,10 @@ with ``dtype="auto"`` they become float32 on CPU and bfloat16 on accelerators.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import logging
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -361,7 +364,8 @@ def _params_from_reader(
     spec = param_spec(config)
     flat: dict[str, jax.Array] = {}
     tensors = [t for t in reader.tensors if t.name != _ROPE_FREQS]
-    for done, tensor in enumerate(tensors, start=1):
+    names = []
+    for tensor in tensors:
         name = _hf_name(tensor.name, config.num_layers)
         if name is None or name not in spec:
             raise CheckpointError(
@@ -373,14 +377,29 @@ def _params_from_reader(
                 f"tensor {tensor.name!r} ({name}) in {path} has shape "
                 f"{_tensor_shape(tensor)}, expected {spec[name]}"
             )
+        names.append(name)
+
+    def host_values(tensor: Any) -> np.ndarray:
         values = _dequantize(tensor, path)
         if permuted and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
             heads = config.num_heads if ".attn_q." in tensor.name else config.num_kv_heads
             values = _unpermute_rope_rows(values, heads)
-        array = jax.device_put(values, device)
-        flat[name] = array if array.dtype == target else array.astype(target)
-        if progress is not None:
-            progress(done, len(tensors))
+        return values
+
+    # numpy dequantizes outside the GIL: a few tensors at a time on every core, in order,
+    # so at most ``window`` dequantized tensors wait for their transfer at once.
+    workers = max(1, min(4, os.cpu_count() or 1))
+    window = 2 * workers
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        pending: collections.deque[concurrent.futures.Future[np.ndarray]] = collections.deque()
+        upcoming = iter(tensors)
+        for done, name in enumerate(names, start=1):
+            while len(pending) < window and (tensor := next(upcoming, None)) is not None:
+                pending.append(pool.submit(host_values, tensor))
+            array = jax.device_put(pending.popleft().result(), device)
+            flat[name] = array if array.dtype == target else array.astype(target)
+            if progress is not None:
+                progress(done, len(tensors))
     missing = [name for name in spec if name not in flat]
     if missing:
         more = f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""

@@ -9,6 +9,8 @@ are split along the KV-head axis, so each device holds ``1 / tensor_parallel_siz
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 from dataclasses import dataclass
 
 import jax
@@ -90,15 +92,20 @@ def allocate_kv_cache(
     spec: KVCacheSpec, device: jax.Device | jax.sharding.Sharding | None = None
 ) -> KVPools:
     """Zero-filled ``(k_pages, v_pages)`` for every layer, on ``device`` (a device, or a
-    sharding such as the KV-head split of tensor parallelism)."""
+    sharding such as the KV-head split of tensor parallelism).
+
+    The pools are filled from several threads: on a CPU the fill is bound by first-touch
+    page faults, which run in parallel (SmolLM2's 4 GiB pool on 2 cores: 6.3 s from one
+    thread, 2.4 s from two, measured with another build running)."""
     dtype = jnp_dtype(spec.dtype)
-    return [
-        (
-            jnp.zeros(spec.pool_shape, dtype, device=device),
-            jnp.zeros(spec.pool_shape, dtype, device=device),
-        )
-        for _ in range(spec.num_layers)
-    ]
+
+    def zeros(_: int) -> jax.Array:
+        return jax.block_until_ready(jnp.zeros(spec.pool_shape, dtype, device=device))
+
+    workers = max(1, min(4, os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        pages = list(pool.map(zeros, range(2 * spec.num_layers)))
+    return [(pages[2 * i], pages[2 * i + 1]) for i in range(spec.num_layers)]
 
 
 def copy_blocks(pools: KVPools, src: jax.Array, dst: jax.Array) -> KVPools:
