@@ -21,6 +21,8 @@ cleanup() {
     rm -rf "$work"
 }
 trap cleanup EXIT
+# kvpage's persistent compilation cache follows XDG: keep this check's out of ~/.cache.
+export XDG_CACHE_HOME="$work/cache"
 
 if [[ $# -ge 1 ]]; then
     wheel="$1"
