@@ -102,9 +102,13 @@ def allocate_kv_cache(
     def zeros(_: int) -> jax.Array:
         return jax.block_until_ready(jnp.zeros(spec.pool_shape, dtype, device=device))
 
+    # The first pool is made here, so the fill's executable is compiled once: threads
+    # that miss JAX's in-memory cache together each compile it (a second start then
+    # loaded one executable fewer than the first compiled).
+    pages = [zeros(0)]
     workers = max(1, min(4, os.cpu_count() or 1))
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        pages = list(pool.map(zeros, range(2 * spec.num_layers)))
+        pages += pool.map(zeros, range(1, 2 * spec.num_layers))
     return [(pages[2 * i], pages[2 * i + 1]) for i in range(spec.num_layers)]
 
 
