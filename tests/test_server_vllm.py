@@ -15,7 +15,7 @@ from kvpage.bench.servers import InProcessServer, free_port
 from kvpage.engine import LLMEngine
 from kvpage.engine_config import EngineConfig
 from kvpage.metrics import EngineMetrics, cache_config_info
-from kvpage.server import build_app
+from kvpage.openai.app import build_app
 
 MODEL = "tiny"
 KEY = "k-vllm"

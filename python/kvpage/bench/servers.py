@@ -279,7 +279,7 @@ class InProcessServer:
 
         from kvpage.async_engine import AsyncLLMEngine
         from kvpage.engine import LLMEngine
-        from kvpage.server import build_app
+        from kvpage.openai.app import build_app
 
         self.model_name = model_name
         self.api_key = api_key
