@@ -53,16 +53,9 @@ from typing import Any
 
 import httpx
 from kvpage.bench.common import TINY_MODEL_DIR, percentile
-from kvpage.bench.servers import (
-    RSSMonitor,
-    ServerProcess,
-    Target,
-    check_loopback,
-    fetch_metrics,
-    metric,
-    wait_idle,
-)
+from kvpage.bench.loopback import check_loopback
 from kvpage.bench.sse import SSEEvents
+from server_harness import RSSMonitor, ServerProcess, Target, fetch_metrics, metric, wait_idle
 
 OK_FINISH = frozenset({"stop", "length"})
 DISCONNECT_KINDS = ("before_first_token", "mid_stream", "during_prefill")

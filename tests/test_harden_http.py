@@ -33,12 +33,12 @@ from typing import Any
 import httpx
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
-from kvpage.bench.servers import InProcessServer
 from kvpage.engine_config import EngineConfig
 from kvpage.openai.app import build_app
 from kvpage.openai.completions import MAX_PROMPTS_PER_REQUEST
 from kvpage.openai.protocol import ChatCompletionRequest, CompletionRequest
 from kvpage.openai.run import run_server
+from server_harness import InProcessServer
 
 schemathesis = pytest.importorskip("schemathesis")
 

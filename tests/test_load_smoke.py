@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 from kvpage.bench.common import percentile
-from kvpage.bench.servers import InProcessServer
 from kvpage.engine_config import EngineConfig
 from loadtest import Plan, Workload, main, run_load
+from server_harness import InProcessServer
 
 PYTHON_DIR = str(Path(__file__).parents[1] / "python")
 LOADTEST = str(Path(__file__).with_name("loadtest.py"))
