@@ -113,7 +113,7 @@ def measure(streams: int, output_len: int, http: str, loop: str) -> dict[str, An
     import uvicorn
     from kvpage.async_engine import AsyncLLMEngine
     from kvpage.bench.host import HOST_MAX_MODEL_LEN, build_host_engine
-    from kvpage.server import build_app
+    from kvpage.openai.app import build_app
 
     if PROMPT_LEN + output_len > HOST_MAX_MODEL_LEN:
         raise SystemExit(f"--output-len must be <= {HOST_MAX_MODEL_LEN - PROMPT_LEN}")

@@ -49,7 +49,7 @@ def main() -> int:
     from kvpage.async_engine import AsyncLLMEngine
     from kvpage.engine import LLMEngine
     from kvpage.engine_config import EngineConfig
-    from kvpage.server import build_app
+    from kvpage.openai.app import build_app
 
     model = args.model or default_model_dir()
     config = EngineConfig(model=model, max_num_seqs=args.max_num_seqs,

@@ -172,7 +172,7 @@ def server_url(tiny_model_dir: Path) -> Iterator[str]:
     import uvicorn
     from kvpage.async_engine import AsyncLLMEngine
     from kvpage.engine import LLMEngine
-    from kvpage.server import build_app
+    from kvpage.openai.app import build_app
 
     engine = AsyncLLMEngine(LLMEngine.from_config(small_config(tiny_model_dir)),
                             model_name="tiny", log_stats=False)

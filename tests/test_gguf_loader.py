@@ -159,7 +159,7 @@ def test_server_chat_on_a_gguf_file(llama_gguf: tuple[Any, Path]) -> None:
     from fastapi.testclient import TestClient
     from kvpage.async_engine import AsyncLLMEngine
     from kvpage.engine_config import EngineConfig
-    from kvpage.server import build_app
+    from kvpage.openai.app import build_app
 
     _, path = llama_gguf
     config = EngineConfig(model=str(path), max_num_seqs=2, max_num_batched_tokens=32,

@@ -36,9 +36,10 @@ import httpx
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kvpage.bench.servers import InProcessServer, free_port, metric, parse_metrics
+from kvpage.bench.loopback import free_port
 from kvpage.engine import LLMEngine
 from kvpage.engine_config import EngineConfig
+from server_harness import InProcessServer, metric, parse_metrics
 from test_harden_isolation import SpyScheduler, live_blocks
 from test_server_async_engine import _SERVE
 

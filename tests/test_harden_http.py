@@ -1,7 +1,7 @@
 """Hostile input to the OpenAI-compatible server, and who gets in.
 
 * Fuzzing from the API's OpenAPI schema (built from the request models of
-  ``kvpage.protocol``) with schemathesis, valid and invalid bodies, a bounded
+  ``kvpage.openai.protocol``) with schemathesis, valid and invalid bodies, a bounded
   number of examples: never a 5xx, every rejection a 4xx with an OpenAI error
   body, every 200 a well-formed answer.
 * Hand-written hostile cases, by kind: huge bodies (413), deep nesting,
@@ -33,10 +33,12 @@ from typing import Any
 import httpx
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
-from kvpage.bench.servers import InProcessServer
 from kvpage.engine_config import EngineConfig
-from kvpage.protocol import ChatCompletionRequest, CompletionRequest
-from kvpage.server import MAX_PROMPTS_PER_REQUEST, build_app, run_server
+from kvpage.openai.app import build_app
+from kvpage.openai.completions import MAX_PROMPTS_PER_REQUEST
+from kvpage.openai.protocol import ChatCompletionRequest, CompletionRequest
+from kvpage.openai.run import run_server
+from server_harness import InProcessServer
 
 schemathesis = pytest.importorskip("schemathesis")
 
@@ -93,7 +95,7 @@ def assert_well_formed(status: int, content_type: str, body: bytes) -> None:
 
 
 def openapi_schema() -> dict[str, Any]:
-    """The POST bodies of the API as OpenAPI 3.0, from ``kvpage.protocol``,
+    """The POST bodies of the API as OpenAPI 3.0, from ``kvpage.openai.protocol``,
     narrowed where the models allow more than the server takes (the served
     model name, token ids in the vocabulary, a few prompts) and with outputs
     capped low, so that valid examples get to generate, quickly. Invalid
@@ -629,7 +631,7 @@ def test_api_key_is_compared_in_constant_time(
         calls.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr("kvpage.server.hmac.compare_digest", spy)
+    monkeypatch.setattr("kvpage.openai.guard.hmac.compare_digest", spy)
     assert (
         httpx.get(
             served.url + "/v1/models", headers={"authorization": "Bearer nope"}, timeout=30

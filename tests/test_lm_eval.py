@@ -24,8 +24,8 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from kvpage.bench.servers import InProcessServer
 from kvpage.engine_config import EngineConfig
+from server_harness import InProcessServer
 
 lm_eval = pytest.importorskip("lm_eval")
 

@@ -1,11 +1,11 @@
-"""The load test (``kvpage.bench.loadtest``), small and bounded, against the
+"""The load test (``tests/loadtest.py``), small and bounded, against the
 tiny random Llama.
 
 * In process: a few dozen closed-loop streaming clients for a few seconds
   (mixed lengths, shared prefixes, n > 1, chat, some hanging up on purpose),
   then a burst past capacity (shed with 503) and recovery: no failed
   request, every KV block back in the pool, the invariants hold.
-* ``python -m kvpage.bench.loadtest`` against a spawned ``kvpage serve``, which
+* ``python tests/loadtest.py`` against a spawned ``kvpage serve``, which
   must exit 0 on SIGTERM with every block free (a short run).
 * The soak: ``KVPAGE_SOAK=1`` runs hundreds of clients for a minute through
   the command line (opt-in: minutes of CPU).
@@ -22,11 +22,12 @@ from pathlib import Path
 
 import pytest
 from kvpage.bench.common import percentile
-from kvpage.bench.loadtest import Plan, Workload, main, run_load
-from kvpage.bench.servers import InProcessServer
 from kvpage.engine_config import EngineConfig
+from loadtest import Plan, Workload, main, run_load
+from server_harness import InProcessServer
 
 PYTHON_DIR = str(Path(__file__).parents[1] / "python")
+LOADTEST = str(Path(__file__).with_name("loadtest.py"))
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +93,12 @@ def test_loadtest_help_runs_without_loading_jax() -> None:
         [
             sys.executable,
             "-c",
-            "import sys; from kvpage.bench.loadtest import main\n"
-            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            # as `python tests/loadtest.py --help` runs it: its folder first on the path
+            "import os, runpy, sys\n"
+            f"sys.argv = [{LOADTEST!r}, '--help']\n"
+            "sys.path.insert(0, os.path.dirname(sys.argv[0]))\n"
+            "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+            "except SystemExit:\n    pass\n"
             "assert 'jax' not in sys.modules",
         ],
         env={**os.environ, "PYTHONPATH": PYTHON_DIR},

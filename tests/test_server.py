@@ -24,7 +24,7 @@ import uvicorn
 from kvpage.async_engine import AsyncLLMEngine
 from kvpage.engine import LLMEngine
 from kvpage.engine_config import EngineConfig
-from kvpage.server import build_app
+from kvpage.openai.app import build_app
 from kvpage.tiny_model import build_tiny_model
 
 API_KEY = "test-key-123"

@@ -309,7 +309,7 @@ def test_a_stream_behind_the_engine_catches_up_in_one_send(engine: AsyncLLMEngin
     """The engine makes tokens while the handler waits on its client: the tokens
     queued meanwhile go out as their own events, in order, in one send (one wake
     and one socket write for many tokens, so a busy server falls behind less)."""
-    from kvpage.server import build_app
+    from kvpage.openai.app import build_app
 
     app = build_app(engine, served_model_name="fake")
     chunks = asyncio.run(_post_stream(app, {"model": "fake", "prompt": [1, 2, 3],
@@ -343,11 +343,11 @@ import sys
 sys.path.insert(0, {tests!r})
 from test_server_async_engine import FakeEngine
 from kvpage.async_engine import AsyncLLMEngine
-from kvpage import server
+from kvpage.openai import run
 AsyncLLMEngine.from_config = classmethod(
     lambda cls, config, **kw: cls(FakeEngine(step_s=0.01), **kw))
-server.run_server("fake-model", "127.0.0.1", {port}, None, None, grace_seconds=2.0,
-                  log_level="warning")
+run.run_server("fake-model", "127.0.0.1", {port}, None, None, grace_seconds=2.0,
+               log_level="warning")
 print("run_server returned", flush=True)
 """
 

@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 from kvpage import LLM, SamplingParams
-from kvpage.bench.servers import InProcessServer
 from kvpage.engine_config import EngineConfig
+from server_harness import InProcessServer
 
 MODEL = "tiny"
 PROMPT_IDS = [5, 17, 99, 3, 42, 7, 250, 11, 64, 120, 121]

@@ -11,11 +11,12 @@ import openai
 import pytest
 from kvpage.assets import default_model_dir
 from kvpage.async_engine import AsyncLLMEngine
-from kvpage.bench.servers import InProcessServer, free_port
+from kvpage.bench.loopback import free_port
 from kvpage.engine import LLMEngine
 from kvpage.engine_config import EngineConfig
 from kvpage.metrics import EngineMetrics, cache_config_info
-from kvpage.server import build_app
+from kvpage.openai.app import build_app
+from server_harness import InProcessServer
 
 MODEL = "tiny"
 KEY = "k-vllm"

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from hypothesis import example, given
 from hypothesis import strategies as st
 from kvpage.bench.sse import SSEEvents, sse_lines
-from kvpage.sse_events import ChunkTemplate, sse_event
+from kvpage.openai.sse_events import ChunkTemplate, sse_event
 
 # Characters JSON may leave raw that str.splitlines (and httpx's aiter_lines) break at.
 SEPARATORS = "\u2028\u2029\x85"

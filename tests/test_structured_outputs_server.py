@@ -16,9 +16,9 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from kvpage.bench.servers import InProcessServer
 from kvpage.engine_config import EngineConfig
 from random_schemas import random_schema
+from server_harness import InProcessServer
 
 MODEL = "tiny"
 MESSAGES = [{"role": "user", "content": "Describe a user as JSON."}]

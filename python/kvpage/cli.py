@@ -70,7 +70,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvpage.extras import SERVE_MODULES, require
 
     require("kvpage serve", SERVE_MODULES)  # before the model loads, not at the first request
-    from kvpage.server import run_server
+    from kvpage.openai.run import run_server
 
     if args.warmup is None:
         args.warmup = "background"  # serve at once; the other buckets compile meanwhile

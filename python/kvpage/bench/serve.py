@@ -152,7 +152,7 @@ def format_result(result: ServeResult) -> str:
 
 def check_loopback(base_url: str) -> None:
     """ValueError unless ``base_url`` names this machine (``--allow-remote`` lifts it)."""
-    from kvpage.bench.servers import check_loopback as check  # needs httpx (kvpage[serve])
+    from kvpage.bench.loopback import check_loopback as check
 
     check(base_url, "--allow-remote")
 

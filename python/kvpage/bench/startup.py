@@ -101,7 +101,7 @@ def time_serve(model: str, cache_home: Path, workdir: Path) -> dict[str, Any]:
     """``kvpage serve`` in a fresh process: seconds to /health and to a first completion."""
     import httpx
 
-    from kvpage.bench.servers import free_port
+    from kvpage.bench.loopback import free_port
 
     report = workdir / f"serve-{time.monotonic_ns()}.json"
     env = _env(cache_home) | {"KVPAGE_BENCH_REPORT": str(report)}
@@ -136,7 +136,7 @@ def time_serve(model: str, cache_home: Path, workdir: Path) -> dict[str, Any]:
 
 
 def time_llama_server(binary: str, model: str) -> dict[str, Any]:
-    from kvpage.bench.servers import free_port
+    from kvpage.bench.loopback import free_port
 
     port = free_port()
     start = time.perf_counter()

@@ -1,14 +1,16 @@
 """Load test for ``kvpage serve``: many concurrent streaming clients for a
 bounded time, then the checks that nothing was lost, leaked or let grow.
 
-    python -m kvpage.bench.loadtest --clients 300 --duration 60      # spawns kvpage serve
-    python -m kvpage.bench.loadtest --url http://127.0.0.1:8000 --model-name NAME
+    python tests/loadtest.py --clients 300 --duration 60      # spawns kvpage serve
+    python tests/loadtest.py --url http://127.0.0.1:8000 --model-name NAME
 
 By default it builds (once) the tiny random Llama of ``kvpage.tiny_model``,
 starts ``python -m kvpage.cli serve`` on it on 127.0.0.1 and a free port, and
 stops it with SIGTERM at the end. ``--url`` drives a server that is already
 running instead (loopback addresses only). ``run_load`` and
-``InProcessServer`` are the same machinery for tests.
+``InProcessServer`` are the same machinery for tests (``tests/test_load_smoke.py``
+imports this file). A test harness, not part of the installed package: it needs
+kvpage importable (installed, or ``PYTHONPATH=python``) and ``httpx``.
 
 The workload: ``--clients`` clients, each a loop of one request, then an
 exponential pause (mean ``--think-time``), so each client's arrivals are a
@@ -50,18 +52,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
 from kvpage.bench.common import TINY_MODEL_DIR, percentile
-from kvpage.bench.servers import (
-    RSSMonitor,
-    ServerProcess,
-    Target,
-    check_loopback,
-    fetch_metrics,
-    metric,
-    wait_idle,
-)
+from kvpage.bench.loopback import check_loopback
 from kvpage.bench.sse import SSEEvents
+from server_harness import RSSMonitor, ServerProcess, Target, fetch_metrics, metric, wait_idle
 
 OK_FINISH = frozenset({"stop", "length"})
 DISCONNECT_KINDS = ("before_first_token", "mid_stream", "during_prefill")
@@ -695,7 +689,7 @@ def _server_info(url: str, api_key: str | None) -> tuple[str, int]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m kvpage.bench.loadtest",
+        prog="python tests/loadtest.py",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

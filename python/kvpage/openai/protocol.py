@@ -5,7 +5,9 @@ This file owns the pydantic models that validate ``/v1/completions`` and
 ``top_k``, ``min_p``, ``min_tokens``, ``ignore_eos``, ``repetition_penalty``,
 ``priority``, ``cache_salt``, ``prompt_logprobs``, ...), ``APIError`` (an error as an HTTP status
 plus OpenAI's ``{"error": {"message", "type", "param", "code"}}`` body) and
-the conversion of a request body into ``SamplingParams``.
+the conversion of a request body into ``SamplingParams``; ``parse_body`` reads a
+raw body into one of the models (400 for JSON that is malformed or nested too
+deeply) and ``check_unicode`` refuses text that is not valid Unicode.
 
 Models are strict (no "5" for 5) and ignore unknown fields. Integers the
 Rust core keeps in fixed-width fields are bounded here (a 400 naming the
@@ -16,12 +18,18 @@ queued request holds is bounded.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+import json
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kvpage.sampling_params import SamplingParams
 from kvpage.structured_outputs.params import KINDS, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class APIError(Exception):
@@ -419,3 +427,36 @@ class DetokenizeRequest(_Strict):
 
     model: str | None = None
     tokens: list[int] = Field(max_length=1 << 20)
+
+
+def check_unicode(text: str, param: str) -> None:
+    """400 for text that is not valid Unicode: JSON can spell lone surrogates
+    (``"\\ud800"``), which no tokenizer accepts."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad_request(f"{param} is not valid Unicode: {exc.reason} at position "
+                          f"{exc.start}", param=param) from None
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    """The request's body as ``model``: 400 for a body that is not a JSON object, is
+    nested too deeply, sets a field kvpage does not implement or fails validation."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise bad_request("the request body is not valid JSON: it is nested too deeply",
+                          code="invalid_json") from None
+    except ValueError as exc:  # bad JSON or UTF-8, an integer of over 4300 digits
+        raise bad_request(f"the request body is not valid JSON: {exc}",
+                          code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise bad_request("the request body must be a JSON object", code="invalid_json")
+    refuse_not_implemented(data, getattr(model, "NOT_IMPLEMENTED", {}))
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply", code="invalid_json") from None

@@ -1,22 +1,21 @@
-"""The server side of the load test, ``kvpage bench serve`` and the HTTP tests.
+"""The server side of the load test (``tests/loadtest.py``) and the HTTP tests.
 
-Owns how a benchmark or test gets a ``kvpage serve`` to talk to and watches it:
-:class:`Target` (URL, model, key), :class:`ServerProcess` (``kvpage serve`` in a child
-process), :class:`InProcessServer` (the real app on a uvicorn thread of this process,
-for tests), free ports and the loopback-only rule, Prometheus scrapes
-(:func:`parse_metrics`, :func:`metric`, :func:`wait_idle`) and :class:`RSSMonitor`.
-Needs ``httpx`` (``kvpage[serve]``).
+Owns how a test gets a ``kvpage serve`` to talk to and watches it: :class:`Target`
+(URL, model, key), :class:`ServerProcess` (``kvpage serve`` in a child process),
+:class:`InProcessServer` (the real app on a uvicorn thread of this process),
+Prometheus scrapes (:func:`parse_metrics`, :func:`metric`, :func:`wait_idle`) and
+:class:`RSSMonitor`. Free ports and the loopback-only rule are
+:mod:`kvpage.bench.loopback`, which ``kvpage bench`` uses too. Needs ``httpx``
+(``kvpage[serve]``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,9 +25,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import httpx
+from kvpage.bench.loopback import free_port
 
 
 @dataclass(slots=True)
@@ -135,33 +134,6 @@ class RSSMonitor:
         return kb / 1024.0 if kb is not None else None
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def is_loopback_url(url: str) -> bool:
-    """Whether ``url`` names this machine (localhost or a loopback address)."""
-    host = urlparse(url).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def check_loopback(url: str, override: str | None = None) -> None:
-    """ValueError unless ``url`` names this machine: the benchmarks load only loopback
-    servers unless the user passes ``override`` (a flag name), if the tool has one."""
-    if is_loopback_url(url):
-        return
-    host = urlparse(url).hostname or ""
-    hint = f"; pass {override} to load another machine" if override else ""
-    raise ValueError(f"refusing to load {url!r}: {host!r} is not a loopback address{hint}")
-
-
 class ServerProcess:
     """``python -m kvpage.cli serve`` on 127.0.0.1 in a child process."""
 
@@ -196,7 +168,7 @@ class ServerProcess:
 
     def start(self, timeout_s: float = 300.0) -> None:
         env = dict(os.environ)
-        python_dir = str(Path(__file__).resolve().parents[2])
+        python_dir = str(Path(__file__).resolve().parents[1] / "python")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (python_dir, env.get("PYTHONPATH", "")) if p)
         env.pop("KVPAGE_API_KEY", None)
         if self.api_key:
@@ -276,10 +248,9 @@ class InProcessServer:
         **app_kwargs: Any,
     ) -> None:
         import uvicorn
-
         from kvpage.async_engine import AsyncLLMEngine
         from kvpage.engine import LLMEngine
-        from kvpage.server import build_app
+        from kvpage.openai.app import build_app
 
         self.model_name = model_name
         self.api_key = api_key

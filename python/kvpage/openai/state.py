@@ -1,0 +1,214 @@
+"""The state behind the routes: one :class:`ServerState` per app.
+
+It owns the served model names and cards, tokenizing and chat templates (on a
+worker thread: a huge prompt must not stall the event loop, which serves every
+other stream), the length and ``top_logprobs`` checks, adding a request's prompts
+to the engine (all or none) and the logprobs in response shapes (token texts
+cached per token id; JSON has no -inf, so log-probabilities are clamped).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+from typing import Any
+
+from fastapi import Request
+
+from kvpage.async_engine import AsyncLLMEngine, RequestStream
+from kvpage.openai.echo import concat_logprobs, echo_logprobs, prompt_logprobs_json
+from kvpage.openai.errors import engine_error
+from kvpage.openai.generation import Echo, Generation, Usage
+from kvpage.openai.protocol import APIError, bad_request, check_unicode
+from kvpage.outputs import Logprob
+from kvpage.sampling_params import SamplingParams
+
+_MIN_LOGPROB = -9999.0
+"""JSON has no -inf: log-probabilities are clamped to this."""
+
+
+def _finite(value: float) -> float:
+    return value if math.isfinite(value) else _MIN_LOGPROB if value < 0 or math.isnan(value) \
+        else -_MIN_LOGPROB
+
+
+def server_state(request: Request) -> ServerState:
+    """The server state behind the app handling ``request``."""
+    return request.app.state.kvpage
+
+
+class ServerState:
+    """The state behind the routes."""
+
+    def __init__(self, engine: AsyncLLMEngine, model_names: list[str]) -> None:
+        self.engine = engine
+        self.model_names = model_names
+        self.created = int(time.time())
+        self._token_text: dict[int, str] = {}
+
+    # ---- request preparation --------------------------------------------
+
+    def model_name(self, requested: str | None) -> str:
+        if requested is None or requested in self.model_names:
+            return requested or self.model_names[0]
+        raise APIError(404, f"the model {requested!r} does not exist; this server serves "
+                       f"{', '.join(map(repr, self.model_names))}", "invalid_request_error",
+                       param="model", code="model_not_found")
+
+    def model_card(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "kvpage",
+                "root": self.model_names[0], "parent": None,
+                "max_model_len": self.engine.max_model_len}
+
+    @property
+    def tokenizer(self) -> Any:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise bad_request("the model has no tokenizer: send prompts as token ids")
+        return tokenizer
+
+    async def tokenize(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``, computed on a worker thread (a long text
+        must not stall the event loop, which serves every other stream)."""
+        check_unicode(text, param)
+        tokenizer = self.tokenizer
+        ids = await asyncio.to_thread(tokenizer, text, add_special_tokens=add_special_tokens)
+        return list(ids["input_ids"])
+
+    async def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool,
+                          continue_final_message: bool = False) -> str:
+        """The chat template applied to ``messages`` (on a worker thread)."""
+        for message in messages:
+            for value in message.values():
+                check_unicode(value, "messages")
+        tokenizer = self.tokenizer
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise bad_request("the model has no chat template; use /v1/completions")
+        try:
+            extra = {"continue_final_message": True} if continue_final_message else {}
+            return await asyncio.to_thread(
+                tokenizer.apply_chat_template, messages, tokenize=False,
+                add_generation_prompt=add_generation_prompt, **extra)
+        except ImportError as exc:  # jinja2 missing: the server's fault, not the client's
+            raise APIError(500, f"chat templates need jinja2 (install kvpage[serve]): {exc}",
+                           "internal_server_error", code="missing_dependency") from None
+        except Exception as exc:  # a template may reject a conversation
+            raise bad_request(f"the chat template failed on these messages: {exc}",
+                              param="messages") from None
+
+    def check_top_logprobs(self, top_logprobs: int | None) -> None:
+        """Chat's ``top_logprobs`` within 0..max_logprobs (a 400 naming it)."""
+        if top_logprobs is None:
+            return
+        config = getattr(self.engine.engine, "config", None)
+        limit = getattr(config, "max_logprobs", 20)
+        if not 0 <= top_logprobs <= limit:
+            raise bad_request(f"top_logprobs must be between 0 and {limit} (max_logprobs), "
+                              f"got {top_logprobs}", param="top_logprobs")
+
+    def check_length(self, prompt_len: int, max_tokens: int | None, param: str) -> None:
+        limit = self.engine.max_model_len
+        if prompt_len == 0:
+            raise bad_request("the prompt is empty", param=param)
+        if prompt_len >= limit:
+            raise bad_request(
+                f"the prompt has {prompt_len} tokens but this model's maximum context length "
+                f"(max_model_len) is {limit} tokens, prompt and output together",
+                param=param, code="context_length_exceeded")
+        if max_tokens is not None and prompt_len + max_tokens > limit:
+            raise bad_request(
+                f"the prompt has {prompt_len} tokens and {max_tokens} more were requested, "
+                f"which exceeds this model's maximum context length (max_model_len) of "
+                f"{limit} tokens", param="max_tokens", code="context_length_exceeded")
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            tokenizer = self.engine.tokenizer
+            text = tokenizer.decode([token_id]) if tokenizer is not None else f"<{token_id}>"
+            self._token_text[token_id] = text
+        return text
+
+    async def start(self, prefix: str, model: str, prompts: list[dict[str, Any]],
+                    params: SamplingParams, body: Any, num_logprobs: int | None,
+                    echo: Echo | None = None) -> Generation:
+        """Add one engine request per prompt; all or none."""
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}"
+                                                     for i in range(len(prompts))]
+        results = await asyncio.gather(
+            # A non-streaming request takes only its final output: the engine's
+            # output streams assemble the whole texts and token ids.
+            *(self.engine.add_request(rid, prompt, params, body.priority, body.cache_salt,
+                                      final_only=not body.stream)
+              for rid, prompt in zip(ids, prompts, strict=True)),
+            return_exceptions=True,
+        )
+        streams = [r for r in results if isinstance(r, RequestStream)]
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        if failure is not None:
+            for stream in streams:
+                stream.abort()
+            raise engine_error(failure)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        usage = Usage([len(p["prompt_token_ids"]) for p in prompts], [0] * len(prompts))
+        prompt_ids = [list(p["prompt_token_ids"]) for p in prompts] \
+            if getattr(body, "return_token_ids", False) else None
+        if echo is not None:
+            echo.scores = [None] * len(prompts)
+            usage.count_completion = not echo.scores_only
+        return Generation(request_id, int(time.time()), model, params.n, streams, usage,
+                          num_logprobs, include_usage, prompt_ids, echo)
+
+    def echoed_logprobs(self, gen: Generation, index: int,
+                        generated: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The legacy ``logprobs`` of choice ``index`` with the prompt's in front."""
+        echo, prompt = gen.echo, index // gen.n
+        if echo is None or gen.num_logprobs is None or echo.scores[prompt] is None:
+            return generated
+        head = echo_logprobs(echo.prompt_ids[prompt], echo.scores[prompt], gen.num_logprobs,
+                             self.token_text, _finite)
+        return concat_logprobs(head, generated)
+
+    def prompt_logprobs_field(self, gen: Generation, prompt: int) -> Any:
+        echo = gen.echo
+        if echo is None or echo.prompt_logprobs_k is None or echo.scores[prompt] is None:
+            return None
+        return prompt_logprobs_json(echo.prompt_ids[prompt], echo.scores[prompt],
+                                    echo.prompt_logprobs_k, self.token_text, _finite)
+
+    # ---- logprobs -------------------------------------------------------
+
+    def completion_logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]],
+                            k: int, offset: int) -> dict[str, Any]:
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for token_id, entry in zip(token_ids, entries, strict=False):
+            text = self.token_text(token_id)
+            tokens.append(text)
+            token_logprobs.append(_finite(entry[token_id].logprob))
+            ranked = sorted(entry.items(), key=lambda kv: kv[1].rank or 0)
+            top.append({self.token_text(t): _finite(lp.logprob) for t, lp in ranked
+                        if t == token_id or (lp.rank is not None and lp.rank <= k)})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+                "text_offset": offsets}
+
+    def chat_logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]],
+                      k: int) -> dict[str, Any]:
+        content = []
+        for token_id, entry in zip(token_ids, entries, strict=False):
+            text = self.token_text(token_id)
+            ranked = sorted(((t, lp) for t, lp in entry.items()
+                             if lp.rank is not None and lp.rank <= k),
+                            key=lambda kv: kv[1].rank or 0)
+            content.append({
+                "token": text, "logprob": _finite(entry[token_id].logprob),
+                "bytes": list(text.encode()),
+                "top_logprobs": [{"token": self.token_text(t), "logprob": _finite(lp.logprob),
+                                  "bytes": list(self.token_text(t).encode())}
+                                 for t, lp in ranked],
+            })
+        return {"content": content}
