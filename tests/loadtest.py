@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from kvpage.bench.common import TINY_MODEL_DIR, percentile
+from kvpage.bench.common import default_model_dir, percentile
 from kvpage.bench.loopback import check_loopback
 from kvpage.bench.sse import SSEEvents
 from server_harness import RSSMonitor, ServerProcess, Target, fetch_metrics, metric, wait_idle
@@ -662,14 +662,7 @@ def run_against_process(server: ServerProcess, target: Target, plan: Plan) -> Lo
 
 
 def _model_dir(model: str | None) -> str:
-    if model:
-        return model
-    if not (TINY_MODEL_DIR / "config.json").is_file():
-        from kvpage.tiny_model import build_tiny_model
-
-        print(f"building a tiny random Llama at {TINY_MODEL_DIR} ...", file=sys.stderr)
-        build_tiny_model(TINY_MODEL_DIR)
-    return str(TINY_MODEL_DIR)
+    return model or default_model_dir()
 
 
 def _vocab_size(model_dir: str) -> int | None:
