@@ -6,8 +6,8 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use kvpage_core::cpu_attention::{paged_decode_attention, DecodeShape};
-use kvpage_core::parallel::ScopedThreads;
+use kvpage_core::kernels::cpu_attention::{paged_decode_attention, DecodeShape};
+use kvpage_core::kernels::parallel::ScopedThreads;
 
 fn decode_layer(c: &mut Criterion) {
     let mut group = c.benchmark_group("cpu_decode_attention");

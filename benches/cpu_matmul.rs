@@ -7,7 +7,7 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use kvpage_core::cpu_matmul::{matmul_nt, MatmulShape};
+use kvpage_core::kernels::cpu_matmul::{matmul_nt, MatmulShape};
 
 const LAYERS: usize = 30;
 

@@ -13,7 +13,7 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
-use kvpage_core::structured_output::{
+use kvpage_core::grammar::structured_output::{
     fill_bitmasks, words, Grammar, GrammarMatcher, GrammarVocab, GuidedSpec,
 };
 

@@ -21,8 +21,8 @@
 //! The engine's string `request_id` maps to a handle in `python/kvpage/engine.py`;
 //! nothing else crosses the boundary.
 
-use crate::kv_cache::SeqId;
-use crate::structured_output::GrammarMatcher;
+use crate::grammar::structured_output::GrammarMatcher;
+use crate::kv::kv_cache::SeqId;
 
 /// Why a sequence stopped. Codes cross the FFI boundary as `u8`; this enum
 /// is the one definition (Python reads `kvpage._core.FINISH_REASONS`).

@@ -9,7 +9,9 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use crate::structured_output::{Grammar as CoreGrammar, GrammarVocab as CoreVocab, GuidedSpec};
+use crate::grammar::structured_output::{
+    Grammar as CoreGrammar, GrammarVocab as CoreVocab, GuidedSpec,
+};
 
 /// The model's vocabulary for structured outputs: token byte strings (special
 /// tokens start with b"\xff", ids past the tokenizer are b"") and EOS ids.

@@ -43,15 +43,13 @@ use std::collections::BTreeSet;
 
 use rustc_hash::FxHashMap;
 
-use crate::block_pool::block_ids_as_i32;
 use crate::error::{KvError, KvResult};
-use crate::kv_cache::{BlockCopy, KvCacheManager};
-use crate::request::{FinishReason, Request, RequestParams, SeqState, Sequence};
-use crate::step_plan::StepPlan;
+use crate::kv::block_pool::block_ids_as_i32;
+use crate::kv::kv_cache::{BlockCopy, KvCacheManager};
+use crate::sched::request::{FinishReason, Request, RequestParams, SeqState, Sequence};
+use crate::sched::step_plan::StepPlan;
 
-#[path = "scheduler_grammar.rs"]
-mod scheduler_grammar;
-#[path = "static_batching.rs"]
+mod grammar;
 mod static_batching;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

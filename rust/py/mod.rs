@@ -7,16 +7,17 @@ use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::block_pool::{BlockId, BlockPool as CoreBlockPool};
 use crate::error::KvError;
-use crate::kv_cache::{BlockCopy, KvCacheManager as CoreKvCacheManager, SeqId};
-use crate::request::{FinishReason, RequestParams, DEFAULT_MAX_TOKENS};
-use crate::scheduler::{Policy, Scheduler as CoreScheduler, SchedulerConfig, TokenEvent};
-use crate::step_plan::StepPlan as CoreStepPlan;
+use crate::kv::block_pool::{BlockId, BlockPool as CoreBlockPool};
+use crate::kv::kv_cache::{BlockCopy, KvCacheManager as CoreKvCacheManager, SeqId};
+use crate::sched::request::{FinishReason, RequestParams, DEFAULT_MAX_TOKENS};
+use crate::sched::scheduler::{Policy, Scheduler as CoreScheduler, SchedulerConfig, TokenEvent};
+use crate::sched::step_plan::StepPlan as CoreStepPlan;
 
-#[path = "python_structured.rs"]
-mod python_structured;
-use python_structured::{Grammar, GrammarVocab};
+mod detokenizer;
+mod output_streams;
+mod structured;
+use structured::{Grammar, GrammarVocab};
 
 create_exception!(
     _core,
@@ -707,7 +708,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<StepPlan>()?;
     m.add_class::<GrammarVocab>()?;
     m.add_class::<Grammar>()?;
-    crate::python_detokenizer::register(m)?;
-    crate::python_output_streams::register(m)?;
+    detokenizer::register(m)?;
+    output_streams::register(m)?;
     Ok(())
 }
