@@ -9,8 +9,8 @@ use pyo3::types::{PyList, PyTuple};
 use crate::output::output_streams::{
     OutputMode, OutputStreams, PushedTokens, RequestOutputView, StopReason, TextSpec,
 };
+use crate::py::convert::{extract_tokens, finish_reason_arg};
 use crate::py::detokenizer::PyTokenDecoder;
-use crate::py::{extract_tokens, finish_reason_arg};
 
 /// Every live request's output streams: tokens, text with stop strings, finish
 /// and stop reasons, and what was handed out (see ``rust/output_streams.rs``).
