@@ -1,4 +1,4 @@
-//! Criterion bench of the host decode-attention kernel (`rust/cpu_attention.rs`)
+//! Criterion bench of the host decode-attention kernel (`rust/kernels/cpu_attention.rs`)
 //! at SmolLM2-135M's shapes (9 query / 3 KV heads, head_dim 64, blocks of 16):
 //! one layer of a decode step, f32 pool. Bytes read per call are printed so the
 //! figure can be read as bandwidth. Run: `cargo bench --bench cpu_attention`.

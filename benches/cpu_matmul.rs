@@ -1,4 +1,4 @@
-//! Criterion bench of the host small-batch linear layer (`rust/cpu_matmul.rs`) at
+//! Criterion bench of the host small-batch linear layer (`rust/kernels/cpu_matmul.rs`) at
 //! SmolLM2-135M's MLP shape (`[T, 576] x [1536, 576]ᵀ`), one thread, cycling
 //! through 30 weight matrices (one per layer, 106 MB) so weights come from
 //! memory as in a real step. Bytes and FLOPs per iteration are printed so the

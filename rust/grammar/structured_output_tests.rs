@@ -1,6 +1,6 @@
 //! Tests of structured outputs: grammar compilation and masks
 //! (`structured_output.rs`) and the scheduler carrying matchers
-//! (`scheduler_grammar.rs`), over a small byte-level vocabulary.
+//! (`sched/scheduler/grammar.rs`), over a small byte-level vocabulary.
 
 use std::collections::HashMap;
 

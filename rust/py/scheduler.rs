@@ -13,7 +13,7 @@ use crate::py::structured::Grammar;
 use crate::sched::request::{RequestParams, DEFAULT_MAX_TOKENS};
 use crate::sched::scheduler::{Policy, Scheduler as CoreScheduler, SchedulerConfig, TokenEvent};
 
-/// The continuous-batching scheduler (see `rust/scheduler.rs`).
+/// The continuous-batching scheduler (see `rust/sched/scheduler/`).
 #[pyclass(module = "kvpage._core")]
 pub struct Scheduler {
     inner: CoreScheduler,

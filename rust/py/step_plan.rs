@@ -6,7 +6,7 @@ use pyo3::prelude::*;
 
 use crate::sched::step_plan::StepPlan as CoreStepPlan;
 
-/// One step's plan as numpy arrays (format: `rust/step_plan.rs`).
+/// One step's plan as numpy arrays (format: `rust/sched/step_plan.rs`).
 #[pyclass(module = "kvpage._core", get_all, frozen)]
 pub struct StepPlan {
     token_ids: Py<PyArray1<i32>>,

@@ -1,4 +1,4 @@
-//! PyO3 bindings of structured outputs (`rust/structured_output.rs`):
+//! PyO3 bindings of structured outputs (`rust/grammar/structured_output.rs`):
 //! `GrammarVocab` (one per model) compiles guided-decoding specs into
 //! `Grammar`s, which `Scheduler.set_grammar` attaches to a request. A thin
 //! layer: conversion and GIL release only.

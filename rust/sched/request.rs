@@ -118,7 +118,7 @@ pub struct Sequence {
     /// must not report its own recomputed blocks as cache hits.
     pub admitted: bool,
     /// Structured outputs: the grammar state after this sample's generated
-    /// tokens (`structured_output.rs`); None when unconstrained.
+    /// tokens (`grammar/structured_output.rs`); None when unconstrained.
     pub grammar: Option<GrammarMatcher>,
     /// The seat (sampling-table row) held from the first sampled row after
     /// admission until the sequence finishes or is preempted.

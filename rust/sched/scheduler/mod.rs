@@ -40,10 +40,10 @@
 //!   one at its first sampled row after admission and frees it when it
 //!   finishes (ghosts included) or is preempted. The scheduler is the only
 //!   owner of seats: the plan carries each sampled row's seat, the seats
-//!   bound in it and those freed since the last plan (see `step_plan.rs`);
+//!   bound in it and those freed since the last plan (see `sched/step_plan.rs`);
 //!   seats are handed out last-freed-first.
 //!
-//! Id spaces (request index, handle, seq, seat, KV `SeqId`): `request.rs`.
+//! Id spaces (request index, handle, seq, seat, KV `SeqId`): `sched/request.rs`.
 
 use std::collections::BTreeSet;
 
