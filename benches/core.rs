@@ -6,8 +6,8 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
-use kvpage_core::request::RequestParams;
-use kvpage_core::scheduler::{Scheduler, SchedulerConfig};
+use kvpage_core::sched::request::RequestParams;
+use kvpage_core::sched::scheduler::{Scheduler, SchedulerConfig};
 use kvpage_core::{BlockPool, KvCacheManager, PrefixCache};
 
 fn block_pool(c: &mut Criterion) {

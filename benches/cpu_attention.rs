@@ -1,4 +1,4 @@
-//! Criterion bench of the host decode-attention kernel (`rust/cpu_attention.rs`)
+//! Criterion bench of the host decode-attention kernel (`rust/kernels/cpu_attention.rs`)
 //! at SmolLM2-135M's shapes (9 query / 3 KV heads, head_dim 64, blocks of 16):
 //! one layer of a decode step, f32 pool. Bytes read per call are printed so the
 //! figure can be read as bandwidth. Run: `cargo bench --bench cpu_attention`.
@@ -6,8 +6,8 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use kvpage_core::cpu_attention::{paged_decode_attention, DecodeShape};
-use kvpage_core::parallel::ScopedThreads;
+use kvpage_core::kernels::cpu_attention::{paged_decode_attention, DecodeShape};
+use kvpage_core::kernels::parallel::ScopedThreads;
 
 fn decode_layer(c: &mut Criterion) {
     let mut group = c.benchmark_group("cpu_decode_attention");

@@ -1,4 +1,4 @@
-//! Criterion bench of the host small-batch linear layer (`rust/cpu_matmul.rs`) at
+//! Criterion bench of the host small-batch linear layer (`rust/kernels/cpu_matmul.rs`) at
 //! SmolLM2-135M's MLP shape (`[T, 576] x [1536, 576]ᵀ`), one thread, cycling
 //! through 30 weight matrices (one per layer, 106 MB) so weights come from
 //! memory as in a real step. Bytes and FLOPs per iteration are printed so the
@@ -7,7 +7,7 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use kvpage_core::cpu_matmul::{matmul_nt, MatmulShape};
+use kvpage_core::kernels::cpu_matmul::{matmul_nt, MatmulShape};
 
 const LAYERS: usize = 30;
 

@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use kvpage_core::detokenizer::TokenDecoder;
-use kvpage_core::output_streams::{OutputMode, OutputStreams, PushedTokens, TextSpec};
+use kvpage_core::output::detokenizer::TokenDecoder;
+use kvpage_core::output::output_streams::{OutputMode, OutputStreams, PushedTokens, TextSpec};
 const TEXT: &str = "The engine schedules one step at a time: finished sequences leave and \
     waiting ones join. Ünïcödé text, émojis 🙂🚀 and 中文字符 must round-trip byte by byte.\n\
     def step(self):\n    plan = self.scheduler.schedule()\n    return plan\n";

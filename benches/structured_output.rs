@@ -1,4 +1,4 @@
-//! Criterion benches of structured outputs (`rust/structured_output.rs`): the
+//! Criterion benches of structured outputs (`rust/grammar/structured_output.rs`): the
 //! host cost per constrained sequence per step (compute the token mask, then
 //! consume the sampled token) along a walk through a JSON schema, and the
 //! masks of a 64-row step in one `fill_bitmasks` call.
@@ -13,7 +13,7 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
-use kvpage_core::structured_output::{
+use kvpage_core::grammar::structured_output::{
     fill_bitmasks, words, Grammar, GrammarMatcher, GrammarVocab, GuidedSpec,
 };
 

@@ -1,7 +1,7 @@
 """Registration of kvpage's Rust XLA FFI handlers as ``cpu`` custom-call targets.
 
 Owns :func:`register`: the one place that finds a handler symbol in the compiled core
-(``rust/xla_ffi.rs`` exports them from ``kvpage._core``'s shared library) and registers
+(``rust/kernels/xla_ffi.rs`` exports them from ``kvpage._core``'s shared library) and registers
 it with JAX. The kernels that use it (``cpu_decode_attention.py``, ``cpu_matmul.py``)
 only ask whether their target is there.
 """

@@ -2,8 +2,8 @@
 
 Owns :func:`cpu_paged_decode_attention` and the registration of its FFI target. XLA:CPU
 gathers paged K/V blocks at ~5 GB/s, which made decode attention over long contexts the
-largest cost of a CPU step; the Rust kernel (``rust/cpu_attention.rs``, exported by
-``rust/xla_ffi.rs``) reads each live block once, in place, on all cores.
+largest cost of a CPU step; the Rust kernel (``rust/kernels/cpu_attention.rs``, exported by
+``rust/kernels/xla_ffi.rs``) reads each live block once, in place, on all cores.
 
 Contract: ``q [S, Hq, D]`` (one query token per row), the paged pools, ``kv_lens [S]``
 (0 for rows not computed: they get zeros) and ``block_tables [S, M]``; result
@@ -12,7 +12,7 @@ has the target: :func:`cpu_paged_decode_attention` takes the function to lower o
 other platform (``lax.platform_dependent``), so one traced program still lowers for GPUs.
 
 ``KVPAGE_CPU_ATTENTION=0`` turns the kernel off (the ``lax`` loop is used everywhere).
-Under XLA its rows are split over XLA's own intra-op thread pool (``rust/parallel.rs``);
+Under XLA its rows are split over XLA's own intra-op thread pool (``rust/kernels/parallel.rs``);
 ``KVPAGE_CPU_ATTENTION_THREADS`` caps the threads of direct (non-XLA) calls only.
 """
 

@@ -3,8 +3,8 @@
 Owns :func:`cpu_matmul_nt` and the row range it serves. A decode step is a chain of
 ``[T, in] x [out, in]^T`` products with a handful of rows; XLA:CPU's dot runs 2..16
 rows at about half the memory bandwidth of its one-row GEMV, so a 4-row step of a small
-model cost twice a 1-row step. The Rust kernel (``rust/cpu_matmul.rs``, exported by
-``rust/xla_ffi.rs``) streams each weight row once against every input row, on XLA's
+model cost twice a 1-row step. The Rust kernel (``rust/kernels/cpu_matmul.rs``, exported by
+``rust/kernels/xla_ffi.rs``) streams each weight row once against every input row, on XLA's
 own intra-op thread pool.
 
 Policy: ``MIN_ROWS <= T <= MAX_ROWS`` rows, float32 operands, ``cpu`` platform, a CPU

@@ -1,7 +1,7 @@
 """Pure-Python mirrors of kvpage core internals that the binding tests need.
 
 Only what cannot be observed through the API lives here: the prefix cache's
-block hash (``hash_block_tokens`` in ``rust/prefix_cache.rs``), so that a test
+block hash (``hash_block_tokens`` in ``rust/kv/prefix_cache.rs``), so that a test
 can build two different blocks with equal hashes and check that a hash
 collision never turns into a wrong prefix match. Keep it in step with the
 Rust function; the collision test skips (and says so) when they drift apart.

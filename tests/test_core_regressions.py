@@ -1,7 +1,7 @@
 """Regression tests, through the Python bindings, of the core bugs found by the
 reference-model audit (issue 13). Each states the correct behaviour and failed
 before its fix; the Rust suite pins the same bugs (``rust/*regression*``,
-``rust/kv_cache_tests.rs``) and ``rust/reference_model_tests.rs`` hunts for more.
+``rust/kv/kv_cache_tests.rs``) and ``rust/sched/reference_model_tests.rs`` hunts for more.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ progress and the engine only reads them from the step plan and ``update``:
 - finish codes and stop tokens: ``kvpage._core.FINISH_REASONS`` and ``update``'s
   stop-token flag; the engine adds only what the scheduler cannot see (stop
   strings, found in the text, and failures).
-- what a client is handed: the Rust core's ``OutputStreams`` (``rust/output_streams.rs``)
+- what a client is handed: the Rust core's ``OutputStreams`` (``rust/output/output_streams.rs``)
   own each sample's output tokens, text, stop strings, cumulative logprob, finish
   and what was already sent. The engine feeds them the scheduler's update events,
   asks for text and stop strings, and takes the new outputs: three calls a step,
@@ -30,7 +30,7 @@ progress and the engine only reads them from the step plan and ``update``:
   ``first_scheduled_cached``; decode-only steps: ``plan.decode_only``.
 
 Ids: the engine maps ``request_id`` (str) to the scheduler's ``handle``; a sample is
-``(handle, sample index)``. The id spaces are documented in ``rust/request.rs``.
+``(handle, sample index)``. The id spaces are documented in ``rust/sched/request.rs``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Output streams in Python: the twin of the Rust core's ``OutputStreams``
-(``rust/output_streams.rs``), with the same methods and outputs, for tokenizers
+(``rust/output/output_streams.rs``), with the same methods and outputs, for tokenizers
 the Rust core cannot load (:func:`kvpage.detokenizer.rust_token_decoder` returns
 None). Its text comes from :class:`IncrementalDetokenizer`, which produces the
 Rust detokenizer's text character for character; ``tests/test_output_streams.py``

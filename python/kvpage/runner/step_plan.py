@@ -1,6 +1,6 @@
 """The step plan: the int32 arrays one scheduler step hands to the model runner.
 
-The contract is owned by ``rust/step_plan.rs`` (the Rust core builds the plan the
+The contract is owned by ``rust/sched/step_plan.rs`` (the Rust core builds the plan the
 engine passes straight to the runner); this is the runner's part of it, the fields
 the runner reads. Any object with these attributes works (the runner only
 duck-types); :class:`StepPlan` is a plain Python implementation for tests, tools and

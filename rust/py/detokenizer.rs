@@ -6,8 +6,8 @@ use std::sync::Arc;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use crate::detokenizer::TokenDecoder;
-use crate::python::extract_tokens;
+use crate::output::detokenizer::TokenDecoder;
+use crate::py::convert::extract_tokens;
 
 /// A tokenizer's decoding, loaded from its ``tokenizer.json`` text (what a
 /// Hugging Face fast tokenizer's ``backend_tokenizer.to_str()`` returns).

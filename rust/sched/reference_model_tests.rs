@@ -24,10 +24,10 @@
 use std::collections::HashMap;
 
 use crate::error::KvError;
-use crate::prefix_cache::hash_block_tokens;
-use crate::request::{FinishReason, RequestParams};
-use crate::scheduler::{Policy, Scheduler, SchedulerConfig, TokenEvent};
-use crate::step_plan::StepPlan;
+use crate::kv::prefix_cache::hash_block_tokens;
+use crate::sched::request::{FinishReason, RequestParams};
+use crate::sched::scheduler::{Policy, Scheduler, SchedulerConfig, TokenEvent};
+use crate::sched::step_plan::StepPlan;
 use crate::test_rng::SplitMix64;
 
 const VOCAB: u64 = 24;

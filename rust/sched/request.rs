@@ -21,8 +21,8 @@
 //! The engine's string `request_id` maps to a handle in `python/kvpage/engine.py`;
 //! nothing else crosses the boundary.
 
-use crate::kv_cache::SeqId;
-use crate::structured_output::GrammarMatcher;
+use crate::grammar::structured_output::GrammarMatcher;
+use crate::kv::kv_cache::SeqId;
 
 /// Why a sequence stopped. Codes cross the FFI boundary as `u8`; this enum
 /// is the one definition (Python reads `kvpage._core.FINISH_REASONS`).
@@ -118,7 +118,7 @@ pub struct Sequence {
     /// must not report its own recomputed blocks as cache hits.
     pub admitted: bool,
     /// Structured outputs: the grammar state after this sample's generated
-    /// tokens (`structured_output.rs`); None when unconstrained.
+    /// tokens (`grammar/structured_output.rs`); None when unconstrained.
     pub grammar: Option<GrammarMatcher>,
     /// The seat (sampling-table row) held from the first sampled row after
     /// admission until the sequence finishes or is preempted.

@@ -44,8 +44,8 @@ use std::hash::BuildHasherDefault;
 
 use rustc_hash::FxHashMap;
 
-use crate::block_pool::BlockId;
 use crate::error::{try_filled_vec, KvError, KvResult};
+use crate::kv::block_pool::BlockId;
 
 /// A tree node: a cached block id (< num_blocks) or a root id (>= num_blocks).
 pub type NodeId = u32;

@@ -1,8 +1,8 @@
 //! One regression test per scheduler bug found by the reference-model audit
 //! (issue 13); each failed before its fix.
 
-use crate::request::{FinishReason, RequestParams};
-use crate::scheduler::{Policy, Scheduler, SchedulerConfig};
+use crate::sched::request::{FinishReason, RequestParams};
+use crate::sched::scheduler::{Policy, Scheduler, SchedulerConfig};
 
 fn config(policy: Policy, num_blocks: usize, block_size: usize) -> SchedulerConfig {
     SchedulerConfig {
@@ -27,7 +27,7 @@ fn params(n: u32, max_tokens: u32) -> RequestParams {
 }
 
 /// Schedule one step and feed `token` to every sampled row.
-fn step(sched: &mut Scheduler, token: i64) -> crate::step_plan::StepPlan {
+fn step(sched: &mut Scheduler, token: i64) -> crate::sched::step_plan::StepPlan {
     let plan = sched.schedule().unwrap().clone();
     let mut events = Vec::new();
     sched
@@ -49,7 +49,7 @@ fn run_to_end(sched: &mut Scheduler) {
     panic!("the scheduler made no progress");
 }
 
-fn assert_distinct_writes(plan: &crate::step_plan::StepPlan, scratch_slot: i32) {
+fn assert_distinct_writes(plan: &crate::sched::step_plan::StepPlan, scratch_slot: i32) {
     let mut slots: Vec<i32> = plan
         .slot_mapping
         .iter()

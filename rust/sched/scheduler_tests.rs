@@ -4,8 +4,8 @@
 use std::collections::HashMap;
 
 use crate::error::KvError;
-use crate::request::{FinishReason, RequestParams};
-use crate::scheduler::{Policy, Scheduler, SchedulerConfig, TokenEvent};
+use crate::sched::request::{FinishReason, RequestParams};
+use crate::sched::scheduler::{Policy, Scheduler, SchedulerConfig, TokenEvent};
 use crate::test_rng::SplitMix64;
 
 const EOS: u32 = 2;

@@ -22,9 +22,9 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use crate::cpu_attention::{paged_decode_attention, Bf16, DecodeShape};
-use crate::cpu_matmul::{self, MatmulShape, OutPtr};
-use crate::parallel::Parallel;
+use crate::kernels::cpu_attention::{paged_decode_attention, Bf16, DecodeShape};
+use crate::kernels::cpu_matmul::{self, MatmulShape, OutPtr};
+use crate::kernels::parallel::Parallel;
 
 /// FFI API version these declarations follow (`XLA_FFI_API_MAJOR/MINOR`).
 const API_MAJOR: i32 = 0;
@@ -414,7 +414,7 @@ unsafe fn handle(
 }
 
 /// XLA FFI handler: paged decode attention on the host
-/// ([`crate::cpu_attention`]). Arguments: `q [S, Hq, D]` f32, `k_pages` and
+/// ([`crate::kernels::cpu_attention`]). Arguments: `q [S, Hq, D]` f32, `k_pages` and
 /// `v_pages [Hkv, P, B, D]` (f32 or bf16, same dtype), `kv_lens [S]` s32,
 /// `block_tables [S, M]` s32; result `[S, Hq, D]` f32.
 ///
@@ -516,7 +516,7 @@ pub extern "C" fn kvpage_matmul_nt_vectorized() -> i32 {
     i32::from(cpu_matmul::vectorized())
 }
 
-/// XLA FFI handler: `y = x · wᵀ` for few rows ([`crate::cpu_matmul`]).
+/// XLA FFI handler: `y = x · wᵀ` for few rows ([`crate::kernels::cpu_matmul`]).
 /// Arguments: `x [T, K]` f32, `w [N, K]` f32 (an `[out, in]` weight); result
 /// `y [T, N]` f32. Tiles of output columns run on XLA's intra-op pool.
 ///

@@ -1,7 +1,7 @@
 //! Linear layers of small batches on the host CPU: `y = x · wᵀ` for a few rows.
 //!
 //! Owns [`matmul_nt`], the math behind the decode-sized linear layers of a CPU
-//! step (XLA calls it through [`crate::xla_ffi`]). A decode step of a small model
+//! step (XLA calls it through [`crate::kernels::xla_ffi`]). A decode step of a small model
 //! is a chain of `[T, in] x [out, in]ᵀ` products with T = 1..16 rows: pure weight
 //! streaming. XLA:CPU's dot runs T = 2..8 at about half the bandwidth of its
 //! one-row GEMV (60 products `[T, 576] x [1536, 576]ᵀ`: 7.8 ms at T = 1, 15.5 ms at

@@ -20,8 +20,8 @@ use rustc_hash::FxHashMap;
 
 use super::Scheduler;
 use crate::error::{KvError, KvResult};
-use crate::request::{FinishReason, SeqState};
-use crate::structured_output::{fill_bitmasks, Grammar, GrammarMatcher};
+use crate::grammar::structured_output::{fill_bitmasks, Grammar, GrammarMatcher};
+use crate::sched::request::{FinishReason, SeqState};
 
 impl Scheduler {
     /// Constrain every sample of a queued request to `grammar`. The request

@@ -1,4 +1,4 @@
-//! PyO3 bindings of structured outputs (`rust/structured_output.rs`):
+//! PyO3 bindings of structured outputs (`rust/grammar/structured_output.rs`):
 //! `GrammarVocab` (one per model) compiles guided-decoding specs into
 //! `Grammar`s, which `Scheduler.set_grammar` attaches to a request. A thin
 //! layer: conversion and GIL release only.
@@ -9,7 +9,9 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use crate::structured_output::{Grammar as CoreGrammar, GrammarVocab as CoreVocab, GuidedSpec};
+use crate::grammar::structured_output::{
+    Grammar as CoreGrammar, GrammarVocab as CoreVocab, GuidedSpec,
+};
 
 /// The model's vocabulary for structured outputs: token byte strings (special
 /// tokens start with b"\xff", ids past the tokenizer are b"") and EOS ids.

@@ -4,7 +4,7 @@
 //! (`KVPAGE_SEED` replays a seed, `KVPAGE_SOAK=1` runs far longer).
 
 use crate::error::KvError;
-use crate::kv_cache::{BlockCopy, KvCacheManager, SeqId};
+use crate::kv::kv_cache::{BlockCopy, KvCacheManager, SeqId};
 use crate::test_rng::SplitMix64;
 
 fn append(kv: &mut KvCacheManager, seq: SeqId, n: usize) -> Vec<BlockCopy> {
@@ -272,7 +272,7 @@ const SALTS: [Option<&str>; 3] = [None, Some("a"), Some("b")];
 
 /// Context hash of a position, chained from the previous one.
 fn context_hash(previous: u64, token: u32) -> u64 {
-    crate::prefix_cache::hash_block_tokens(&[previous as u32, (previous >> 32) as u32, token])
+    crate::kv::prefix_cache::hash_block_tokens(&[previous as u32, (previous >> 32) as u32, token])
 }
 
 fn context_hashes(salt: usize, tokens: &[u32]) -> Vec<u64> {

@@ -1,9 +1,9 @@
 //! Where the host kernels' parallel work runs.
 //!
 //! Owns the [`Parallel`] trait: "run `work(0..units)`, return when every unit has
-//! run". Kernels ([`crate::cpu_attention`]) split their work into units and never
+//! run". Kernels ([`crate::kernels::cpu_attention`]) split their work into units and never
 //! spawn threads themselves, so the same kernel runs on XLA's intra-op pool when
-//! XLA calls it ([`crate::xla_ffi`]) and on scoped threads in tests and benches
+//! XLA calls it ([`crate::kernels::xla_ffi`]) and on scoped threads in tests and benches
 //! ([`ScopedThreads`]).
 //!
 //! Invariant: every unit runs exactly once before `run` returns, and a panicking

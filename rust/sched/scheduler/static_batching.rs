@@ -19,7 +19,7 @@
 
 use super::{Policy, Scheduled, Scheduler};
 use crate::error::{KvError, KvResult};
-use crate::request::{FinishReason, RequestParams, SeqState, Sequence};
+use crate::sched::request::{FinishReason, RequestParams, SeqState, Sequence};
 
 impl Scheduler {
     /// KV slots one static sequence reserves up front.

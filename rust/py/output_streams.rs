@@ -6,11 +6,11 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
-use crate::output_streams::{
+use crate::output::output_streams::{
     OutputMode, OutputStreams, PushedTokens, RequestOutputView, StopReason, TextSpec,
 };
-use crate::python::{extract_tokens, finish_reason_arg};
-use crate::python_detokenizer::PyTokenDecoder;
+use crate::py::convert::{extract_tokens, finish_reason_arg};
+use crate::py::detokenizer::PyTokenDecoder;
 
 /// Every live request's output streams: tokens, text with stop strings, finish
 /// and stop reasons, and what was handed out (see ``rust/output_streams.rs``).

@@ -2,7 +2,7 @@
 //! BPE tokenizer of the detokenizer's tests (ids 0..=255 are bytes).
 
 use super::*;
-use crate::detokenizer::tests::byte_level_tokenizer;
+use crate::output::detokenizer::tests::byte_level_tokenizer;
 use crate::test_rng::SplitMix64;
 
 const HELLO: u32 = 256; // " hello"

@@ -1,13 +1,15 @@
 //! Tests of structured outputs: grammar compilation and masks
 //! (`structured_output.rs`) and the scheduler carrying matchers
-//! (`scheduler_grammar.rs`), over a small byte-level vocabulary.
+//! (`sched/scheduler/grammar.rs`), over a small byte-level vocabulary.
 
 use std::collections::HashMap;
 
 use crate::error::KvError;
-use crate::request::{FinishReason, RequestParams};
-use crate::scheduler::{Scheduler, SchedulerConfig, TokenEvent};
-use crate::structured_output::{fill_bitmasks, words, GrammarMatcher, GrammarVocab, GuidedSpec};
+use crate::grammar::structured_output::{
+    fill_bitmasks, words, GrammarMatcher, GrammarVocab, GuidedSpec,
+};
+use crate::sched::request::{FinishReason, RequestParams};
+use crate::sched::scheduler::{Scheduler, SchedulerConfig, TokenEvent};
 use crate::test_rng::SplitMix64;
 
 /// Ids 0..256 are the single bytes, then a few multi-byte tokens, then EOS.
@@ -64,7 +66,7 @@ fn random_walk(m: &mut GrammarMatcher, rng: &mut SplitMix64, limit: usize) -> St
     String::from_utf8(text).unwrap()
 }
 
-fn compile(kind: &str, value: &str) -> crate::structured_output::Grammar {
+fn compile(kind: &str, value: &str) -> crate::grammar::structured_output::Grammar {
     vocab()
         .compile(&GuidedSpec::parse(kind, value).unwrap())
         .unwrap()

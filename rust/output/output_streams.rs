@@ -31,8 +31,8 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::detokenizer::{Scratch, SeqDetokenizer, TokenDecoder};
-use crate::request::FinishReason;
+use crate::output::detokenizer::{Scratch, SeqDetokenizer, TokenDecoder};
+use crate::sched::request::FinishReason;
 
 /// What a request's outputs carry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

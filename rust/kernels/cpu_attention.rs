@@ -2,7 +2,7 @@
 //! straight from the paged pool.
 //!
 //! Owns [`paged_decode_attention`], the math behind the `xla` backend's decode
-//! rows on CPU (XLA calls it through [`crate::xla_ffi`]). XLA:CPU gathers paged
+//! rows on CPU (XLA calls it through [`crate::kernels::xla_ffi`]). XLA:CPU gathers paged
 //! blocks at ~5 GB/s, so decode attention over long contexts cost more than
 //! every matmul of the step; this reads each live block once, in place.
 //!
@@ -27,7 +27,7 @@
 
 use std::sync::{Mutex, OnceLock};
 
-use crate::parallel::Parallel;
+use crate::kernels::parallel::Parallel;
 
 /// A K/V pool element: f32, or bf16 kept as its bit pattern.
 pub trait KvElement: Copy + Send + Sync {
@@ -134,7 +134,7 @@ pub fn validate<T>(
 }
 
 /// Decode attention for every row (module docs: layout and invariants), rows
-/// split over `parallel` (XLA's pool under XLA, [`crate::parallel::ScopedThreads`]
+/// split over `parallel` (XLA's pool under XLA, [`crate::kernels::parallel::ScopedThreads`]
 /// elsewhere).
 #[allow(clippy::too_many_arguments)]
 pub fn paged_decode_attention<T: KvElement>(
@@ -429,7 +429,7 @@ fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::parallel::{ScopedThreads, Sequential};
+    use crate::kernels::parallel::{ScopedThreads, Sequential};
     use crate::test_rng::SplitMix64 as TestRng;
 
     /// Naive float64 attention over the row's tokens, gathered token by token.

@@ -44,9 +44,9 @@
 //! pins the tree's block, so the path stays whole and later blocks can still
 //! be cached under it.
 
-use crate::block_pool::{BlockId, BlockPool};
 use crate::error::{KvError, KvResult};
-use crate::prefix_cache::{InsertOutcome, NodeId, PrefixCache, PrefixCacheStats};
+use crate::kv::block_pool::{BlockId, BlockPool};
+use crate::kv::prefix_cache::{InsertOutcome, NodeId, PrefixCache, PrefixCacheStats};
 
 /// Handle of a live sequence: slab index in the low 32 bits, generation in
 /// the high 32 bits, so a stale handle is an error rather than an alias.

@@ -1,0 +1,24 @@
+//! Host CPU kernels for the `xla` attention backend, and their XLA FFI export.
+//!
+//! - [`cpu_attention`]: paged decode attention on the host CPU: one query
+//!   token per row, K/V read straight from the paged pool.
+//! - [`cpu_matmul`]: linear layers of few rows (decode steps): `y = x · wᵀ`.
+//! - [`parallel`]: where those kernels' parallel work runs (XLA's intra-op
+//!   pool when XLA calls them, scoped threads in tests and benches); kernels
+//!   never spawn threads themselves.
+//! - [`xla_ffi`]: the `#[no_mangle]` C-ABI handlers that JAX registers as
+//!   CPU custom-call targets, and the slice of XLA's FFI C API they need.
+//!
+//! Invariants:
+//! - every buffer is checked for its size (and at the FFI boundary, count,
+//!   dtype and rank) before any element is read, so a bad plan is an error,
+//!   never an out-of-bounds read;
+//! - every unit of parallel work runs exactly once before `run` returns, and
+//!   a panicking unit is reported as an error, never unwound through the
+//!   caller; a handler never panics across the FFI boundary;
+//! - results do not depend on the number of threads.
+
+pub mod cpu_attention;
+pub mod cpu_matmul;
+pub mod parallel;
+pub mod xla_ffi;

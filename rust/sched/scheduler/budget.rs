@@ -1,0 +1,64 @@
+//! The token budget and chunked prefill (phase 2 of a step): how many
+//! tokens the next chunk of a sequence may take, and the running
+//! sequences' rows, one token per decode or the next chunk of an
+//! unfinished prefill, preempting from the back when the pool runs dry.
+
+use super::{Scheduled, Scheduler};
+use crate::error::{KvError, KvResult};
+
+impl Scheduler {
+    /// Tokens the next chunk of `seq` may take under the budget.
+    pub(super) fn chunk_len(&self, seq: u32, budget: usize) -> usize {
+        let s = self.seq(seq);
+        self.chunk_len_from(s.tokens.len() - s.num_computed, budget)
+    }
+
+    pub(super) fn chunk_len_from(&self, remaining: usize, budget: usize) -> usize {
+        let mut len = remaining.min(budget);
+        let threshold = self.config.long_prefill_token_threshold;
+        if remaining > 1 && threshold > 0 {
+            len = len.min(threshold);
+        }
+        len
+    }
+
+    pub(super) fn schedule_running(&mut self, budget: &mut usize) -> KvResult<bool> {
+        let mut preempted_any = false;
+        let mut i = 0;
+        while i < self.running.len() && *budget > 0 {
+            let seq = self.running[i];
+            let len = self.chunk_len(seq, *budget);
+            if len == 0 {
+                i += 1;
+                continue;
+            }
+            let start = self.seq(seq).num_computed;
+            loop {
+                let kv = self.seq(seq).kv.expect("running sequences hold KV");
+                match self.kv.allocate_slots(kv, len, &mut self.copies) {
+                    Ok(()) => {
+                        self.scheduled.push(Scheduled {
+                            seq,
+                            start,
+                            len,
+                            ghost: false,
+                        });
+                        *budget -= len;
+                        i += 1;
+                        break;
+                    }
+                    Err(KvError::OutOfBlocks { .. }) => {
+                        let victim = *self.running.last().expect("seq is running");
+                        self.preempt(victim)?;
+                        preempted_any = true;
+                        if victim == seq {
+                            break;
+                        }
+                    }
+                    Err(err) => return Err(err),
+                }
+            }
+        }
+        Ok(preempted_any)
+    }
+}
