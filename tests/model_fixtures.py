@@ -42,8 +42,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from kvpage.model import AttentionMetadata, ModelConfig, forward, get_attention_backend  # noqa: E402
 from kvpage.model.params import Params  # noqa: E402
-from kvpage.runner import DeviceSamplingParams, ModelRunner, StepOutput, StepPlan  # noqa: E402
+from kvpage.runner import ModelRunner, StepOutput, StepPlan  # noqa: E402
 from kvpage.runner.kv_cache import KVCacheSpec, allocate_kv_cache  # noqa: E402
+from kvpage.sampling import DeviceSamplingParams  # noqa: E402
 
 TINY = dict(
     hidden_size=64,

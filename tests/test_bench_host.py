@@ -24,7 +24,7 @@ def test_host_bench_runs_the_engine_and_reports_sane_numbers(mode: str) -> None:
 
 def test_instant_runner_streams_the_text_it_was_given() -> None:
     """The token source is the tokenized TEXT, so the engine's text is TEXT's."""
-    from kvpage.sampling_params import SamplingParams
+    from kvpage.sampling.params import SamplingParams
 
     engine = host.build_host_engine(2)
     params = SamplingParams(max_tokens=60, ignore_eos=True, temperature=0)

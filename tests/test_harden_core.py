@@ -342,7 +342,7 @@ def test_pool_too_large_for_memory_is_an_error_not_an_abort() -> None:
 
 
 def test_engine_side_bounds_match_the_core() -> None:
-    from kvpage.sampling_params import SamplingParams
+    from kvpage.sampling.params import SamplingParams
 
     with pytest.raises(ValueError, match="top_k"):
         SamplingParams(top_k=2**31)

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from kvpage.engine import LLMEngine
 from kvpage.engine_config import EngineConfig
-from kvpage.sampling_params import SamplingParams
+from kvpage.sampling.params import SamplingParams
 
 
 class SpyScheduler:

@@ -10,8 +10,9 @@ import model_fixtures  # noqa: F401  (sys.path / import setup, before kvpage)
 import numpy as np
 import pytest
 from kvpage.model import ModelConfig, load_model
-from kvpage.runner import DeviceSamplingParams, ModelRunner, StepOutput, StepPlan
+from kvpage.runner import ModelRunner, StepOutput, StepPlan
 from kvpage.runner.layered_step import layer_groups
+from kvpage.sampling import DeviceSamplingParams
 from model_fixtures import (
     PlainPlanner,
     build_hf_model,

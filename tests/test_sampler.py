@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import model_fixtures  # noqa: F401  (sys.path / import setup, before kvpage)
 import numpy as np
 import pytest
-from kvpage.runner.sampler import (
+from kvpage.sampling.sampler import (
     SamplingInputs,
     apply_min_p,
     apply_penalties,
@@ -247,7 +247,7 @@ def _top_k_top_p_by_sorting(logits: np.ndarray, top_k: np.ndarray, top_p: np.nda
 
 @pytest.mark.parametrize("seed", range(12))
 def test_top_k_top_p_without_sorting_matches_the_definition(seed: int) -> None:
-    from kvpage.runner.sampler import apply_top_k_top_p
+    from kvpage.sampling.sampler import apply_top_k_top_p
 
     rng = np.random.default_rng(seed)
     rows, vocab = 6, int(rng.integers(2, 400))

@@ -29,7 +29,7 @@ from kvpage.async_engine import (
     RequestStream,
 )
 from kvpage.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from kvpage.sampling_params import SamplingParams
+from kvpage.sampling.params import SamplingParams
 
 
 class FakeEngine:

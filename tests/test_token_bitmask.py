@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kvpage.runner.sampler import SamplingInputs, sample
-from kvpage.runner.token_bitmask import allowed_tokens, bitmask_words, pad_bitmask
+from kvpage.sampling.sampler import SamplingInputs, sample
+from kvpage.sampling.token_bitmask import allowed_tokens, bitmask_words, pad_bitmask
 
 N, V = 6, 70  # V not a multiple of 32: the last word is partial
 EOS = 69

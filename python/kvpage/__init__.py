@@ -15,7 +15,7 @@ _LAZY = {
     "LLM": "kvpage.llm",
     "LLMEngine": "kvpage.engine",
     "EngineConfig": "kvpage.engine_config",
-    "SamplingParams": "kvpage.sampling_params",
+    "SamplingParams": "kvpage.sampling.params",
     "RequestOutput": "kvpage.outputs",
     "CompletionOutput": "kvpage.outputs",
     "StructuredOutputsParams": "kvpage.structured_outputs.params",

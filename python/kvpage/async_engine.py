@@ -40,7 +40,7 @@ from kvpage.engine_config import EngineConfig
 from kvpage.gc_heap import freeze_startup_heap, release_startup_heap
 from kvpage.metrics import EngineMetrics, cache_config_info
 from kvpage.outputs import RequestOutput
-from kvpage.sampling_params import SamplingParams
+from kvpage.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

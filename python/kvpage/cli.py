@@ -33,7 +33,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.warmup is None:
         args.warmup = "none"  # a one-off run compiles only the buckets it uses
     from kvpage.llm import LLM
-    from kvpage.sampling_params import SamplingParams
+    from kvpage.sampling.params import SamplingParams
 
     prompts = list(args.prompt or [])
     if args.prompts_file:

@@ -56,7 +56,7 @@ from kvpage.output_streams import OutputTuple, PythonOutputStreams
 from kvpage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvpage.prompt_logprobs import PromptLogprobsRecord, step_prompt_targets
 from kvpage.runner.model_runner import ModelRunner
-from kvpage.sampling_params import SamplingParams
+from kvpage.sampling.params import SamplingParams
 from kvpage.structured_outputs.compiler import GrammarCompiler
 
 logger = logging.getLogger("kvpage.engine")

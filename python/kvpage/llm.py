@@ -15,7 +15,7 @@ from kvpage.engine import LLMEngine, PromptType
 from kvpage.engine_config import EngineConfig
 from kvpage.model.config import ModelConfig
 from kvpage.outputs import RequestOutput
-from kvpage.sampling_params import SamplingParams
+from kvpage.sampling.params import SamplingParams
 
 Message = dict[str, str]
 

@@ -317,7 +317,7 @@ class RunResult:
 def _params_for(
     request: BenchRequest, mode: str, max_model_len: int, vocab_size: int
 ) -> Any:
-    from kvpage.sampling_params import SamplingParams
+    from kvpage.sampling.params import SamplingParams
 
     if mode == "exact":
         return SamplingParams(max_tokens=request.output_len, ignore_eos=True)

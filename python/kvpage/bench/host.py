@@ -291,7 +291,7 @@ def measure(
 def _measure(
     engine: Any, running: int, mode: str, steps: int, constrained_fraction: float
 ) -> HostResult:
-    from kvpage.sampling_params import SamplingParams
+    from kvpage.sampling.params import SamplingParams
 
     prompt_len, max_model_len = HOST_PROMPT_LEN, HOST_MAX_MODEL_LEN
     warmup_steps = 4

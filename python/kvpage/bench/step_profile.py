@@ -47,7 +47,7 @@ def _median_ms(fn: Callable[[], Any], repeats: int) -> float:
 def engine_decode_step(llm: Any, rows: int, context: int, steps: int) -> dict[str, float]:
     """Prefill ``rows`` requests of ``context`` tokens, then time ``steps`` decode steps."""
     from kvpage.engine import StepTiming
-    from kvpage.sampling_params import SamplingParams
+    from kvpage.sampling.params import SamplingParams
 
     engine = llm.engine
     rng = np.random.default_rng(0)
@@ -98,8 +98,8 @@ def _component_times(llm: Any, rows: int, context: int, repeats: int) -> dict[st
     from kvpage.model.attention import AttentionBackend
     from kvpage.model.llama import AttentionMetadata, compute_logits, decoder_hidden_states
     from kvpage.runner.kv_cache import KVCacheSpec, allocate_kv_cache
-    from kvpage.runner.sampler import sample
-    from kvpage.runner.sampling_table import gather_inputs, record_sampled
+    from kvpage.sampling.sampler import sample
+    from kvpage.sampling.table import gather_inputs, record_sampled
 
     runner = llm.engine.runner
     config, params, backend = runner.config, runner.params, runner.backend

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from kvpage.sampling_params import SamplingParams
+from kvpage.sampling.params import SamplingParams
 from kvpage.structured_outputs.params import KINDS, StructuredOutputsParams
 
 if TYPE_CHECKING:

@@ -23,7 +23,7 @@ from kvpage.openai.errors import engine_error
 from kvpage.openai.generation import Echo, Generation, Usage
 from kvpage.openai.protocol import APIError, bad_request, check_unicode
 from kvpage.outputs import Logprob
-from kvpage.sampling_params import SamplingParams
+from kvpage.sampling.params import SamplingParams
 
 _MIN_LOGPROB = -9999.0
 """JSON has no -inf: log-probabilities are clamped to this."""

@@ -5,17 +5,16 @@
 * :mod:`~kvpage.runner.kv_cache`       -- paged KV pool shape and allocation (split by KV head
   under tensor parallelism, see :mod:`kvpage.parallel`).
 * :mod:`~kvpage.runner.kv_cache_sizing` -- how many blocks the pool gets, and why.
-* :mod:`~kvpage.runner.sampler`        -- batched device sampling.
-* :mod:`~kvpage.runner.sampling_params` -- per-request :class:`DeviceSamplingParams`.
-* :mod:`~kvpage.runner.sampling_table` -- per-slot sampling state on device.
+* :mod:`~kvpage.runner.layered_step`   -- a step as embed, layer groups, select and head.
 * :mod:`~kvpage.runner.step_inputs`    -- packing a plan into one padded buffer.
 * :mod:`~kvpage.runner.buckets`        -- padded sizes.
+
+Sampling, which every step ends with, is its own package: :mod:`kvpage.sampling`.
 """
 
 from kvpage.runner.kv_cache import KVCacheSpec, allocate_kv_cache
 from kvpage.runner.kv_cache_sizing import KVCacheDecision, decide_num_blocks
 from kvpage.runner.model_runner import ModelRunner
-from kvpage.runner.sampling_params import DeviceSamplingParams
 from kvpage.runner.step_output import StepOutput
 from kvpage.runner.step_plan import StepPlan, StepPlanLike
 
@@ -23,7 +22,6 @@ __all__ = [
     "KVCacheDecision",
     "KVCacheSpec",
     "ModelRunner",
-    "DeviceSamplingParams",
     "StepOutput",
     "StepPlan",
     "StepPlanLike",

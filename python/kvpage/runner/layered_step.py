@@ -47,9 +47,9 @@ from kvpage.model.llama import KVPool, decoder_layer, embed_tokens
 from kvpage.model.params import Params
 from kvpage.runner.kv_cache import KVPools
 from kvpage.runner.prompt_logprobs import score_prompt_tokens
-from kvpage.runner.sampler import sample
-from kvpage.runner.sampling_table import SamplingTable, gather_inputs, record_sampled
 from kvpage.runner.step_inputs import PackedLayout
+from kvpage.sampling.sampler import sample
+from kvpage.sampling.table import SamplingTable, gather_inputs, record_sampled
 
 
 class StepBucket(NamedTuple):

@@ -79,18 +79,18 @@ from kvpage.runner.layered_step import (
     make_select,
 )
 from kvpage.runner.prompt_logprobs import PromptScores
-from kvpage.runner.sampling_params import DeviceSamplingParams
-from kvpage.runner.sampling_table import (
+from kvpage.runner.step_inputs import PackedLayout, PaddingValues
+from kvpage.runner.step_output import StepOutput
+from kvpage.runner.step_plan import StepPlanLike
+from kvpage.sampling.device_params import DeviceSamplingParams
+from kvpage.sampling.table import (
     SamplingTable,
     init_sampling_table,
     params_to_rows,
     stop_mask_row,
     write_slot,
 )
-from kvpage.runner.step_inputs import PackedLayout, PaddingValues
-from kvpage.runner.step_output import StepOutput
-from kvpage.runner.step_plan import StepPlanLike
-from kvpage.runner.token_bitmask import ALLOW_ALL, bitmask_words, pad_bitmask
+from kvpage.sampling.token_bitmask import ALLOW_ALL, bitmask_words, pad_bitmask
 
 _COPY_CHUNK = 64  # block copies per call of the stand-alone copy executable
 

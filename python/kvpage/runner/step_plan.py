@@ -29,7 +29,7 @@ decode_only        bool                every sequence has exactly one new token 
                                        decode-specialized attention applies)
 token_bitmask      [S', W] int32       optional: allowed tokens of each sampled row (structured
                                        outputs; W = ceil(vocab / 32), see
-                                       :mod:`kvpage.runner.token_bitmask`); None allows all
+                                       :mod:`kvpage.sampling.token_bitmask`); None allows all
 =================  ==================  ==============================================
 """
 

@@ -4,7 +4,7 @@ This file owns :class:`DeviceSamplingParams`: the sampler's knobs only. Users wr
 the public :class:`kvpage.SamplingParams` (validated, with the scheduler's stop
 conditions too), which hands the runner one of these
 (``SamplingParams.device_params``). The runner copies these numbers into a device
-table row (see :mod:`kvpage.runner.sampling_table`), so changing them never changes
+table row (see :mod:`kvpage.sampling.table`), so changing them never changes
 a compiled shape.
 """
 

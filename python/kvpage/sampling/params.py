@@ -2,7 +2,7 @@
 
 Invalid values raise ``ValueError`` naming the field and its allowed range.
 The engine splits one of these into the scheduler's stop conditions and the
-device sampler's knobs (``kvpage.runner.sampling_params``).
+device sampler's knobs (``kvpage.sampling.device_params``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvpage._core import DEFAULT_MAX_TOKENS  # the one default, owned by the Rust core
-from kvpage.runner.sampling_params import DeviceSamplingParams
+from kvpage.sampling.device_params import DeviceSamplingParams
 from kvpage.structured_outputs.params import StructuredOutputsParams
 
 MAX_N = 64

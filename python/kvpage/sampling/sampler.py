@@ -9,7 +9,7 @@ function serves any mix of greedy and random rows and any parameter values:
 2b. min_tokens (vLLM semantics): while a row has generated fewer than ``min_tokens`` tokens,
    its stop tokens (EOS unless ``ignore_eos``, and ``stop_token_ids``) are masked, so
    neither greedy nor random sampling can pick them;
-2c. structured outputs: the grammar's token bitmask (:mod:`kvpage.runner.token_bitmask`)
+2c. structured outputs: the grammar's token bitmask (:mod:`kvpage.sampling.token_bitmask`)
    sets disallowed tokens to -inf, before temperature, min-p, top-k and top-p. When
    min_tokens would mask every token the grammar allows (the grammar is complete and
    allows only EOS), the grammar wins;
@@ -30,8 +30,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kvpage.runner.sampling_params import GREEDY_EPSILON
-from kvpage.runner.token_bitmask import apply_token_bitmask
+from kvpage.sampling.device_params import GREEDY_EPSILON
+from kvpage.sampling.token_bitmask import apply_token_bitmask
 
 
 class SamplingInputs(NamedTuple):
@@ -222,7 +222,7 @@ def sample(
 
     ``num_top_logprobs`` (static) is the width K of the top-N lists; they are computed only
     when ``want_top_logprobs`` is true (zeros otherwise). ``token_bitmask`` (int32
-    ``[N, ceil(vocab / 32)]``, see :mod:`kvpage.runner.token_bitmask`) restricts each row
+    ``[N, ceil(vocab / 32)]``, see :mod:`kvpage.sampling.token_bitmask`) restricts each row
     to the tokens its grammar allows; None or all-ones rows restrict nothing.
     """
     logits = logits.astype(jnp.float32)

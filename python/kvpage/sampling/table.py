@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvpage.runner.sampler import SamplingInputs
-from kvpage.runner.sampling_params import DeviceSamplingParams
+from kvpage.sampling.device_params import DeviceSamplingParams
+from kvpage.sampling.sampler import SamplingInputs
 
 # Columns of SamplingTable.floats
 TEMPERATURE, TOP_P, MIN_P, PRESENCE, FREQUENCY, REPETITION = range(6)
