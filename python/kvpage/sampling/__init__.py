@@ -13,7 +13,8 @@ A new sampling parameter touches these files, top to bottom:
   device.
 
 Stop conditions the scheduler checks (stop tokens, ``max_tokens``, ``min_tokens``) live in
-the Rust core's ``rust/sched/request.rs``.
+the Rust core: ``RequestParams`` in ``rust/sched/request.rs``, checked by the scheduler's
+``update`` (``rust/sched/scheduler/mod.rs``).
 """
 
 from kvpage.sampling.device_params import DeviceSamplingParams
