@@ -7,13 +7,19 @@ model cost twice a 1-row step. The Rust kernel (``rust/kernels/cpu_matmul.rs``, 
 ``rust/kernels/xla_ffi.rs``) streams each weight row once against every input row, on XLA's
 own intra-op thread pool.
 
-Policy: ``MIN_ROWS <= T <= MAX_ROWS`` rows, float32 operands, ``cpu`` platform, a CPU
-the core has a vectorized kernel for (AVX-512 today; elsewhere XLA's dot is faster than
-the portable loop, which stays for tests: ``KVPAGE_CPU_MATMUL=1`` forces it). One
+Policy: ``MIN_ROWS <= T <= max_rows()`` rows, float32 operands, ``cpu`` platform, a CPU
+the core has a vectorized kernel for (elsewhere XLA's dot is faster than the portable
+loop, which stays for tests: ``KVPAGE_CPU_MATMUL=1`` forces it, up to ``MAX_ROWS``). One
 row stays with XLA (its GEMV is as fast), and so do prefill-sized products (its GEMM
-is). Measured with 120 chained products of SmolLM2's MLP shape on the 2-core EPYC of
-benches/RESULTS.md: XLA 14 / 29 / 34 / 40 / 47 / 73 ms at T = 1 / 2 / 4 / 8 / 16 / 32,
-this kernel 17 / 19 / 21 / 24 / 34 / 62 ms.
+is). The upper bound follows the kernel's vector width (:data:`MAX_ROWS_BY_LANES`),
+measured with 120 chained products of SmolLM2's MLP shape on 2-core EPYCs
+(``benches/cpu_matmul_chain.py``):
+
+* AVX-512 (16 lanes): XLA 14 / 29 / 34 / 40 / 47 / 73 ms at T = 1 / 2 / 4 / 8 / 16 / 32,
+  this kernel 17 / 19 / 21 / 24 / 34 / 62 ms: up to 32 rows.
+* AVX2 + FMA (8 lanes, half the registers): XLA 26 / 28 / 35 ms at T = 2 / 4 / 8,
+  this kernel 14 / 16 / 24 ms (quiet machine); at T = 16 / 32, with the machine busy,
+  XLA 80 / 119 ms, this kernel 78 / 147 ms: up to 8 rows.
 
 Only the ``cpu`` platform has the target: :func:`cpu_matmul_nt` takes the function to
 lower on any other platform (``lax.platform_dependent``), so one traced program still
@@ -24,6 +30,7 @@ lowers for GPUs. The call has no derivative: callers decide when it may be trace
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 
@@ -36,21 +43,31 @@ from pallas_kernels._host_ffi import core_library, register
 TARGET = "kvpage_matmul_nt"
 MIN_ROWS = 2
 MAX_ROWS = 32
+# The kernel's f32 lanes (``kvpage_matmul_nt_lanes``) -> the most rows it beats XLA at.
+MAX_ROWS_BY_LANES = {16: 32, 8: 8}
 
 
 def available() -> bool:
     """Whether the Rust kernel is registered for the ``cpu`` platform (registers it once)
     and worth routing to (see the policy in the module docs)."""
+    return max_rows() >= MIN_ROWS
+
+
+def max_rows() -> int:
+    """The most rows routed to the kernel here (0: none; policy in the module docs)."""
     setting = os.environ.get("KVPAGE_CPU_MATMUL", "auto")
     if setting == "0" or not register(TARGET):
-        return False
-    return setting == "1" or _vectorized()
+        return 0
+    if setting == "1":
+        return MAX_ROWS
+    return MAX_ROWS_BY_LANES.get(_lanes(), 0)
 
 
-def _vectorized() -> bool:
-    library = core_library()
-    probe = getattr(library, "kvpage_matmul_nt_vectorized", None)
-    return probe is not None and bool(probe())
+@functools.cache
+def _lanes() -> int:
+    """The vector width of the core's kernel on this CPU (0: the portable loop)."""
+    probe = getattr(core_library(), "kvpage_matmul_nt_lanes", None)
+    return int(probe()) if probe is not None else 0
 
 
 def serves(x: jax.Array, w: jax.Array) -> bool:
@@ -59,10 +76,9 @@ def serves(x: jax.Array, w: jax.Array) -> bool:
         x.ndim == 2
         and w.ndim == 2
         and x.shape[1] == w.shape[1]
-        and MIN_ROWS <= x.shape[0] <= MAX_ROWS
+        and MIN_ROWS <= x.shape[0] <= max_rows()
         and x.dtype == jnp.float32
         and w.dtype == jnp.float32
-        and available()
     )
 
 

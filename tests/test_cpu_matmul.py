@@ -99,7 +99,7 @@ def test_off_when_disabled_or_without_a_vectorized_kernel(
     monkeypatch.setenv("KVPAGE_CPU_MATMUL", "0")
     assert "kvpage_matmul_nt" not in _lowered_text(x, w)
     monkeypatch.setenv("KVPAGE_CPU_MATMUL", "auto")
-    assert cpu_matmul.available() == cpu_matmul._vectorized()
+    assert cpu_matmul.available() == (cpu_matmul._lanes() in cpu_matmul.MAX_ROWS_BY_LANES)
 
 
 def test_bad_shapes_are_errors_naming_them() -> None:

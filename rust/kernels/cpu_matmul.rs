@@ -96,36 +96,164 @@ pub unsafe fn matmul_nt_tile(shape: &MatmulShape, x: &[f32], w: &[f32], y: OutPt
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if has_avx512() {
-        for first_row in (0..shape.rows).step_by(ROW_GROUP) {
-            let rows = (shape.rows - first_row).min(ROW_GROUP);
-            avx512::rows_times_tile(shape, x, w, y, first_row, rows, start, end);
+    match instruction_set() {
+        InstructionSet::Avx512 => {
+            return vectorized_tile::<avx512::Avx512>(shape, x, w, y, start, end)
         }
-        return;
+        InstructionSet::Avx2Fma => {
+            return vectorized_tile::<avx2::Avx2Fma>(shape, x, w, y, start, end)
+        }
+        InstructionSet::Portable => {}
     }
     portable::tile(shape, x, w, y, start, end);
 }
 
-/// Whether calls run a vectorized kernel (AVX-512 here); without one the portable
-/// loop is correct but slower than XLA's dot, and callers should not route to it.
-pub fn vectorized() -> bool {
-    has_avx512()
+/// The kernel variant calls run on this CPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InstructionSet {
+    /// AVX-512F: 16-lane FMAs, 32 vector registers.
+    Avx512,
+    /// AVX2 + FMA: 8-lane FMAs, 16 vector registers.
+    Avx2Fma,
+    /// The loop the compiler vectorizes for the build's baseline target.
+    Portable,
 }
 
-#[cfg(target_arch = "x86_64")]
-fn has_avx512() -> bool {
-    static AVX512: OnceLock<bool> = OnceLock::new();
-    *AVX512.get_or_init(|| {
-        std::env::var("KVPAGE_CPU_MATMUL_PORTABLE").as_deref() != Ok("1")
-            && is_x86_feature_detected!("avx512f")
+/// f32 lanes of one vector register of the kernel this CPU runs: 16 (AVX-512), 8
+/// (AVX2 + FMA), 0 (the portable loop, correct but slower than XLA's dot: callers
+/// should not route to it). Callers size the row range they route here by it
+/// (`pallas_kernels/cpu_matmul.py`).
+pub fn lanes() -> usize {
+    match instruction_set() {
+        InstructionSet::Avx512 => 16,
+        InstructionSet::Avx2Fma => 8,
+        InstructionSet::Portable => 0,
+    }
+}
+
+/// Chosen once per process; `KVPAGE_CPU_MATMUL_PORTABLE=1` forces the portable loop.
+pub fn instruction_set() -> InstructionSet {
+    static CHOSEN: OnceLock<InstructionSet> = OnceLock::new();
+    *CHOSEN.get_or_init(|| {
+        if std::env::var("KVPAGE_CPU_MATMUL_PORTABLE").as_deref() == Ok("1") {
+            return InstructionSet::Portable;
+        }
+        detect()
     })
 }
 
+#[cfg(target_arch = "x86_64")]
+fn detect() -> InstructionSet {
+    if is_x86_feature_detected!("avx512f") {
+        InstructionSet::Avx512
+    } else if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        InstructionSet::Avx2Fma
+    } else {
+        InstructionSet::Portable
+    }
+}
+
 #[cfg(not(target_arch = "x86_64"))]
-#[allow(dead_code)]
-fn has_avx512() -> bool {
-    let _ = OnceLock::<bool>::new();
-    false
+fn detect() -> InstructionSet {
+    InstructionSet::Portable
+}
+
+/// A vectorized kernel's inner product and its register blocking.
+#[cfg(target_arch = "x86_64")]
+trait DotRows {
+    /// `sums[j][r] = x[r] . w[j]` for `R` rows of `x` and the `W` consecutive weight
+    /// rows at `w` (both stride `k`); each sum accumulates in the same order whatever
+    /// `R` and `W` are.
+    ///
+    /// # Safety
+    /// The CPU has the kernel's instruction set; `x` holds `R` rows and `w` holds
+    /// `W` rows of `k` floats.
+    unsafe fn dot_rows<const R: usize, const W: usize>(
+        x: *const f32,
+        w: *const f32,
+        k: usize,
+    ) -> [[f32; R]; W];
+
+    /// Rows `first_row .. first_row + rows` (1..=ROW_GROUP) of `y`, columns
+    /// `start..end`, with the weight rows per pass suited to `rows`
+    /// (each kernel's `row_group_table!`).
+    ///
+    /// # Safety
+    /// As [`matmul_nt_tile`], and the CPU has the kernel's instruction set.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn row_group(
+        shape: &MatmulShape,
+        x: &[f32],
+        w: &[f32],
+        y: OutPtr,
+        first_row: usize,
+        rows: usize,
+        start: usize,
+        end: usize,
+    );
+}
+
+/// `match rows { R => group::<K, R, W>(..), .. }` for a table of (input rows R,
+/// weight rows per pass W).
+#[cfg(target_arch = "x86_64")]
+macro_rules! row_group_table {
+    ($kernel:ty, $rows:expr, $args:tt; $($r:literal $w:literal),*) => {
+        match $rows {
+            $($r => super::group::<$kernel, $r, $w> $args,)*
+            _ => unreachable!("row groups hold 1..={} rows", super::ROW_GROUP),
+        }
+    };
+}
+
+/// Every row group of `y[.., start..end]` with kernel `K`.
+#[cfg(target_arch = "x86_64")]
+unsafe fn vectorized_tile<K: DotRows>(
+    shape: &MatmulShape,
+    x: &[f32],
+    w: &[f32],
+    y: OutPtr,
+    start: usize,
+    end: usize,
+) {
+    for first_row in (0..shape.rows).step_by(ROW_GROUP) {
+        let rows = (shape.rows - first_row).min(ROW_GROUP);
+        K::row_group(shape, x, w, y, first_row, rows, start, end);
+    }
+}
+
+/// Rows `first_row .. first_row + R` of `y`, columns `start..end`, `W` weight rows
+/// per pass (then one at a time), with kernel `K`'s inner product.
+#[cfg(target_arch = "x86_64")]
+unsafe fn group<K: DotRows, const R: usize, const W: usize>(
+    shape: &MatmulShape,
+    x: &[f32],
+    w: &[f32],
+    y: OutPtr,
+    first_row: usize,
+    start: usize,
+    end: usize,
+) {
+    let k = shape.inner;
+    let x = x.as_ptr().add(first_row * k);
+    let w = w.as_ptr();
+    let store = |out: usize, sums: &[f32; R]| {
+        for (r, value) in sums.iter().enumerate() {
+            *y.0.add((first_row + r) * shape.outs + out) = *value;
+        }
+    };
+    let mut out = start;
+    while out + W <= end {
+        let sums = K::dot_rows::<R, W>(x, w.add(out * k), k);
+        for (j, row_sums) in sums.iter().enumerate() {
+            store(out + j, row_sums);
+        }
+        out += W;
+    }
+    while out < end {
+        let [sums] = K::dot_rows::<R, 1>(x, w.add(out * k), k);
+        store(out, &sums);
+        out += 1;
+    }
 }
 
 /// Any CPU: 8-lane partial sums the compiler vectorizes.
@@ -171,77 +299,40 @@ mod portable {
 /// x86-64 with AVX-512F: 2-4 weight rows x up to eight input rows per pass.
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{MatmulShape, OutPtr, ROW_GROUP};
+    use super::{DotRows, MatmulShape, OutPtr};
     use std::arch::x86_64::*;
 
     /// Prefetch distance in weight rows (4 rows of 576 floats: ~9 KB ahead).
     const PREFETCH_ROWS: usize = 4;
 
-    /// `y[first_row .. first_row + rows, start..end]`.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn rows_times_tile(
-        shape: &MatmulShape,
-        x: &[f32],
-        w: &[f32],
-        y: OutPtr,
-        first_row: usize,
-        rows: usize,
-        start: usize,
-        end: usize,
-    ) {
-        // (input rows R, weight rows per pass W): 4 weight rows for few input rows,
-        // where more independent streams and sums keep the loads in flight; 2 for
-        // many, within the 32 vector registers.
-        macro_rules! dispatch {
-            ($($r:literal $w:literal),*) => {
-                match rows {
-                    $($r => group::<$r, $w>(shape, x, w, y, first_row, start, end),)*
-                    _ => unreachable!("row groups hold 1..={ROW_GROUP} rows"),
-                }
-            };
-        }
-        dispatch!(1 4, 2 4, 3 4, 4 4, 5 2, 6 2, 7 2, 8 2);
-    }
+    pub(super) struct Avx512;
 
-    /// Rows `first_row .. first_row + R` of `y`, columns `start..end`, `W` weight
-    /// rows per pass.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn group<const R: usize, const W: usize>(
-        shape: &MatmulShape,
-        x: &[f32],
-        w: &[f32],
-        y: OutPtr,
-        first_row: usize,
-        start: usize,
-        end: usize,
-    ) {
-        let k = shape.inner;
-        let x = x.as_ptr().add(first_row * k);
-        let w = w.as_ptr();
-        let store = |out: usize, sums: &[f32; R]| {
-            for (r, value) in sums.iter().enumerate() {
-                *y.0.add((first_row + r) * shape.outs + out) = *value;
-            }
-        };
-        let mut out = start;
-        while out + W <= end {
-            let sums = dot_rows::<R, W>(x, w.add(out * k), k);
-            for (j, row_sums) in sums.iter().enumerate() {
-                store(out + j, row_sums);
-            }
-            out += W;
+    impl DotRows for Avx512 {
+        unsafe fn dot_rows<const R: usize, const W: usize>(
+            x: *const f32,
+            w: *const f32,
+            k: usize,
+        ) -> [[f32; R]; W] {
+            dot_rows::<R, W>(x, w, k)
         }
-        while out < end {
-            let [sums] = dot_rows::<R, 1>(x, w.add(out * k), k);
-            store(out, &sums);
-            out += 1;
+
+        unsafe fn row_group(
+            shape: &MatmulShape,
+            x: &[f32],
+            w: &[f32],
+            y: OutPtr,
+            first_row: usize,
+            rows: usize,
+            start: usize,
+            end: usize,
+        ) {
+            // 4 weight rows for few input rows, where more independent streams and
+            // sums keep the loads in flight; 2 for many, within the 32 registers.
+            row_group_table!(Avx512, rows, (shape, x, w, y, first_row, start, end);
+                1 4, 2 4, 3 4, 4 4, 5 2, 6 2, 7 2, 8 2)
         }
     }
 
-    /// Dot products of `R` rows of `x` (stride `k`) with the `W` consecutive weight
-    /// rows at `w` (stride `k`): `sums[j][r] = x[r] . w[j]`. Each sum is
-    /// accumulated in the same order whatever `R` and `W` are.
     #[inline]
     #[target_feature(enable = "avx512f")]
     #[allow(clippy::needless_range_loop)] // index loops name the register blocking
@@ -286,6 +377,95 @@ mod avx512 {
             }
         }
         sums
+    }
+}
+
+/// x86-64 with AVX2 + FMA: the AVX-512 kernel's blocking in 8 lanes and 16
+/// registers (accumulators + weight vectors + one input vector <= 16).
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{DotRows, MatmulShape, OutPtr};
+    use std::arch::x86_64::*;
+
+    /// Prefetch distance in weight rows, as in the AVX-512 kernel.
+    const PREFETCH_ROWS: usize = 4;
+
+    pub(super) struct Avx2Fma;
+
+    impl DotRows for Avx2Fma {
+        unsafe fn dot_rows<const R: usize, const W: usize>(
+            x: *const f32,
+            w: *const f32,
+            k: usize,
+        ) -> [[f32; R]; W] {
+            dot_rows::<R, W>(x, w, k)
+        }
+
+        unsafe fn row_group(
+            shape: &MatmulShape,
+            x: &[f32],
+            w: &[f32],
+            y: OutPtr,
+            first_row: usize,
+            rows: usize,
+            start: usize,
+            end: usize,
+        ) {
+            // R * W accumulators + W weight vectors + 1 input vector <= 16 registers.
+            row_group_table!(Avx2Fma, rows, (shape, x, w, y, first_row, start, end);
+                1 4, 2 4, 3 3, 4 2, 5 2, 6 2, 7 1, 8 1)
+        }
+    }
+
+    /// 8 lanes, then the tail in order.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::needless_range_loop)] // index loops name the register blocking
+    unsafe fn dot_rows<const R: usize, const W: usize>(
+        x: *const f32,
+        w: *const f32,
+        k: usize,
+    ) -> [[f32; R]; W] {
+        let mut acc = [[_mm256_setzero_ps(); R]; W];
+        let ahead = w.wrapping_add(PREFETCH_ROWS * k);
+        let mut i = 0;
+        while i + 8 <= k {
+            let mut wv = [_mm256_setzero_ps(); W];
+            for j in 0..W {
+                if i % 16 == 0 {
+                    // One prefetch per 64-byte line.
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(j * k + i) as *const i8);
+                }
+                wv[j] = _mm256_loadu_ps(w.add(j * k + i));
+            }
+            for r in 0..R {
+                let xv = _mm256_loadu_ps(x.add(r * k + i));
+                for j in 0..W {
+                    acc[j][r] = _mm256_fmadd_ps(xv, wv[j], acc[j][r]);
+                }
+            }
+            i += 8;
+        }
+        let mut sums = [[0.0f32; R]; W];
+        for j in 0..W {
+            for r in 0..R {
+                let mut sum = horizontal_sum(acc[j][r]);
+                for t in i..k {
+                    sum += *x.add(r * k + t) * *w.add(j * k + t);
+                }
+                sums[j][r] = sum;
+            }
+        }
+        sums
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn horizontal_sum(v: __m256) -> f32 {
+        let halves = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let pairs = _mm_add_ps(halves, _mm_movehl_ps(halves, halves));
+        let one = _mm_add_ss(pairs, _mm_movehdup_ps(pairs));
+        _mm_cvtss_f32(one)
     }
 }
 
@@ -354,6 +534,19 @@ mod tests {
             let out = OutPtr::new(y);
             // SAFETY: sizes match the shape; one thread.
             unsafe { portable::tile(shape, x, w, out, 0, shape.outs) };
+        });
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn the_avx2_kernel_matches_the_reference_where_the_cpu_has_it() {
+        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+            return;
+        }
+        check_random_shapes(5, 200, (20, 300, 150), |shape, x, w, y| {
+            let out = OutPtr::new(y);
+            // SAFETY: sizes match the shape; one thread; the CPU has AVX2 + FMA.
+            unsafe { vectorized_tile::<avx2::Avx2Fma>(shape, x, w, out, 0, shape.outs) };
         });
     }
 

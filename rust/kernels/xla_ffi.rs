@@ -509,11 +509,12 @@ unsafe fn run_paged_decode_attention(frame: &CallFrame) -> Result<(), String> {
     }
 }
 
-/// Whether [`kvpage_matmul_nt`] runs a vectorized kernel on this CPU (1) or the
-/// portable loop (0), for callers deciding whether to route products to it.
+/// The f32 lanes of the vectorized kernel [`kvpage_matmul_nt`] runs on this CPU
+/// (16 AVX-512, 8 AVX2 + FMA), or 0 for the portable loop, for callers deciding
+/// which products to route to it.
 #[no_mangle]
-pub extern "C" fn kvpage_matmul_nt_vectorized() -> i32 {
-    i32::from(cpu_matmul::vectorized())
+pub extern "C" fn kvpage_matmul_nt_lanes() -> i32 {
+    cpu_matmul::lanes() as i32
 }
 
 /// XLA FFI handler: `y = x · wᵀ` for few rows ([`crate::kernels::cpu_matmul`]).
