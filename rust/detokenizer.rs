@@ -49,21 +49,54 @@ pub const PROMPT_CONTEXT_TOKENS: usize = 6;
 
 const REPLACEMENT: char = '\u{FFFD}';
 
-/// GPT-2's byte-to-character table of byte-level BPE: printable bytes map to
-/// themselves, the other 68 to U+0100 onwards in byte order.
-fn byte_level_chars() -> [char; 256] {
-    let mut table = ['\0'; 256];
-    let mut next = 0u32;
-    for b in 0..=255u8 {
-        let printable = matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
-        table[b as usize] = if printable {
-            char::from(b)
-        } else {
-            next += 1;
-            char::from_u32(255 + next).expect("U+0100..U+0143 are chars")
-        };
+/// The bytes GPT-2's byte-level table keeps as their own character.
+const fn printable(b: u8) -> bool {
+    matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF)
+}
+
+/// The other 68 bytes, in order: GPT-2's table maps them to U+0100 onwards.
+const MOVED: [u8; 68] = {
+    let mut moved = [0u8; 68];
+    let (mut b, mut n) = (0usize, 0usize);
+    while b < 256 {
+        if !printable(b as u8) {
+            moved[n] = b as u8;
+            n += 1;
+        }
+        b += 1;
     }
-    table
+    moved
+};
+
+/// The byte `c` stands for in GPT-2's byte table, if it is one of its 256 chars.
+fn byte_of_char(c: char) -> Option<u8> {
+    match u8::try_from(u32::from(c)) {
+        Ok(b) => printable(b).then_some(b),
+        Err(_) => MOVED
+            .get((u32::from(c) as usize).checked_sub(0x100)?)
+            .copied(),
+    }
+}
+
+/// Append the bytes `token` stands for under a `ByteLevel` decoder: the
+/// `tokenizers` crate's rule, for every token (added and special ones too):
+/// a token whose every char is in GPT-2's byte table is those bytes (so an
+/// added token "café" is `caf\xE9`, and `decode` shows "caf\u{FFFD}"), any
+/// other token its UTF-8. The one place kvpage computes it: the grammar
+/// vocabulary (`python/kvpage/structured_outputs/vocab.py`) gets its byte-level
+/// token bytes from here too, through `kvpage._core.byte_level_token_bytes`.
+pub fn byte_level_bytes(token: &str, out: &mut Vec<u8>) {
+    let start = out.len();
+    for c in token.chars() {
+        match byte_of_char(c) {
+            Some(b) => out.push(b),
+            None => {
+                out.truncate(start);
+                out.extend_from_slice(token.as_bytes());
+                return;
+            }
+        }
+    }
 }
 
 /// The bytes of each token id under a `ByteLevel` decoder, flattened.
@@ -78,9 +111,6 @@ struct ByteTable {
 
 impl ByteTable {
     fn new(tokenizer: &Tokenizer) -> Self {
-        let chars = byte_level_chars();
-        let char_byte: rustc_hash::FxHashMap<char, u8> =
-            (0..=255u8).map(|b| (chars[b as usize], b)).collect();
         let added = tokenizer.get_added_vocabulary();
         let n = tokenizer
             .get_vocab(true)
@@ -96,14 +126,7 @@ impl ByteTable {
         table.offsets.push(0);
         for id in 0..n {
             if let Some(token) = tokenizer.id_to_token(id as u32) {
-                // The crate's ByteLevel decoder: a token whose every char is in
-                // the table becomes those bytes, any other token its UTF-8.
-                let mapped: Option<Vec<u8>> =
-                    token.chars().map(|c| char_byte.get(&c).copied()).collect();
-                match mapped {
-                    Some(bytes) => table.bytes.extend_from_slice(&bytes),
-                    None => table.bytes.extend_from_slice(token.as_bytes()),
-                }
+                byte_level_bytes(&token, &mut table.bytes);
                 table.special[id] = added.is_special_token(&token);
             }
             table.offsets.push(table.bytes.len() as u32);
