@@ -8,7 +8,10 @@
 //!   [`PROMPT_CONTEXT_TOKENS`] prompt ids (so leading spaces come out right).
 //!   The text of `ids[prefix..read]` is already emitted; the text of
 //!   `ids[prefix..]` minus it (in characters) is new. New text ending in
-//!   U+FFFD (an incomplete UTF-8 sequence) waits for the next token.
+//!   U+FFFD (an incomplete UTF-8 sequence) waits for the next token; when the
+//!   sample ends first, [`SeqDetokenizer::finish`] releases it as `decode`
+//!   renders it (with the U+FFFD): a finished sample's text is what `decode`
+//!   gives for its ids (up to a stop string).
 //! - Stop strings are searched in the text from `len(longest stop) - 1`
 //!   characters before the old end; the earliest match wins (ties: the first
 //!   listed). The text is cut before the stop string, or after it with
@@ -296,6 +299,26 @@ impl SeqDetokenizer {
             return true;
         }
         self.ids.push(token);
+        self.advance(decoder, scratch, false)
+    }
+
+    /// The sample ended (no more tokens come): release the text held back
+    /// waiting for the rest of a character, as `decode` renders it (an
+    /// incomplete UTF-8 character as U+FFFD). True when a stop string has
+    /// matched, in that text or before. Cheap when nothing is held back.
+    pub fn finish(&mut self, decoder: &TokenDecoder, scratch: &mut Scratch) -> bool {
+        if self.stop_reason.is_some() {
+            return true;
+        }
+        if self.read == self.ids.len() {
+            return false; // nothing held back
+        }
+        self.advance(decoder, scratch, true)
+    }
+
+    /// Decode the window and append its new text: only once it is complete
+    /// (something new, not ending in U+FFFD), unless `finished`.
+    fn advance(&mut self, decoder: &TokenDecoder, scratch: &mut Scratch, finished: bool) -> bool {
         let Scratch {
             bytes,
             prefix,
@@ -310,16 +333,19 @@ impl SeqDetokenizer {
         decoder.decode_into(&self.ids[self.prefix..], self.skip_special, bytes, full);
         let prefix_chars = prefix.chars().count();
         let full_chars = full.chars().count();
-        if full_chars <= prefix_chars || full.ends_with(REPLACEMENT) {
+        let new = full_chars > prefix_chars;
+        if !finished && (!new || full.ends_with(REPLACEMENT)) {
             return false; // nothing complete yet
         }
-        let new_at = full
-            .char_indices()
-            .nth(prefix_chars)
-            .map_or(full.len(), |(at, _)| at);
         let old_bytes = self.text.len();
-        self.text.push_str(&full[new_at..]);
-        self.text_chars += full_chars - prefix_chars;
+        if new {
+            let new_at = full
+                .char_indices()
+                .nth(prefix_chars)
+                .map_or(full.len(), |(at, _)| at);
+            self.text.push_str(&full[new_at..]);
+            self.text_chars += full_chars - prefix_chars;
+        }
         // Drop ids before the window: they are never decoded again.
         let done = self.read;
         self.ids.drain(..done);

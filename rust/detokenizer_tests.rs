@@ -12,6 +12,9 @@ const CAFE: u32 = 302;
 // their ids up by content.)
 /// "é", two bytes in one token.
 const E_ACUTE: u32 = 259;
+/// " " and the first three of the four bytes of "😀" (F0 9F 98 80), as in
+/// SmolLM2's `'ĠðŁĺ'`: a space then an incomplete character.
+pub(crate) const SPACE_EMOJI_START: u32 = 260;
 
 /// GPT-2's byte-to-character table, written out the long way as a reference:
 /// printable bytes map to themselves, the other 68 to U+0100 onwards in order.
@@ -37,7 +40,10 @@ pub(crate) fn byte_level_tokenizer() -> Tokenizer {
     let mut vocab: Vec<(String, u32)> = (0..=255u8)
         .map(|b| (chars[b as usize].to_string(), b as u32))
         .collect();
-    for (i, word) in ["Ġhello", "Ġworld", "ĠÃ©t", "Ã©"].iter().enumerate() {
+    for (i, word) in ["Ġhello", "Ġworld", "ĠÃ©t", "Ã©", "ĠðŁĺ"]
+        .iter()
+        .enumerate()
+    {
         vocab.push((word.to_string(), 256 + i as u32));
     }
     let vocab_json: Vec<String> = vocab
@@ -178,7 +184,7 @@ fn precomputed_bytes_decode_exactly_as_the_crate_on_random_windows() {
                 0 => special,
                 1 if rng.below(2) == 0 => added,
                 1 => cafe,
-                2 => 256 + rng.below(4) as u32,
+                2 => 256 + rng.below(5) as u32,
                 3 => 400, // outside the vocabulary: decode skips it
                 4 | 5 => rng.below(128) as u32,
                 _ => 0x80 + rng.below(128) as u32,
@@ -329,7 +335,7 @@ fn random_streams_keep_the_invariants_and_agree_with_whole_decodes() {
         let ids: Vec<u32> = (0..rng.below(40))
             .map(|_| {
                 if rng.below(3) == 0 {
-                    256 + rng.below(4) as u32
+                    256 + rng.below(5) as u32
                 } else {
                     rng.below(256) as u32
                 }
@@ -343,11 +349,15 @@ fn random_streams_keep_the_invariants_and_agree_with_whole_decodes() {
             streamed.push_str(detok.take_delta(false));
         }
         detok.check_invariants().unwrap();
-        // Whatever was emitted is a prefix of the whole decode, and only a
-        // trailing incomplete character can be missing.
+        // Whatever was emitted is a prefix of the whole decode; at the end
+        // the rest (an incomplete character and what precedes it in its
+        // token) comes out too.
         let whole = tokenizer.decode(&ids, true).unwrap();
         assert!(whole.starts_with(&streamed), "{streamed:?} vs {whole:?}");
-        assert!(whole[streamed.len()..].chars().all(|c| c == REPLACEMENT));
+        assert!(!detok.finish(&decoder, &mut scratch));
+        streamed.push_str(detok.take_delta(true));
+        assert_eq!(streamed, whole, "{ids:?}");
+        detok.check_invariants().unwrap();
     }
 }
 
@@ -403,4 +413,54 @@ fn byte_level_bytes_follows_the_crates_decoder_for_every_kind_of_token() {
     assert_eq!(bytes("😀x"), "😀x".as_bytes());
     assert_eq!(bytes("<tool>"), b"<tool>");
     assert_eq!(bytes(""), b"");
+}
+
+#[test]
+fn finishing_releases_a_held_back_character_as_decode_renders_it() {
+    let tokenizer = byte_level_tokenizer();
+    let decoder = TokenDecoder::new(tokenizer.clone());
+    let mut detok = plain(&[], false);
+    let ids = [256, SPACE_EMOJI_START]; // " hello", then " " + 3 of 4 bytes
+    assert_eq!(stream(&decoder, &mut detok, &ids), [" hello", ""]);
+    let mut scratch = Scratch::default();
+    assert!(!detok.finish(&decoder, &mut scratch));
+    assert_eq!(detok.text(), tokenizer.decode(&ids, true).unwrap());
+    assert_eq!(detok.text(), " hello \u{FFFD}");
+    assert_eq!(detok.take_delta(true), " \u{FFFD}");
+    detok.check_invariants().unwrap();
+    // Again: nothing is held back any more.
+    assert!(!detok.finish(&decoder, &mut scratch));
+    assert_eq!(detok.text(), " hello \u{FFFD}");
+    assert_eq!(detok.take_delta(true), "");
+}
+
+#[test]
+fn finishing_with_nothing_held_back_changes_nothing() {
+    let decoder = TokenDecoder::new(byte_level_tokenizer());
+    let mut detok = plain(&["xyz"], false);
+    stream(&decoder, &mut detok, &[256, 257]);
+    assert!(!detok.finish(&decoder, &mut Scratch::default()));
+    assert_eq!(detok.text(), " hello world");
+    // A special token skipped from the text is held (no new text) and released as nothing.
+    let tokenizer = byte_level_tokenizer();
+    let special = tokenizer.token_to_id("<s>").unwrap();
+    let mut detok = plain(&[], false);
+    stream(&decoder, &mut detok, &[256, special]);
+    assert!(!detok.finish(&decoder, &mut Scratch::default()));
+    assert_eq!(detok.text(), " hello");
+}
+
+#[test]
+fn a_stop_string_in_the_released_text_still_cuts_it() {
+    let decoder = TokenDecoder::new(byte_level_tokenizer());
+    let mut detok = plain(&["a "], false);
+    stream(&decoder, &mut detok, &[byte_id(b'a'), SPACE_EMOJI_START]);
+    assert_eq!(detok.text(), "a");
+    assert!(detok.finish(&decoder, &mut Scratch::default()));
+    assert_eq!(detok.stop_reason(), Some("a "));
+    assert_eq!(detok.text(), "");
+    assert_eq!(detok.take_delta(true), "");
+    // Once stopped, finishing reports the stop and changes nothing.
+    assert!(detok.finish(&decoder, &mut Scratch::default()));
+    detok.check_invariants().unwrap();
 }

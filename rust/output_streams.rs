@@ -13,7 +13,9 @@
 //!    `update` events), appended with their finish reasons;
 //! 2. [`OutputStreams::detokenize`]: the text of every pending token, and the
 //!    stop strings it contains; returns the samples a stop string finished
-//!    (the engine tells the scheduler);
+//!    (the engine tells the scheduler). A finished sample's text is what
+//!    `decode` gives for its tokens, an incomplete last character included
+//!    (as U+FFFD);
 //! 3. [`OutputStreams::take_outputs`]: what is new, request by request, in the
 //!    request's [`OutputMode`]; a request whose every sample finished is
 //!    handed out one last time and dropped.
@@ -322,11 +324,12 @@ impl OutputStreams {
         Ok(())
     }
 
-    /// Make the text of every pending token of the dirty requests. Returns
-    /// `(handle, sample index)` of each sample a stop string finished that had
-    /// not finished otherwise (the scheduler must be told). A stop string
-    /// overrides a finish the same tokens gave (length, stop token): the tokens
-    /// after it are dropped.
+    /// Make the text of every pending token of the dirty requests, and of a
+    /// finished sample the text held back (an incomplete last character).
+    /// Returns `(handle, sample index)` of each sample a stop string finished
+    /// that had not finished otherwise (the scheduler must be told). A stop
+    /// string overrides a finish the same tokens gave (length, stop token):
+    /// the tokens after it are dropped.
     pub fn detokenize(&mut self) -> Vec<(u64, u32)> {
         let mut stopped = Vec::new();
         for &handle in &self.dirty {
@@ -354,11 +357,16 @@ impl OutputStreams {
             let Some(text) = sample.text.as_mut() else {
                 continue;
             };
-            if sample.fed == sample.tokens.len() {
-                continue;
+            if text.stop_reason().is_some() {
+                continue; // stopped in an earlier call
             }
-            let taken = text.add_tokens(&spec.decoder, &sample.tokens[sample.fed..], scratch);
-            sample.fed += taken;
+            if sample.fed < sample.tokens.len() {
+                let taken = text.add_tokens(&spec.decoder, &sample.tokens[sample.fed..], scratch);
+                sample.fed += taken;
+            }
+            if sample.finish.is_some() && text.stop_reason().is_none() {
+                text.finish(&spec.decoder, scratch);
+            }
             let Some(stop) = text.stop_reason() else {
                 continue;
             };
@@ -375,15 +383,14 @@ impl OutputStreams {
         }
     }
 
-    /// End a request from outside (abort, error): pending text is made (a stop
-    /// string it contains still wins), every unfinished sample gets `reason`
-    /// (samples that never started too: the last output has all `n`), and the
+    /// End a request from outside (abort, error): every unfinished sample gets
+    /// `reason` (samples that never started too: the last output has all `n`),
+    /// pending text is made (a stop string it contains still wins), and the
     /// next output is its last. False if the handle has no streams.
     pub fn finish_request(&mut self, handle: u64, reason: FinishReason) -> bool {
         let Some(request) = self.requests.get_mut(&handle) else {
             return false;
         };
-        Self::detokenize_request(request, handle, &mut self.scratch, &mut Vec::new());
         for slot in request.samples.iter_mut() {
             let sample = slot.get_or_insert_with(|| SampleStream::new(request.text.as_ref()));
             if sample.finish.is_none() {
@@ -391,6 +398,7 @@ impl OutputStreams {
                 request.num_finished += 1;
             }
         }
+        Self::detokenize_request(request, handle, &mut self.scratch, &mut Vec::new());
         request.closed = true;
         Self::mark_dirty(&mut self.dirty, handle, request);
         self.debug_check();

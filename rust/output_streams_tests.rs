@@ -2,7 +2,7 @@
 //! BPE tokenizer of the detokenizer's tests (ids 0..=255 are bytes).
 
 use super::*;
-use crate::detokenizer::tests::byte_level_tokenizer;
+use crate::detokenizer::tests::{byte_level_tokenizer, SPACE_EMOJI_START};
 use crate::test_rng::SplitMix64;
 
 const HELLO: u32 = 256; // " hello"
@@ -70,6 +70,32 @@ fn take(streams: &mut OutputStreams) -> Taken {
 }
 
 const LENGTH: u8 = FinishReason::Length as u8;
+const MODES: [OutputMode; 3] = [
+    OutputMode::Delta,
+    OutputMode::Cumulative,
+    OutputMode::FinalOnly,
+];
+
+/// What a client holds of each request: `(text, tokens, finish)`.
+type Clients = HashMap<u64, (String, Vec<u32>, Option<FinishReason>)>;
+
+/// Detokenize and take the outputs into `seen`, as a client reassembles them
+/// (deltas joined, cumulative outputs replacing the last).
+fn drain(streams: &mut OutputStreams, seen: &mut Clients) {
+    streams.detokenize();
+    streams.take_outputs(|view| {
+        let client = seen.entry(view.handle).or_default();
+        for s in &view.samples {
+            if s.token_start == 0 {
+                client.0.clear();
+                client.1.clear();
+            }
+            client.0.push_str(s.text);
+            client.1.extend_from_slice(s.tokens);
+            client.2 = s.finish;
+        }
+    });
+}
 
 #[test]
 fn delta_outputs_carry_new_text_and_tokens_and_hold_back_split_characters() {
@@ -339,8 +365,7 @@ fn randomized_streams_match_a_plain_detokenizer() {
                 stops,
             ));
         }
-        // (text, tokens, done) as a client reassembles them.
-        let mut seen = vec![(String::new(), Vec::new(), false); num_requests];
+        let mut seen = Clients::new();
         let mut pos = vec![0usize; num_requests];
         while !streams.is_empty() {
             let mut events = Vec::new();
@@ -353,29 +378,54 @@ fn randomized_streams_match_a_plain_detokenizer() {
             }
             push(&mut streams, &events);
             if rng.below(2) == 0 {
-                streams.detokenize();
-                streams.take_outputs(|view| {
-                    let client = &mut seen[view.handle as usize];
-                    for s in &view.samples {
-                        if s.token_start == 0 {
-                            client.0.clear();
-                            client.1.clear();
-                        }
-                        client.0.push_str(s.text);
-                        client.1.extend_from_slice(s.tokens);
-                    }
-                    client.2 |= view.done;
-                });
+                drain(&mut streams, &mut seen);
             }
             streams.check_invariants().unwrap();
         }
         for (h, (tokens, stops)) in planned.iter().enumerate() {
-            let (text, got, done) = &seen[h];
-            assert!(done, "seed {seed}: request {h} never finished");
+            let (text, got, finish) = &seen[&(h as u64)];
+            assert!(finish.is_some(), "seed {seed}: request {h} never finished");
             let mut plain = SeqDetokenizer::new(&[b'A' as u32], stops.clone(), false, true);
-            let taken = plain.add_tokens(&decoder, tokens, &mut Scratch::default());
+            let mut scratch = Scratch::default();
+            let taken = plain.add_tokens(&decoder, tokens, &mut scratch);
+            plain.finish(&decoder, &mut scratch); // the last token finished it
             assert_eq!(text, plain.text(), "seed {seed}: request {h}");
             assert_eq!(got, &tokens[..taken], "seed {seed}: request {h}");
         }
+    }
+}
+
+#[test]
+fn a_sample_ending_mid_character_hands_out_what_decode_gives() {
+    let tokenizer = byte_level_tokenizer();
+    let ids = vec![HELLO, SPACE_EMOJI_START];
+    let want = tokenizer.decode(&ids, true).unwrap();
+    assert_eq!(want, " hello \u{FFFD}");
+    for mode in MODES {
+        let mut streams = OutputStreams::new();
+        for handle in [1, 2] {
+            streams
+                .add_request(handle, 1, mode, false, Some(spec(&[])))
+                .unwrap();
+        }
+        let mut seen = Clients::new();
+        push(&mut streams, &[(1, 0, HELLO, 0), (2, 0, HELLO, 0)]);
+        drain(&mut streams, &mut seen);
+        // Request 1 ends on its length, request 2 is aborted, both with " " and
+        // 3 of the 4 bytes of an emoji held back.
+        push(
+            &mut streams,
+            &[
+                (1, 0, SPACE_EMOJI_START, LENGTH),
+                (2, 0, SPACE_EMOJI_START, 0),
+            ],
+        );
+        assert!(streams.finish_request(2, FinishReason::Abort));
+        drain(&mut streams, &mut seen);
+        let length = (want.clone(), ids.clone(), Some(FinishReason::Length));
+        assert_eq!(seen[&1], length, "{mode:?}");
+        let abort = (want.clone(), ids.clone(), Some(FinishReason::Abort));
+        assert_eq!(seen[&2], abort, "{mode:?}");
+        assert!(streams.is_empty());
     }
 }

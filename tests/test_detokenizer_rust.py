@@ -1,11 +1,15 @@
 """The Rust output streams (``kvpage._core.OutputStreams``, detokenizing in the
 Rust core) against their Python twin (``kvpage.output_streams``, detokenizing
 with ``kvpage.detokenizer.IncrementalDetokenizer``): over random token streams on
-real tokenizers -- byte-level BPE (the tiny model's and the default model's)
-and SentencePiece-style ones (byte fallback with a Strip decoder, and a
-Metaspace decoder) -- in random chunks, every output (text or delta, tokens,
-finish and stop reasons), every stop decision and the tokens kept must be
-identical, in all three output modes."""
+real tokenizers -- byte-level BPE (the tiny model's, the default model's,
+SmolLM2's and a Qwen-style one) and SentencePiece-style ones (byte fallback with
+a Strip decoder, and a Metaspace decoder) -- in random chunks, every output (text
+or delta, tokens, finish and stop reasons), every stop decision and the tokens
+kept must be identical, in all three output modes.
+
+Then both twins against ``tokenizer.decode`` on SmolLM2 and the Qwen-style
+tokenizer: a sample that ends in the middle of a character, and added tokens
+made of byte-table characters."""
 
 from __future__ import annotations
 
@@ -18,8 +22,10 @@ from kvpage._core import FINISH_REASONS, OutputStreams, TokenDecoder
 from kvpage.detokenizer import _PROMPT_CONTEXT_TOKENS, rust_token_decoder
 from kvpage.output_streams import PythonOutputStreams
 from kvpage.outputs import CompletionOutput
+from text_tokenizers import REAL, split_character_ids, tokenizer_named
 
-LENGTH = next(code for code, name in FINISH_REASONS.items() if name == "length")
+CODES = {name: code for code, name in FINISH_REASONS.items()}
+LENGTH = CODES["length"]
 
 _TEXTS = [
     "Hello world! How are you today? I am fine, thanks.",
@@ -52,8 +58,12 @@ def _sentencepiece(decoder: str) -> Any:
                                    eos_token="</s>")
 
 
-@pytest.fixture(scope="module", params=["tiny-bpe", "default-model", "sp-strip", "sp-metaspace"])
+@pytest.fixture(
+    scope="module", params=["tiny-bpe", "default-model", "sp-strip", "sp-metaspace", *REAL]
+)
 def tokenizer(request: pytest.FixtureRequest) -> Any:
+    if request.param in REAL:
+        return tokenizer_named(request.param)
     if request.param == "tiny-bpe":
         from kvpage.tiny_model import build_tokenizer
 
@@ -204,3 +214,73 @@ def test_tokenizers_the_rust_core_cannot_match_stay_in_python() -> None:
     assert rust_token_decoder(Slow()) is None
     with pytest.raises(ValueError, match="cannot load the tokenizer"):
         TokenDecoder("{not json")
+
+
+# ---- both twins against tokenizer.decode, on SmolLM2 and a Qwen-style tokenizer
+
+
+def _run_case(
+    tokenizer: Any, ids: list[int], finish: str, mode: str, **spec: Any
+) -> list[tuple[Any, str, list[int]]]:
+    """Feed ``ids`` one step at a time to both twins (no prompt), the last one ending the
+    sample as ``finish`` ("length", "stop", or "abort" after it), taking outputs every
+    step. Returns each twin's ``(last output, text as a client reassembles it, token
+    ids)``."""
+    results = []
+    for streams, decoder in zip(_twins(), (rust_token_decoder(tokenizer), tokenizer),
+                                strict=True):
+        streams.add_request(1, 1, mode, decoder=decoder, **spec)
+        text, tokens, last = "", [], None
+        for i, token in enumerate(ids):
+            code = 0 if i + 1 < len(ids) or finish == "abort" else CODES[finish]
+            _push(streams, [(1, token, code)])
+            if i + 1 == len(ids) and finish == "abort":
+                assert streams.finish_request(1, "abort")
+            streams.detokenize()
+            for _, _, _, _, (out,) in streams.take_outputs():
+                if mode != "delta":
+                    text, tokens = "", []
+                text += out.text
+                tokens += out.token_ids
+                last = out
+        assert len(streams) == 0
+        results.append((last, text, tokens))
+    assert results[0] == results[1], "the twins disagree"
+    return results
+
+
+@pytest.mark.parametrize("mode", ["delta", "cumulative", "final"])
+@pytest.mark.parametrize("finish", ["length", "stop", "abort"])
+@pytest.mark.parametrize("name", REAL)
+def test_a_sample_ending_mid_character_keeps_the_text_decode_gives(
+    name: str, finish: str, mode: str
+) -> None:
+    tokenizer = tokenizer_named(name)
+    ids = split_character_ids(tokenizer)
+    want = tokenizer.decode(ids)
+    assert want.endswith(" \ufffd") and len(want) > 2
+    for last, text, tokens in _run_case(tokenizer, ids, finish, mode):
+        assert text == want, (name, finish, mode)
+        assert tokens == ids
+        assert last.finish_reason == finish
+
+
+@pytest.mark.parametrize("name", REAL)
+def test_added_tokens_of_byte_table_characters_decode_as_the_tokenizer_does(name: str) -> None:
+    tokenizer = tokenizer_named(name)
+    tokenizer.add_tokens(["café", "naïve"])  # SmolLM2 has no plain added tokens of its own
+    cafe = tokenizer.convert_tokens_to_ids("café")
+    assert tokenizer.decode([cafe]) == "caf\ufffd"  # byte table: c a f 0xE9
+    decoder = rust_token_decoder(tokenizer)
+    assert decoder is not None and decoder.is_byte_level
+    added = [i for i, t in tokenizer.added_tokens_decoder.items() if not t.special]
+    for token_id in added:
+        for skip in (True, False):
+            assert decoder.decode([token_id], skip) == tokenizer.decode(
+                [token_id], skip_special_tokens=skip
+            )
+    ids = tokenizer("Say café, naïve ok", add_special_tokens=False)["input_ids"]
+    assert cafe in ids
+    for mode in ("delta", "final"):
+        for _, text, _ in _run_case(tokenizer, ids, "length", mode):
+            assert text == tokenizer.decode(ids)

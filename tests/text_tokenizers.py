@@ -93,6 +93,20 @@ def smollm2_tokenizer() -> Any:
     return copy.deepcopy(tokenizer)
 
 
+def split_character_ids(tokenizer: Any) -> list[int]:
+    """Ids of "Hello" then a token holding a whole character and the start of another,
+    so the text ends mid-character: SmolLM2's "Hello 😀" cut after ``'ĠðŁĺ'``
+    (``decode``: ``"Hello \\ufffd"``), else the first such token of the vocabulary."""
+    ids = tokenizer("Hello 😀", add_special_tokens=False)["input_ids"]
+    if tokenizer.decode(ids[:-1]) == "Hello \ufffd":
+        return ids[:-1]
+    for token_id in sorted(tokenizer.get_vocab().values()):
+        text = tokenizer.decode([token_id])
+        if len(text) > 1 and text[-1] == "\ufffd" and text[-2] != "\ufffd":
+            return [*tokenizer("Hello", add_special_tokens=False)["input_ids"], token_id]
+    raise AssertionError("no token ends in an incomplete character")
+
+
 def tokenizer_named(name: str) -> Any:
     """``"smollm2"`` or ``"qwen-style"``: the ids of the text tests' parametrizations."""
     return smollm2_tokenizer() if name == "smollm2" else qwen_style_tokenizer()

@@ -7,7 +7,9 @@ holds the two twins to the same outputs.
 
 The engine drives either with three bulk calls a step: ``push`` (the scheduler's
 update events), ``detokenize`` (text and stop strings; returns the samples a stop
-string finished) and ``take_outputs`` (what is new, request by request).
+string finished) and ``take_outputs`` (what is new, request by request). A
+finished sample's text is what ``decode`` gives for its tokens, an incomplete last
+character included (as U+FFFD).
 """
 
 from __future__ import annotations
@@ -165,7 +167,8 @@ class PythonOutputStreams:
         return accepted
 
     def detokenize(self) -> list[tuple[int, int]]:
-        """Text of every pending token; the samples a stop string finished."""
+        """Text of every pending token, and of a finished sample the text held back
+        (an incomplete last character); the samples a stop string finished."""
         stopped: list[tuple[int, int]] = []
         for handle in self._dirty:
             self._detokenize_request(handle, self._requests[handle], stopped)
@@ -179,10 +182,14 @@ class PythonOutputStreams:
             if sample is None or sample.text is None:
                 continue
             text = sample.text
+            if text.stop_reason is not None:
+                continue  # stopped in an earlier call
             while sample.fed < len(sample.tokens) and text.stop_reason is None:
                 text.add_token(sample.tokens[sample.fed])
                 sample.fed += 1
-            if text.stop_reason is None or sample.stop == text.stop_reason:
+            if sample.finish is not None and text.stop_reason is None:
+                text.finish()
+            if text.stop_reason is None:
                 continue
             del sample.tokens[sample.fed :]
             sample.versions = [v for v in sample.versions if v[0] < sample.fed]
@@ -194,19 +201,20 @@ class PythonOutputStreams:
 
     def finish_request(self, handle: int, reason: str) -> bool:
         """End a request from outside ("abort", "error"): every unfinished sample
-        (those never started too) gets ``reason``; its next output is its last."""
+        (those never started too) gets ``reason``, pending text is made (a stop
+        string it contains still wins); its next output is its last."""
         if reason not in FINISH_REASONS.values():
             raise ValueError(f"unknown finish reason {reason!r}")
         request = self._requests.get(handle)
         if request is None:
             return False
-        self._detokenize_request(handle, request, [])
         for index, sample in enumerate(request.samples):
             if sample is None:
                 sample = request.samples[index] = request.new_sample()
             if sample.finish is None:
                 sample.finish = reason
                 request.num_finished += 1
+        self._detokenize_request(handle, request, [])
         request.closed = True
         self._mark_dirty(handle, request)
         return True
