@@ -19,16 +19,25 @@ fn spec(stops: &[&str]) -> TextSpec {
         stops: stops.iter().map(|s| s.to_string()).collect(),
         include_stop: false,
         skip_special: true,
+        stop_token_ids: Vec::new(),
     }
 }
 
 /// Push one event per `(handle, sample, token, finish code)`, logprob -0.5 each.
 fn push(streams: &mut OutputStreams, events: &[(u64, u32, u32, u8)]) -> Vec<bool> {
+    push_flagged(streams, events, &vec![false; events.len()])
+}
+
+/// [`push`], with each event's "one of the request's stop token ids" flag.
+fn push_flagged(
+    streams: &mut OutputStreams,
+    events: &[(u64, u32, u32, u8)],
+    flags: &[bool],
+) -> Vec<bool> {
     let handles: Vec<u64> = events.iter().map(|e| e.0).collect();
     let samples: Vec<u32> = events.iter().map(|e| e.1).collect();
     let tokens: Vec<u32> = events.iter().map(|e| e.2).collect();
     let codes: Vec<u8> = events.iter().map(|e| e.3).collect();
-    let flags = vec![false; events.len()];
     let logprobs = vec![-0.5f32; events.len()];
     let mut accepted = Vec::new();
     streams
@@ -38,7 +47,7 @@ fn push(streams: &mut OutputStreams, events: &[(u64, u32, u32, u8)]) -> Vec<bool
                 sample_indices: &samples,
                 tokens: &tokens,
                 finish_codes: &codes,
-                stop_tokens: &flags,
+                stop_tokens: flags,
                 logprobs: &logprobs,
             },
             1.0,
@@ -70,6 +79,7 @@ fn take(streams: &mut OutputStreams) -> Taken {
 }
 
 const LENGTH: u8 = FinishReason::Length as u8;
+const STOP: u8 = FinishReason::Stop as u8;
 const MODES: [OutputMode; 3] = [
     OutputMode::Delta,
     OutputMode::Cumulative,
@@ -428,4 +438,73 @@ fn a_sample_ending_mid_character_hands_out_what_decode_gives() {
         assert_eq!(seen[&2], abort, "{mode:?}");
         assert!(streams.is_empty());
     }
+}
+
+#[test]
+fn the_text_of_a_stop_token_that_finished_a_sample_is_left_out_unless_include_stop() {
+    let tokenizer = byte_level_tokenizer();
+    let eos = tokenizer.token_to_id("<s>").unwrap(); // a special token, as EOS is
+    let decode = |ids: &[u32]| tokenizer.decode(ids, false).unwrap();
+    for include_stop in [false, true] {
+        // The text of a sample that a stop token finished.
+        let stopped = |ids: &[u32]| {
+            decode(if include_stop {
+                ids
+            } else {
+                &ids[..ids.len() - 1]
+            })
+        };
+        for mode in MODES {
+            let mut streams = OutputStreams::new();
+            for handle in 1..=4 {
+                let mut s = spec(&[]);
+                s.skip_special = false;
+                s.include_stop = include_stop;
+                s.stop_token_ids = vec![eos, WORLD];
+                streams
+                    .add_request(handle, 1, mode, false, Some(s))
+                    .unwrap();
+            }
+            let mut seen = Clients::new();
+            push(
+                &mut streams,
+                &[(1, 0, HELLO, 0), (2, 0, HELLO, 0), (3, 0, HELLO, 0)],
+            );
+            drain(&mut streams, &mut seen);
+            push(&mut streams, &[(2, 0, SPACE_EMOJI_START, 0)]);
+            drain(&mut streams, &mut seen);
+            push_flagged(
+                &mut streams,
+                &[
+                    (1, 0, eos, STOP),   // EOS
+                    (2, 0, WORLD, STOP), // a stop token id, after a split character
+                    (3, 0, eos, LENGTH), // EOS as the last token of the length
+                    (4, 0, HELLO, STOP), // a grammar's end: not a stop token
+                ],
+                &[false, true, false, false],
+            );
+            drain(&mut streams, &mut seen);
+            assert!(streams.is_empty());
+            let case = format!("{mode:?}, include_stop {include_stop}");
+            assert_eq!(seen[&1].0, stopped(&[HELLO, eos]), "{case}");
+            assert_eq!(
+                seen[&1].1,
+                [HELLO, eos],
+                "the stop token stays in the tokens"
+            );
+            let ids = [HELLO, SPACE_EMOJI_START, WORLD];
+            assert_eq!(seen[&2].0, stopped(&ids), "{case}");
+            assert_eq!(seen[&2].1, ids);
+            assert_eq!(
+                seen[&3].0,
+                decode(&[HELLO, eos]),
+                "a length finish shows every token"
+            );
+            assert_eq!(seen[&4].0, " hello", "{case}");
+            for (_, _, finish) in seen.values() {
+                assert!(finish.is_some());
+            }
+        }
+    }
+    assert_eq!(decode(&[HELLO, SPACE_EMOJI_START]), " hello \u{FFFD}");
 }

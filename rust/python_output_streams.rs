@@ -87,11 +87,15 @@ impl PyOutputStreams {
     /// Start streaming request ``handle`` of ``n`` samples; ``mode`` is
     /// "delta" (streaming), "cumulative" or "final" (one output at the end).
     /// With a ``decoder``, samples get text: the last prompt ids seed it, and
-    /// ``stop`` strings end a sample. Without one, text is empty. With ``logprobs``
-    /// outputs carry the cumulative logprob (else None).
+    /// ``stop`` strings end a sample. A sample that finishes with "stop" on one
+    /// of ``stop_token_ids`` (EOS and the request's stop token ids) shows no
+    /// text for that token unless ``include_stop_str_in_output``. Without a
+    /// decoder, text is empty. With ``logprobs`` outputs carry the cumulative
+    /// logprob (else None).
     #[pyo3(signature = (
         handle, n, mode, *, logprobs = false, decoder = None, prompt_token_ids = None,
-        stop = Vec::new(), include_stop_str_in_output = false, skip_special_tokens = true
+        stop = Vec::new(), include_stop_str_in_output = false, skip_special_tokens = true,
+        stop_token_ids = Vec::new()
     ))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
@@ -105,6 +109,7 @@ impl PyOutputStreams {
         stop: Vec<String>,
         include_stop_str_in_output: bool,
         skip_special_tokens: bool,
+        stop_token_ids: Vec<u32>,
     ) -> PyResult<()> {
         let mode = mode_arg(mode)?;
         let text = match decoder {
@@ -118,6 +123,7 @@ impl PyOutputStreams {
                 stops: stop,
                 include_stop: include_stop_str_in_output,
                 skip_special: skip_special_tokens,
+                stop_token_ids,
             }),
         };
         self.inner
