@@ -2,7 +2,7 @@
 (``rust/output_streams.rs``), with the same methods and outputs, for tokenizers
 the Rust core cannot load (:func:`kvpage.detokenizer.rust_token_decoder` returns
 None). Its text comes from :class:`IncrementalDetokenizer`, which produces the
-Rust detokenizer's text character for character; ``tests/test_output_streams.py``
+Rust detokenizer's text character for character; ``tests/test_detokenizer_rust.py``
 holds the two twins to the same outputs.
 
 The engine drives either with three bulk calls a step: ``push`` (the scheduler's
