@@ -54,6 +54,7 @@ fn output_stream_steps(c: &mut Criterion) {
                             stops: vec!["\n###END###".into()],
                             include_stop: false,
                             skip_special: true,
+                            stop_token_ids: vec![0],
                         };
                         streams
                             .add_request(h, 1, OutputMode::Delta, false, Some(text))

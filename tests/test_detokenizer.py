@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 from kvpage.detokenizer import IncrementalDetokenizer
+from text_tokenizers import REAL, split_character_ids, tokenizer_named
 
 
 @pytest.fixture(scope="module")
@@ -58,3 +59,29 @@ def test_earliest_of_several_stop_strings_wins(tokenizer: Any) -> None:
     detok = IncrementalDetokenizer(tokenizer, [], stop=("four", "two"))
     feed(detok, ids)
     assert detok.text == "one " and detok.stop_reason == "two"
+
+
+@pytest.mark.parametrize("name", REAL)
+def test_finish_releases_a_cut_character_as_decode_renders_it(name: str) -> None:
+    tok = tokenizer_named(name)
+    ids = split_character_ids(tok)
+    want = tok.decode(ids)
+    assert want == "Hello \ufffd"
+    detok = IncrementalDetokenizer(tok, [])
+    deltas = feed(detok, ids)
+    assert "".join(deltas) == "Hello", "held back while the sample may go on"
+    assert detok.finish() is False
+    assert detok.text == want
+    assert "".join(deltas) + detok.take_delta(True) == want
+    assert detok.finish() is False and detok.text == want  # nothing held back any more
+
+
+def test_finish_still_applies_stop_strings(tokenizer: Any) -> None:
+    # "ab" then " " and the first two bytes of "中" (E4 B8 AD), one token each.
+    ids = [*tokenizer("ab")["input_ids"], *tokenizer.convert_tokens_to_ids(["Ġ", "ä", "¸"])]
+    assert tokenizer.decode(ids) == "ab \ufffd"
+    detok = IncrementalDetokenizer(tokenizer, [], stop=("b \ufffd",))
+    feed(detok, ids)
+    assert detok.stop_reason is None
+    assert detok.finish() is True
+    assert detok.stop_reason == "b \ufffd" and detok.text == "a"

@@ -67,6 +67,29 @@ def test_regex_outputs_match(llm: LLM, pattern: str) -> None:
         assert sample.finish_reason == "stop"
 
 
+def test_the_eos_text_is_no_part_of_the_output_even_with_special_tokens_shown(llm: LLM) -> None:
+    """vLLM's rule: the text of the stop token that ended a sample (EOS here, which
+    skip_special_tokens=False would show) is left out unless include_stop_str_in_output,
+    so the output text still matches the regex the grammar kept it to."""
+    pattern = r"(yes|no)(, [A-Z]{2})?"  # may end on EOS after "yes" / "no"
+    eos = set(llm.engine.eos_token_ids)
+    tokenizer = llm.engine.tokenizer
+    for include in (False, True):
+        params = SamplingParams(temperature=1.0, max_tokens=64, n=8, seed=7,
+                                skip_special_tokens=False, include_stop_str_in_output=include,
+                                structured_outputs=StructuredOutputsParams(regex=pattern))
+        (out,) = llm.generate(["Answer:"], params, use_tqdm=False)
+        on_eos = [s for s in out.outputs if s.token_ids[-1] in eos]
+        assert on_eos, "some samples must end on EOS for this test to mean anything"
+        for sample in out.outputs:
+            assert sample.finish_reason == "stop"
+            hidden = sample.token_ids[-1] in eos and not include
+            shown = sample.token_ids[:-1] if hidden else sample.token_ids
+            assert sample.text == tokenizer.decode(shown, skip_special_tokens=False)
+            assert bool(re.fullmatch(pattern, sample.text)) == (include is False or
+                                                                sample not in on_eos)
+
+
 def test_choice_and_the_guided_decoding_alias(llm: LLM) -> None:
     choices = ["positive", "negative", "neutral ok"]
     params = SamplingParams(temperature=1.0, max_tokens=32, n=8, seed=3,

@@ -70,6 +70,31 @@ def test_streamed_json_schema_output_parses(client: openai.OpenAI) -> None:
     jsonschema.validate(json.loads("".join(parts)), schema)
 
 
+def test_streamed_deltas_join_to_the_final_text_without_the_eos_text(
+    served: InProcessServer, client: openai.OpenAI,
+) -> None:
+    """With skip_special_tokens=False, a sample ended by EOS shows no EOS text
+    (vLLM's rule), streamed or not: the deltas join to the non-streamed text, which
+    matches the regex."""
+    pattern = r"(yes|no)(, [A-Z]{2})?"  # may end on EOS after "yes" / "no"
+    eos = set(served.engine.submit(lambda engine: engine.eos_token_ids).result(timeout=30))
+    body: dict[str, Any] = dict(model=MODEL, prompt="Answer:", temperature=1.0, max_tokens=32,
+                                n=8, seed=7)
+    extra = {"structured_outputs": {"regex": pattern}, "skip_special_tokens": False}
+    whole = client.completions.create(**body, extra_body={**extra, "return_token_ids": True})
+    parts = [""] * 8
+    for chunk in client.completions.create(**body, extra_body=extra, stream=True):
+        for choice in chunk.choices:
+            parts[choice.index] += choice.text
+    assert parts == [c.text for c in whole.choices]
+    on_eos = 0
+    for choice in whole.choices:
+        assert choice.finish_reason == "stop"
+        assert re.fullmatch(pattern, choice.text), choice.text
+        on_eos += choice.model_extra["token_ids"][-1] in eos
+    assert on_eos, "some samples must end on EOS for this test to mean anything"
+
+
 def test_completion_response_format_json_object(client: openai.OpenAI) -> None:
     reply = client.completions.create(
         model=MODEL, prompt="JSON:", temperature=1.0, max_tokens=60, seed=5, n=4,

@@ -5,8 +5,11 @@ a character may span tokens, and a token's leading space depends on what
 precedes it. So each sequence decodes a sliding window: the text of
 ``ids[prefix:read]`` is already emitted, the text of ``ids[prefix:]`` minus
 it is new, and new text ending in U+FFFD (an incomplete UTF-8 sequence) is
-held back until the next token completes it. The output never contains a
-cut-off multi-byte character.
+held back until the next token completes it. While the sample runs, the output
+never ends in a cut-off multi-byte character; when it ends first,
+:meth:`IncrementalDetokenizer.finish` releases the held-back text as ``decode``
+renders it (with the U+FFFD), so a finished sample's text is what ``decode``
+gives for its ids (up to a stop string).
 
 Stop strings are searched in the text as it grows; on a match the text is
 cut before the stop string (or after it, with ``include_stop_str_in_output``).
@@ -107,12 +110,30 @@ class IncrementalDetokenizer:
         if self.stop_reason is not None:
             return True
         self._ids.append(token_id)
+        return self._advance(finished=False)
+
+    def finish(self) -> bool:
+        """The sample ended (no more tokens come): release the text held back
+        waiting for the rest of a character, as ``decode`` renders it (an
+        incomplete UTF-8 character as U+FFFD). Returns True when a stop string
+        matched, in that text or before. Cheap when nothing is held back."""
+        if self.stop_reason is not None:
+            return True
+        if self._read == len(self._ids):
+            return False  # nothing held back
+        return self._advance(finished=True)
+
+    def _advance(self, finished: bool) -> bool:
+        """Decode the window and append its new text: only once it is complete
+        (something new, not ending in U+FFFD), unless ``finished``."""
         prefix_text = self._decode(self._ids[self._prefix : self._read])
         full_text = self._decode(self._ids[self._prefix :])
-        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+        new = len(full_text) > len(prefix_text)
+        if not finished and (not new or full_text.endswith("\ufffd")):
             return False  # nothing complete yet
         old_len = len(self.text)
-        self.text += full_text[len(prefix_text) :]
+        if new:
+            self.text += full_text[len(prefix_text) :]
         self._prefix, self._read = self._read, len(self._ids)
         return self._check_stop(old_len)
 

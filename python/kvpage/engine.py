@@ -646,6 +646,8 @@ class LLMEngine:
                 "stop": list(params.stop_strings),
                 "include_stop_str_in_output": params.include_stop_str_in_output,
                 "skip_special_tokens": params.skip_special_tokens,
+                # A sample these finish shows no text for them (vLLM's rule).
+                "stop_token_ids": sorted({*self.eos_token_ids, *params.stop_token_ids}),
             }
         streams.add_request(handle, params.n, mode, logprobs=params.logprobs is not None, **text)
         return streams

@@ -2,12 +2,16 @@
 (``rust/output/output_streams.rs``), with the same methods and outputs, for tokenizers
 the Rust core cannot load (:func:`kvpage.detokenizer.rust_token_decoder` returns
 None). Its text comes from :class:`IncrementalDetokenizer`, which produces the
-Rust detokenizer's text character for character; ``tests/test_output_streams.py``
+Rust detokenizer's text character for character; ``tests/test_detokenizer_rust.py``
 holds the two twins to the same outputs.
 
 The engine drives either with three bulk calls a step: ``push`` (the scheduler's
 update events), ``detokenize`` (text and stop strings; returns the samples a stop
-string finished) and ``take_outputs`` (what is new, request by request).
+string finished) and ``take_outputs`` (what is new, request by request). A
+finished sample's text is what ``decode`` gives for its tokens, an incomplete last
+character included (as U+FFFD); as in vLLM, the text of a stop token that finished
+it (EOS or a stop token id: ``stop_token_ids``) is left out unless
+``include_stop_str_in_output`` (its id stays in the tokens).
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ class _SampleStream:
     finish: str | None = None
     stop: int | str | None = None
     versions: list[tuple[int, int]] = field(default_factory=list)
+    stop_token_hidden: bool = False
+    """The last token is a stop token that finished the sample; its text is left out."""
 
 
 @dataclass(slots=True)
@@ -60,7 +66,16 @@ class _RequestStreams:
             return _SampleStream(None)
         spec = dict(self.text)
         tokenizer, prompt = spec.pop("tokenizer"), spec.pop("prompt_token_ids")
+        del spec["stop_token_ids"]
         return _SampleStream(IncrementalDetokenizer(tokenizer, prompt, **spec))
+
+    def hides_stop_token(self, token: int) -> bool:
+        """A sample that finishes with "stop" on ``token`` shows no text for it."""
+        return (
+            self.text is not None
+            and not self.text["include_stop_str_in_output"]
+            and token in self.text["stop_token_ids"]
+        )
 
 
 class PythonOutputStreams:
@@ -89,8 +104,10 @@ class PythonOutputStreams:
         stop: list[str] | tuple[str, ...] = (),
         include_stop_str_in_output: bool = False,
         skip_special_tokens: bool = True,
+        stop_token_ids: list[int] | tuple[int, ...] = (),
     ) -> None:
-        """``decoder``: the Hugging Face tokenizer (None: no text)."""
+        """``decoder``: the Hugging Face tokenizer (None: no text); ``stop_token_ids``:
+        EOS and the request's stop token ids (see the module docs)."""
         if mode not in MODES:
             raise ValueError(f"output mode must be 'delta', 'cumulative' or 'final', got {mode!r}")
         if n < 1:
@@ -107,6 +124,7 @@ class PythonOutputStreams:
                 "stop": tuple(stop),
                 "include_stop_str_in_output": include_stop_str_in_output,
                 "skip_special_tokens": skip_special_tokens,
+                "stop_token_ids": frozenset(stop_token_ids),
             }
         self._requests[handle] = _RequestStreams(mode, logprobs, text, [None] * n)
 
@@ -157,6 +175,9 @@ class PythonOutputStreams:
                 sample.finish = FINISH_REASONS[code]
                 if stop_token:
                     sample.stop = token
+                sample.stop_token_hidden = (
+                    sample.finish == "stop" and request.hides_stop_token(token)
+                )
                 request.num_finished += 1
             if request.first_token_time is None:
                 request.first_token_time = now
@@ -165,7 +186,8 @@ class PythonOutputStreams:
         return accepted
 
     def detokenize(self) -> list[tuple[int, int]]:
-        """Text of every pending token; the samples a stop string finished."""
+        """Text of every pending token, and of a finished sample the text held back
+        (an incomplete last character); the samples a stop string finished."""
         stopped: list[tuple[int, int]] = []
         for handle in self._dirty:
             self._detokenize_request(handle, self._requests[handle], stopped)
@@ -179,11 +201,19 @@ class PythonOutputStreams:
             if sample is None or sample.text is None:
                 continue
             text = sample.text
-            while sample.fed < len(sample.tokens) and text.stop_reason is None:
+            if text.stop_reason is not None:
+                continue  # stopped in an earlier call
+            shown = len(sample.tokens) - sample.stop_token_hidden  # fed without its text
+            while sample.fed < shown and text.stop_reason is None:
                 text.add_token(sample.tokens[sample.fed])
                 sample.fed += 1
-            if text.stop_reason is None or sample.stop == text.stop_reason:
+            if sample.finish is not None and text.stop_reason is None:
+                sample.fed = len(sample.tokens)
+                text.finish()
+            if text.stop_reason is None:
                 continue
+            if sample.fed < len(sample.tokens):
+                sample.stop_token_hidden = False  # dropped with the tokens after the stop
             del sample.tokens[sample.fed :]
             sample.versions = [v for v in sample.versions if v[0] < sample.fed]
             if sample.finish is None:
@@ -194,19 +224,20 @@ class PythonOutputStreams:
 
     def finish_request(self, handle: int, reason: str) -> bool:
         """End a request from outside ("abort", "error"): every unfinished sample
-        (those never started too) gets ``reason``; its next output is its last."""
+        (those never started too) gets ``reason``, pending text is made (a stop
+        string it contains still wins); its next output is its last."""
         if reason not in FINISH_REASONS.values():
             raise ValueError(f"unknown finish reason {reason!r}")
         request = self._requests.get(handle)
         if request is None:
             return False
-        self._detokenize_request(handle, request, [])
         for index, sample in enumerate(request.samples):
             if sample is None:
                 sample = request.samples[index] = request.new_sample()
             if sample.finish is None:
                 sample.finish = reason
                 request.num_finished += 1
+        self._detokenize_request(handle, request, [])
         request.closed = True
         self._mark_dirty(handle, request)
         return True
@@ -267,6 +298,8 @@ class PythonOutputStreams:
                     continue
                 if not s.sent_tokens <= s.fed <= len(s.tokens):
                     raise ValueError(f"request {handle}: sent/fed/tokens out of order")
+                if s.stop_token_hidden and s.finish is None:
+                    raise ValueError(f"request {handle}: a hidden stop token, unfinished")
                 finished += s.finish is not None
             if finished != request.num_finished:
                 raise ValueError(f"request {handle}: num_finished out of date")

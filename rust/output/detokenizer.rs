@@ -8,7 +8,10 @@
 //!   [`PROMPT_CONTEXT_TOKENS`] prompt ids (so leading spaces come out right).
 //!   The text of `ids[prefix..read]` is already emitted; the text of
 //!   `ids[prefix..]` minus it (in characters) is new. New text ending in
-//!   U+FFFD (an incomplete UTF-8 sequence) waits for the next token.
+//!   U+FFFD (an incomplete UTF-8 sequence) waits for the next token; when the
+//!   sample ends first, [`SeqDetokenizer::finish`] releases it as `decode`
+//!   renders it (with the U+FFFD): a finished sample's text is what `decode`
+//!   gives for its ids (up to a stop string).
 //! - Stop strings are searched in the text from `len(longest stop) - 1`
 //!   characters before the old end; the earliest match wins (ties: the first
 //!   listed). The text is cut before the stop string, or after it with
@@ -49,21 +52,54 @@ pub const PROMPT_CONTEXT_TOKENS: usize = 6;
 
 const REPLACEMENT: char = '\u{FFFD}';
 
-/// GPT-2's byte-to-character table of byte-level BPE: printable bytes map to
-/// themselves, the other 68 to U+0100 onwards in byte order.
-fn byte_level_chars() -> [char; 256] {
-    let mut table = ['\0'; 256];
-    let mut next = 0u32;
-    for b in 0..=255u8 {
-        let printable = matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
-        table[b as usize] = if printable {
-            char::from(b)
-        } else {
-            next += 1;
-            char::from_u32(255 + next).expect("U+0100..U+0143 are chars")
-        };
+/// The bytes GPT-2's byte-level table keeps as their own character.
+const fn printable(b: u8) -> bool {
+    matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF)
+}
+
+/// The other 68 bytes, in order: GPT-2's table maps them to U+0100 onwards.
+const MOVED: [u8; 68] = {
+    let mut moved = [0u8; 68];
+    let (mut b, mut n) = (0usize, 0usize);
+    while b < 256 {
+        if !printable(b as u8) {
+            moved[n] = b as u8;
+            n += 1;
+        }
+        b += 1;
     }
-    table
+    moved
+};
+
+/// The byte `c` stands for in GPT-2's byte table, if it is one of its 256 chars.
+fn byte_of_char(c: char) -> Option<u8> {
+    match u8::try_from(u32::from(c)) {
+        Ok(b) => printable(b).then_some(b),
+        Err(_) => MOVED
+            .get((u32::from(c) as usize).checked_sub(0x100)?)
+            .copied(),
+    }
+}
+
+/// Append the bytes `token` stands for under a `ByteLevel` decoder: the
+/// `tokenizers` crate's rule, for every token (added and special ones too):
+/// a token whose every char is in GPT-2's byte table is those bytes (so an
+/// added token "café" is `caf\xE9`, and `decode` shows "caf\u{FFFD}"), any
+/// other token its UTF-8. The one place kvpage computes it: the grammar
+/// vocabulary (`python/kvpage/structured_outputs/vocab.py`) gets its byte-level
+/// token bytes from here too, through `kvpage._core.byte_level_token_bytes`.
+pub fn byte_level_bytes(token: &str, out: &mut Vec<u8>) {
+    let start = out.len();
+    for c in token.chars() {
+        match byte_of_char(c) {
+            Some(b) => out.push(b),
+            None => {
+                out.truncate(start);
+                out.extend_from_slice(token.as_bytes());
+                return;
+            }
+        }
+    }
 }
 
 /// The bytes of each token id under a `ByteLevel` decoder, flattened.
@@ -78,9 +114,6 @@ struct ByteTable {
 
 impl ByteTable {
     fn new(tokenizer: &Tokenizer) -> Self {
-        let chars = byte_level_chars();
-        let char_byte: rustc_hash::FxHashMap<char, u8> =
-            (0..=255u8).map(|b| (chars[b as usize], b)).collect();
         let added = tokenizer.get_added_vocabulary();
         let n = tokenizer
             .get_vocab(true)
@@ -96,14 +129,7 @@ impl ByteTable {
         table.offsets.push(0);
         for id in 0..n {
             if let Some(token) = tokenizer.id_to_token(id as u32) {
-                // The crate's ByteLevel decoder: a token whose every char is in
-                // the table becomes those bytes, any other token its UTF-8.
-                let mapped: Option<Vec<u8>> =
-                    token.chars().map(|c| char_byte.get(&c).copied()).collect();
-                match mapped {
-                    Some(bytes) => table.bytes.extend_from_slice(&bytes),
-                    None => table.bytes.extend_from_slice(token.as_bytes()),
-                }
+                byte_level_bytes(&token, &mut table.bytes);
                 table.special[id] = added.is_special_token(&token);
             }
             table.offsets.push(table.bytes.len() as u32);
@@ -273,6 +299,26 @@ impl SeqDetokenizer {
             return true;
         }
         self.ids.push(token);
+        self.advance(decoder, scratch, false)
+    }
+
+    /// The sample ended (no more tokens come): release the text held back
+    /// waiting for the rest of a character, as `decode` renders it (an
+    /// incomplete UTF-8 character as U+FFFD). True when a stop string has
+    /// matched, in that text or before. Cheap when nothing is held back.
+    pub fn finish(&mut self, decoder: &TokenDecoder, scratch: &mut Scratch) -> bool {
+        if self.stop_reason.is_some() {
+            return true;
+        }
+        if self.read == self.ids.len() {
+            return false; // nothing held back
+        }
+        self.advance(decoder, scratch, true)
+    }
+
+    /// Decode the window and append its new text: only once it is complete
+    /// (something new, not ending in U+FFFD), unless `finished`.
+    fn advance(&mut self, decoder: &TokenDecoder, scratch: &mut Scratch, finished: bool) -> bool {
         let Scratch {
             bytes,
             prefix,
@@ -287,16 +333,19 @@ impl SeqDetokenizer {
         decoder.decode_into(&self.ids[self.prefix..], self.skip_special, bytes, full);
         let prefix_chars = prefix.chars().count();
         let full_chars = full.chars().count();
-        if full_chars <= prefix_chars || full.ends_with(REPLACEMENT) {
+        let new = full_chars > prefix_chars;
+        if !finished && (!new || full.ends_with(REPLACEMENT)) {
             return false; // nothing complete yet
         }
-        let new_at = full
-            .char_indices()
-            .nth(prefix_chars)
-            .map_or(full.len(), |(at, _)| at);
         let old_bytes = self.text.len();
-        self.text.push_str(&full[new_at..]);
-        self.text_chars += full_chars - prefix_chars;
+        if new {
+            let new_at = full
+                .char_indices()
+                .nth(prefix_chars)
+                .map_or(full.len(), |(at, _)| at);
+            self.text.push_str(&full[new_at..]);
+            self.text_chars += full_chars - prefix_chars;
+        }
         // Drop ids before the window: they are never decoded again.
         let done = self.read;
         self.ids.drain(..done);

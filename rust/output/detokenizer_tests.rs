@@ -7,18 +7,43 @@ use crate::test_rng::SplitMix64;
 
 const SPECIAL: u32 = 300;
 const ADDED: u32 = 301;
+const CAFE: u32 = 302;
 // (The crate renumbers added tokens past the model's vocabulary: tests look
 // their ids up by content.)
 /// "é", two bytes in one token.
 const E_ACUTE: u32 = 259;
+/// " " and the first three of the four bytes of "😀" (F0 9F 98 80), as in
+/// SmolLM2's `'ĠðŁĺ'`: a space then an incomplete character.
+pub(crate) const SPACE_EMOJI_START: u32 = 260;
 
-/// Byte-level BPE: ids 0..=255 are the 256 byte characters, then words.
+/// GPT-2's byte-to-character table, written out the long way as a reference:
+/// printable bytes map to themselves, the other 68 to U+0100 onwards in order.
+fn byte_level_chars() -> [char; 256] {
+    let mut table = ['\0'; 256];
+    let mut next = 0u32;
+    for b in 0..=255u8 {
+        let printable = matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+        table[b as usize] = if printable {
+            char::from(b)
+        } else {
+            next += 1;
+            char::from_u32(255 + next).expect("U+0100..U+0143 are chars")
+        };
+    }
+    table
+}
+
+/// Byte-level BPE: ids 0..=255 are the 256 byte characters, then words; added
+/// tokens `<s>` (special), `<tool>` and `café` (not special).
 pub(crate) fn byte_level_tokenizer() -> Tokenizer {
     let chars = byte_level_chars();
     let mut vocab: Vec<(String, u32)> = (0..=255u8)
         .map(|b| (chars[b as usize].to_string(), b as u32))
         .collect();
-    for (i, word) in ["Ġhello", "Ġworld", "ĠÃ©t", "Ã©"].iter().enumerate() {
+    for (i, word) in ["Ġhello", "Ġworld", "ĠÃ©t", "Ã©", "ĠðŁĺ"]
+        .iter()
+        .enumerate()
+    {
         vocab.push((word.to_string(), 256 + i as u32));
     }
     let vocab_json: Vec<String> = vocab
@@ -29,7 +54,8 @@ pub(crate) fn byte_level_tokenizer() -> Tokenizer {
         r#"{{"version":"1.0","truncation":null,"padding":null,
         "added_tokens":[
           {{"id":{SPECIAL},"content":"<s>","single_word":false,"lstrip":false,"rstrip":false,"normalized":false,"special":true}},
-          {{"id":{ADDED},"content":"<tool>","single_word":false,"lstrip":false,"rstrip":false,"normalized":false,"special":false}}],
+          {{"id":{ADDED},"content":"<tool>","single_word":false,"lstrip":false,"rstrip":false,"normalized":false,"special":false}},
+          {{"id":{CAFE},"content":"café","single_word":false,"lstrip":false,"rstrip":false,"normalized":false,"special":false}}],
         "normalizer":null,
         "pre_tokenizer":{{"type":"ByteLevel","add_prefix_space":false,"trim_offsets":true,"use_regex":true}},
         "post_processor":null,
@@ -148,6 +174,7 @@ fn precomputed_bytes_decode_exactly_as_the_crate_on_random_windows() {
     assert!(fast.is_byte_level());
     let special = tokenizer.token_to_id("<s>").unwrap();
     let added = tokenizer.token_to_id("<tool>").unwrap();
+    let cafe = tokenizer.token_to_id("café").unwrap();
     let mut rng = SplitMix64::new(7);
     for _ in 0..3000 {
         let len = rng.below(8);
@@ -155,8 +182,9 @@ fn precomputed_bytes_decode_exactly_as_the_crate_on_random_windows() {
         let ids: Vec<u32> = (0..len)
             .map(|_| match rng.below(10) {
                 0 => special,
-                1 => added,
-                2 => 256 + rng.below(4) as u32,
+                1 if rng.below(2) == 0 => added,
+                1 => cafe,
+                2 => 256 + rng.below(5) as u32,
                 3 => 400, // outside the vocabulary: decode skips it
                 4 | 5 => rng.below(128) as u32,
                 _ => 0x80 + rng.below(128) as u32,
@@ -307,7 +335,7 @@ fn random_streams_keep_the_invariants_and_agree_with_whole_decodes() {
         let ids: Vec<u32> = (0..rng.below(40))
             .map(|_| {
                 if rng.below(3) == 0 {
-                    256 + rng.below(4) as u32
+                    256 + rng.below(5) as u32
                 } else {
                     rng.below(256) as u32
                 }
@@ -321,11 +349,15 @@ fn random_streams_keep_the_invariants_and_agree_with_whole_decodes() {
             streamed.push_str(detok.take_delta(false));
         }
         detok.check_invariants().unwrap();
-        // Whatever was emitted is a prefix of the whole decode, and only a
-        // trailing incomplete character can be missing.
+        // Whatever was emitted is a prefix of the whole decode; at the end
+        // the rest (an incomplete character and what precedes it in its
+        // token) comes out too.
         let whole = tokenizer.decode(&ids, true).unwrap();
         assert!(whole.starts_with(&streamed), "{streamed:?} vs {whole:?}");
-        assert!(whole[streamed.len()..].chars().all(|c| c == REPLACEMENT));
+        assert!(!detok.finish(&decoder, &mut scratch));
+        streamed.push_str(detok.take_delta(true));
+        assert_eq!(streamed, whole, "{ids:?}");
+        detok.check_invariants().unwrap();
     }
 }
 
@@ -341,5 +373,94 @@ fn a_stop_cutting_text_already_handed_out_keeps_emitted_like_python() {
     assert_eq!(detok.emitted(), 6);
     assert_eq!(detok.take_delta(true), "");
     assert_eq!(detok.emitted(), 6);
+    detok.check_invariants().unwrap();
+}
+
+#[test]
+fn byte_of_char_inverts_gpt2s_table() {
+    let chars = byte_level_chars();
+    for b in 0..=255u8 {
+        assert_eq!(byte_of_char(chars[b as usize]), Some(b));
+    }
+    let table: Vec<char> = chars.to_vec();
+    for c in ('\0'..='\u{300}').chain(['😀', '中']) {
+        if !table.contains(&c) {
+            assert_eq!(byte_of_char(c), None, "{c:?}");
+        }
+    }
+}
+
+#[test]
+fn byte_level_bytes_follows_the_crates_decoder_for_every_kind_of_token() {
+    let tokenizer = byte_level_tokenizer();
+    let bytes = |token: &str| {
+        let mut out = b"kept".to_vec(); // appends after what is there
+        byte_level_bytes(token, &mut out);
+        out[4..].to_vec()
+    };
+    assert_eq!(bytes("Ġhello"), b" hello");
+    assert_eq!(bytes("ĠðŁĺ"), b" \xF0\x9F\x98");
+    // An added token made of byte-table chars is those bytes, not its UTF-8:
+    // "café" is c a f 0xE9, which `decode` shows as "caf\u{FFFD}".
+    assert_eq!(bytes("café"), b"caf\xE9");
+    let cafe = tokenizer.token_to_id("café").unwrap();
+    assert_eq!(tokenizer.decode(&[cafe], true).unwrap(), "caf\u{FFFD}");
+    assert_eq!(
+        TokenDecoder::new(tokenizer).decode(&[cafe], true),
+        "caf\u{FFFD}"
+    );
+    // A token with any other char is its UTF-8.
+    assert_eq!(bytes("😀x"), "😀x".as_bytes());
+    assert_eq!(bytes("<tool>"), b"<tool>");
+    assert_eq!(bytes(""), b"");
+}
+
+#[test]
+fn finishing_releases_a_held_back_character_as_decode_renders_it() {
+    let tokenizer = byte_level_tokenizer();
+    let decoder = TokenDecoder::new(tokenizer.clone());
+    let mut detok = plain(&[], false);
+    let ids = [256, SPACE_EMOJI_START]; // " hello", then " " + 3 of 4 bytes
+    assert_eq!(stream(&decoder, &mut detok, &ids), [" hello", ""]);
+    let mut scratch = Scratch::default();
+    assert!(!detok.finish(&decoder, &mut scratch));
+    assert_eq!(detok.text(), tokenizer.decode(&ids, true).unwrap());
+    assert_eq!(detok.text(), " hello \u{FFFD}");
+    assert_eq!(detok.take_delta(true), " \u{FFFD}");
+    detok.check_invariants().unwrap();
+    // Again: nothing is held back any more.
+    assert!(!detok.finish(&decoder, &mut scratch));
+    assert_eq!(detok.text(), " hello \u{FFFD}");
+    assert_eq!(detok.take_delta(true), "");
+}
+
+#[test]
+fn finishing_with_nothing_held_back_changes_nothing() {
+    let decoder = TokenDecoder::new(byte_level_tokenizer());
+    let mut detok = plain(&["xyz"], false);
+    stream(&decoder, &mut detok, &[256, 257]);
+    assert!(!detok.finish(&decoder, &mut Scratch::default()));
+    assert_eq!(detok.text(), " hello world");
+    // A special token skipped from the text is held (no new text) and released as nothing.
+    let tokenizer = byte_level_tokenizer();
+    let special = tokenizer.token_to_id("<s>").unwrap();
+    let mut detok = plain(&[], false);
+    stream(&decoder, &mut detok, &[256, special]);
+    assert!(!detok.finish(&decoder, &mut Scratch::default()));
+    assert_eq!(detok.text(), " hello");
+}
+
+#[test]
+fn a_stop_string_in_the_released_text_still_cuts_it() {
+    let decoder = TokenDecoder::new(byte_level_tokenizer());
+    let mut detok = plain(&["a "], false);
+    stream(&decoder, &mut detok, &[byte_id(b'a'), SPACE_EMOJI_START]);
+    assert_eq!(detok.text(), "a");
+    assert!(detok.finish(&decoder, &mut Scratch::default()));
+    assert_eq!(detok.stop_reason(), Some("a "));
+    assert_eq!(detok.text(), "");
+    assert_eq!(detok.take_delta(true), "");
+    // Once stopped, finishing reports the stop and changes nothing.
+    assert!(detok.finish(&decoder, &mut Scratch::default()));
     detok.check_invariants().unwrap();
 }

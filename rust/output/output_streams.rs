@@ -3,7 +3,7 @@
 //! The scheduler owns the sequence being generated (its tokens drive the KV
 //! cache, stop tokens and lengths). An output stream owns what is handed
 //! out: the generated tokens (cut at a stop string), their text
-//! (incremental detokenization with stop strings, [`crate::detokenizer`]),
+//! (incremental detokenization with stop strings, [`crate::output::detokenizer`]),
 //! the cumulative logprob, the finish and stop reasons, which weights version
 //! produced which tokens, the request's token times, and how much of all this
 //! was already handed out. The engine drives every stream with three bulk calls
@@ -13,7 +13,11 @@
 //!    `update` events), appended with their finish reasons;
 //! 2. [`OutputStreams::detokenize`]: the text of every pending token, and the
 //!    stop strings it contains; returns the samples a stop string finished
-//!    (the engine tells the scheduler);
+//!    (the engine tells the scheduler). A finished sample's text is what
+//!    `decode` gives for its tokens, an incomplete last character included
+//!    (as U+FFFD); as in vLLM, the text of a stop token that finished it (EOS
+//!    or a stop token id: [`TextSpec::stop_token_ids`]) is left out unless
+//!    `include_stop` (its id stays in the tokens);
 //! 3. [`OutputStreams::take_outputs`]: what is new, request by request, in the
 //!    request's [`OutputMode`]; a request whose every sample finished is
 //!    handed out one last time and dropped.
@@ -24,6 +28,7 @@
 //! after every bulk call):
 //! - per sample, `sent_tokens <= fed <= tokens.len()`; `fed == tokens.len()`
 //!   once a stop string matched, and without a decoder;
+//! - `stop_token_hidden` only on a finished sample;
 //! - a finished sample takes no more tokens;
 //! - `num_finished` counts the request's samples with a finish reason;
 //! - `dirty` lists live requests, each once, exactly those with `dirty` set.
@@ -60,15 +65,20 @@ pub struct TextSpec {
     pub decoder: Arc<TokenDecoder>,
     pub prompt_token_ids: Vec<u32>,
     pub stops: Vec<String>,
+    /// Keep the text of a stop string, or of a stop token, that ended a sample.
     pub include_stop: bool,
     pub skip_special: bool,
+    /// The stop tokens (EOS and the request's stop token ids): a sample that
+    /// finishes with `Stop` on one shows no text for it unless `include_stop`.
+    pub stop_token_ids: Vec<u32>,
 }
 
 /// One sample's stream.
 #[derive(Debug)]
 pub struct SampleStream {
     pub tokens: Vec<u32>,
-    /// Tokens given to `text` (all of them without a decoder).
+    /// Tokens given to `text` (all of them without a decoder; a hidden stop
+    /// token counts as given).
     pub fed: usize,
     pub text: Option<SeqDetokenizer>,
     pub sent_tokens: usize,
@@ -77,6 +87,9 @@ pub struct SampleStream {
     pub stop: Option<StopReason>,
     /// `(index of the first token, weights version)` for each run of tokens.
     pub versions: Vec<(u32, u32)>,
+    /// The last token is a stop token that finished the sample, and its text
+    /// is left out (see [`TextSpec::stop_token_ids`]).
+    pub stop_token_hidden: bool,
 }
 
 impl SampleStream {
@@ -97,6 +110,7 @@ impl SampleStream {
             finish: None,
             stop: None,
             versions: Vec::new(),
+            stop_token_hidden: false,
         }
     }
 }
@@ -312,6 +326,11 @@ impl OutputStreams {
                 if step.stop_tokens[i] {
                     sample.stop = Some(StopReason::Token(token));
                 }
+                sample.stop_token_hidden = reason == FinishReason::Stop
+                    && request
+                        .text
+                        .as_ref()
+                        .is_some_and(|t| !t.include_stop && t.stop_token_ids.contains(&token));
                 request.num_finished += 1;
             }
             request.first_token_time.get_or_insert(now);
@@ -322,11 +341,12 @@ impl OutputStreams {
         Ok(())
     }
 
-    /// Make the text of every pending token of the dirty requests. Returns
-    /// `(handle, sample index)` of each sample a stop string finished that had
-    /// not finished otherwise (the scheduler must be told). A stop string
-    /// overrides a finish the same tokens gave (length, stop token): the tokens
-    /// after it are dropped.
+    /// Make the text of every pending token of the dirty requests, and of a
+    /// finished sample the text held back (an incomplete last character).
+    /// Returns `(handle, sample index)` of each sample a stop string finished
+    /// that had not finished otherwise (the scheduler must be told). A stop
+    /// string overrides a finish the same tokens gave (length, stop token):
+    /// the tokens after it are dropped.
     pub fn detokenize(&mut self) -> Vec<(u64, u32)> {
         let mut stopped = Vec::new();
         for &handle in &self.dirty {
@@ -354,14 +374,26 @@ impl OutputStreams {
             let Some(text) = sample.text.as_mut() else {
                 continue;
             };
-            if sample.fed == sample.tokens.len() {
-                continue;
+            if text.stop_reason().is_some() {
+                continue; // stopped in an earlier call
             }
-            let taken = text.add_tokens(&spec.decoder, &sample.tokens[sample.fed..], scratch);
-            sample.fed += taken;
+            // A hidden stop token is fed without its text.
+            let shown = sample.tokens.len() - usize::from(sample.stop_token_hidden);
+            if sample.fed < shown {
+                let taken =
+                    text.add_tokens(&spec.decoder, &sample.tokens[sample.fed..shown], scratch);
+                sample.fed += taken;
+            }
+            if sample.finish.is_some() && text.stop_reason().is_none() {
+                sample.fed = sample.tokens.len();
+                text.finish(&spec.decoder, scratch);
+            }
             let Some(stop) = text.stop_reason() else {
                 continue;
             };
+            if sample.fed < sample.tokens.len() {
+                sample.stop_token_hidden = false; // dropped with the tokens after the stop
+            }
             sample.tokens.truncate(sample.fed);
             sample
                 .versions
@@ -375,15 +407,14 @@ impl OutputStreams {
         }
     }
 
-    /// End a request from outside (abort, error): pending text is made (a stop
-    /// string it contains still wins), every unfinished sample gets `reason`
-    /// (samples that never started too: the last output has all `n`), and the
+    /// End a request from outside (abort, error): every unfinished sample gets
+    /// `reason` (samples that never started too: the last output has all `n`),
+    /// pending text is made (a stop string it contains still wins), and the
     /// next output is its last. False if the handle has no streams.
     pub fn finish_request(&mut self, handle: u64, reason: FinishReason) -> bool {
         let Some(request) = self.requests.get_mut(&handle) else {
             return false;
         };
-        Self::detokenize_request(request, handle, &mut self.scratch, &mut Vec::new());
         for slot in request.samples.iter_mut() {
             let sample = slot.get_or_insert_with(|| SampleStream::new(request.text.as_ref()));
             if sample.finish.is_none() {
@@ -391,6 +422,7 @@ impl OutputStreams {
                 request.num_finished += 1;
             }
         }
+        Self::detokenize_request(request, handle, &mut self.scratch, &mut Vec::new());
         request.closed = true;
         Self::mark_dirty(&mut self.dirty, handle, request);
         self.debug_check();
@@ -517,6 +549,9 @@ impl OutputStreams {
                     .is_some_and(|t| t.stop_reason().is_some());
                 if (stopped || sample.text.is_none()) && sample.fed != sample.tokens.len() {
                     return Err(format!("request {handle}: tokens past the text's end"));
+                }
+                if sample.stop_token_hidden && sample.finish.is_none() {
+                    return Err(format!("request {handle}: a hidden stop token, unfinished"));
                 }
                 finished += usize::from(sample.finish.is_some());
             }

@@ -2,7 +2,7 @@
 //! BPE tokenizer of the detokenizer's tests (ids 0..=255 are bytes).
 
 use super::*;
-use crate::output::detokenizer::tests::byte_level_tokenizer;
+use crate::output::detokenizer::tests::{byte_level_tokenizer, SPACE_EMOJI_START};
 use crate::test_rng::SplitMix64;
 
 const HELLO: u32 = 256; // " hello"
@@ -19,16 +19,25 @@ fn spec(stops: &[&str]) -> TextSpec {
         stops: stops.iter().map(|s| s.to_string()).collect(),
         include_stop: false,
         skip_special: true,
+        stop_token_ids: Vec::new(),
     }
 }
 
 /// Push one event per `(handle, sample, token, finish code)`, logprob -0.5 each.
 fn push(streams: &mut OutputStreams, events: &[(u64, u32, u32, u8)]) -> Vec<bool> {
+    push_flagged(streams, events, &vec![false; events.len()])
+}
+
+/// [`push`], with each event's "one of the request's stop token ids" flag.
+fn push_flagged(
+    streams: &mut OutputStreams,
+    events: &[(u64, u32, u32, u8)],
+    flags: &[bool],
+) -> Vec<bool> {
     let handles: Vec<u64> = events.iter().map(|e| e.0).collect();
     let samples: Vec<u32> = events.iter().map(|e| e.1).collect();
     let tokens: Vec<u32> = events.iter().map(|e| e.2).collect();
     let codes: Vec<u8> = events.iter().map(|e| e.3).collect();
-    let flags = vec![false; events.len()];
     let logprobs = vec![-0.5f32; events.len()];
     let mut accepted = Vec::new();
     streams
@@ -38,7 +47,7 @@ fn push(streams: &mut OutputStreams, events: &[(u64, u32, u32, u8)]) -> Vec<bool
                 sample_indices: &samples,
                 tokens: &tokens,
                 finish_codes: &codes,
-                stop_tokens: &flags,
+                stop_tokens: flags,
                 logprobs: &logprobs,
             },
             1.0,
@@ -70,6 +79,33 @@ fn take(streams: &mut OutputStreams) -> Taken {
 }
 
 const LENGTH: u8 = FinishReason::Length as u8;
+const STOP: u8 = FinishReason::Stop as u8;
+const MODES: [OutputMode; 3] = [
+    OutputMode::Delta,
+    OutputMode::Cumulative,
+    OutputMode::FinalOnly,
+];
+
+/// What a client holds of each request: `(text, tokens, finish)`.
+type Clients = HashMap<u64, (String, Vec<u32>, Option<FinishReason>)>;
+
+/// Detokenize and take the outputs into `seen`, as a client reassembles them
+/// (deltas joined, cumulative outputs replacing the last).
+fn drain(streams: &mut OutputStreams, seen: &mut Clients) {
+    streams.detokenize();
+    streams.take_outputs(|view| {
+        let client = seen.entry(view.handle).or_default();
+        for s in &view.samples {
+            if s.token_start == 0 {
+                client.0.clear();
+                client.1.clear();
+            }
+            client.0.push_str(s.text);
+            client.1.extend_from_slice(s.tokens);
+            client.2 = s.finish;
+        }
+    });
+}
 
 #[test]
 fn delta_outputs_carry_new_text_and_tokens_and_hold_back_split_characters() {
@@ -339,8 +375,7 @@ fn randomized_streams_match_a_plain_detokenizer() {
                 stops,
             ));
         }
-        // (text, tokens, done) as a client reassembles them.
-        let mut seen = vec![(String::new(), Vec::new(), false); num_requests];
+        let mut seen = Clients::new();
         let mut pos = vec![0usize; num_requests];
         while !streams.is_empty() {
             let mut events = Vec::new();
@@ -353,29 +388,123 @@ fn randomized_streams_match_a_plain_detokenizer() {
             }
             push(&mut streams, &events);
             if rng.below(2) == 0 {
-                streams.detokenize();
-                streams.take_outputs(|view| {
-                    let client = &mut seen[view.handle as usize];
-                    for s in &view.samples {
-                        if s.token_start == 0 {
-                            client.0.clear();
-                            client.1.clear();
-                        }
-                        client.0.push_str(s.text);
-                        client.1.extend_from_slice(s.tokens);
-                    }
-                    client.2 |= view.done;
-                });
+                drain(&mut streams, &mut seen);
             }
             streams.check_invariants().unwrap();
         }
         for (h, (tokens, stops)) in planned.iter().enumerate() {
-            let (text, got, done) = &seen[h];
-            assert!(done, "seed {seed}: request {h} never finished");
+            let (text, got, finish) = &seen[&(h as u64)];
+            assert!(finish.is_some(), "seed {seed}: request {h} never finished");
             let mut plain = SeqDetokenizer::new(&[b'A' as u32], stops.clone(), false, true);
-            let taken = plain.add_tokens(&decoder, tokens, &mut Scratch::default());
+            let mut scratch = Scratch::default();
+            let taken = plain.add_tokens(&decoder, tokens, &mut scratch);
+            plain.finish(&decoder, &mut scratch); // the last token finished it
             assert_eq!(text, plain.text(), "seed {seed}: request {h}");
             assert_eq!(got, &tokens[..taken], "seed {seed}: request {h}");
         }
     }
+}
+
+#[test]
+fn a_sample_ending_mid_character_hands_out_what_decode_gives() {
+    let tokenizer = byte_level_tokenizer();
+    let ids = vec![HELLO, SPACE_EMOJI_START];
+    let want = tokenizer.decode(&ids, true).unwrap();
+    assert_eq!(want, " hello \u{FFFD}");
+    for mode in MODES {
+        let mut streams = OutputStreams::new();
+        for handle in [1, 2] {
+            streams
+                .add_request(handle, 1, mode, false, Some(spec(&[])))
+                .unwrap();
+        }
+        let mut seen = Clients::new();
+        push(&mut streams, &[(1, 0, HELLO, 0), (2, 0, HELLO, 0)]);
+        drain(&mut streams, &mut seen);
+        // Request 1 ends on its length, request 2 is aborted, both with " " and
+        // 3 of the 4 bytes of an emoji held back.
+        push(
+            &mut streams,
+            &[
+                (1, 0, SPACE_EMOJI_START, LENGTH),
+                (2, 0, SPACE_EMOJI_START, 0),
+            ],
+        );
+        assert!(streams.finish_request(2, FinishReason::Abort));
+        drain(&mut streams, &mut seen);
+        let length = (want.clone(), ids.clone(), Some(FinishReason::Length));
+        assert_eq!(seen[&1], length, "{mode:?}");
+        let abort = (want.clone(), ids.clone(), Some(FinishReason::Abort));
+        assert_eq!(seen[&2], abort, "{mode:?}");
+        assert!(streams.is_empty());
+    }
+}
+
+#[test]
+fn the_text_of_a_stop_token_that_finished_a_sample_is_left_out_unless_include_stop() {
+    let tokenizer = byte_level_tokenizer();
+    let eos = tokenizer.token_to_id("<s>").unwrap(); // a special token, as EOS is
+    let decode = |ids: &[u32]| tokenizer.decode(ids, false).unwrap();
+    for include_stop in [false, true] {
+        // The text of a sample that a stop token finished.
+        let stopped = |ids: &[u32]| {
+            decode(if include_stop {
+                ids
+            } else {
+                &ids[..ids.len() - 1]
+            })
+        };
+        for mode in MODES {
+            let mut streams = OutputStreams::new();
+            for handle in 1..=4 {
+                let mut s = spec(&[]);
+                s.skip_special = false;
+                s.include_stop = include_stop;
+                s.stop_token_ids = vec![eos, WORLD];
+                streams
+                    .add_request(handle, 1, mode, false, Some(s))
+                    .unwrap();
+            }
+            let mut seen = Clients::new();
+            push(
+                &mut streams,
+                &[(1, 0, HELLO, 0), (2, 0, HELLO, 0), (3, 0, HELLO, 0)],
+            );
+            drain(&mut streams, &mut seen);
+            push(&mut streams, &[(2, 0, SPACE_EMOJI_START, 0)]);
+            drain(&mut streams, &mut seen);
+            push_flagged(
+                &mut streams,
+                &[
+                    (1, 0, eos, STOP),   // EOS
+                    (2, 0, WORLD, STOP), // a stop token id, after a split character
+                    (3, 0, eos, LENGTH), // EOS as the last token of the length
+                    (4, 0, HELLO, STOP), // a grammar's end: not a stop token
+                ],
+                &[false, true, false, false],
+            );
+            drain(&mut streams, &mut seen);
+            assert!(streams.is_empty());
+            let case = format!("{mode:?}, include_stop {include_stop}");
+            assert_eq!(seen[&1].0, stopped(&[HELLO, eos]), "{case}");
+            assert_eq!(
+                seen[&1].1,
+                [HELLO, eos],
+                "the stop token stays in the tokens"
+            );
+            let ids = [HELLO, SPACE_EMOJI_START, WORLD];
+            assert_eq!(seen[&2].0, stopped(&ids), "{case}");
+            assert_eq!(seen[&2].1, ids);
+            assert_eq!(
+                seen[&3].0,
+                decode(&[HELLO, eos]),
+                "a length finish shows every token"
+            );
+            assert_eq!(seen[&4].0, " hello", "{case}");
+            for (_, _, finish) in seen.values() {
+                assert!(finish.is_some());
+            }
+        }
+    }
+    assert_eq!(decode(&[HELLO, SPACE_EMOJI_START]), " hello \u{FFFD}");
 }

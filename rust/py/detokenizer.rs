@@ -1,12 +1,14 @@
-//! PyO3 binding of [`crate::detokenizer`]'s `TokenDecoder`; the per-sample
-//! detokenizers live in `OutputStreams` (`python_output_streams.rs`).
+//! PyO3 binding of [`crate::output::detokenizer`]'s `TokenDecoder` and of its
+//! byte-level token bytes (for the grammar vocabulary); the per-sample
+//! detokenizers live in `OutputStreams` (`py/output_streams.rs`).
 
 use std::sync::Arc;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use pyo3::types::PyBytes;
 
-use crate::output::detokenizer::TokenDecoder;
+use crate::output::detokenizer::{byte_level_bytes, TokenDecoder};
 use crate::py::convert::extract_tokens;
 
 /// A tokenizer's decoding, loaded from its ``tokenizer.json`` text (what a
@@ -48,7 +50,25 @@ impl PyTokenDecoder {
     }
 }
 
+/// The bytes each token (a string of the vocabulary, as
+/// ``convert_ids_to_tokens`` gives it) stands for under a ``ByteLevel``
+/// decoder: exactly the bytes ``TokenDecoder`` decodes it from, so the grammar
+/// vocabulary and the detokenizer agree with ``tokenizer.decode``.
+#[pyfunction]
+fn byte_level_token_bytes<'py>(py: Python<'py>, tokens: Vec<String>) -> Vec<Bound<'py, PyBytes>> {
+    let mut buf = Vec::new();
+    tokens
+        .iter()
+        .map(|token| {
+            buf.clear();
+            byte_level_bytes(token, &mut buf);
+            PyBytes::new(py, &buf)
+        })
+        .collect()
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyTokenDecoder>()?;
+    m.add_function(wrap_pyfunction!(byte_level_token_bytes, m)?)?;
     Ok(())
 }

@@ -1,4 +1,4 @@
-//! PyO3 bindings of [`crate::output_streams`]: `OutputStreams`, driven by the
+//! PyO3 bindings of [`crate::output::output_streams`]: `OutputStreams`, driven by the
 //! engine with three bulk calls a step (`push`, `detokenize`, `take_outputs`).
 
 use numpy::{PyArray1, PyReadonlyArray1};
@@ -13,7 +13,7 @@ use crate::py::convert::{extract_tokens, finish_reason_arg};
 use crate::py::detokenizer::PyTokenDecoder;
 
 /// Every live request's output streams: tokens, text with stop strings, finish
-/// and stop reasons, and what was handed out (see ``rust/output_streams.rs``).
+/// and stop reasons, and what was handed out (see ``rust/output/output_streams.rs``).
 #[pyclass(module = "kvpage._core", name = "OutputStreams")]
 pub struct PyOutputStreams {
     inner: OutputStreams,
@@ -87,11 +87,15 @@ impl PyOutputStreams {
     /// Start streaming request ``handle`` of ``n`` samples; ``mode`` is
     /// "delta" (streaming), "cumulative" or "final" (one output at the end).
     /// With a ``decoder``, samples get text: the last prompt ids seed it, and
-    /// ``stop`` strings end a sample. Without one, text is empty. With ``logprobs``
-    /// outputs carry the cumulative logprob (else None).
+    /// ``stop`` strings end a sample. A sample that finishes with "stop" on one
+    /// of ``stop_token_ids`` (EOS and the request's stop token ids) shows no
+    /// text for that token unless ``include_stop_str_in_output``. Without a
+    /// decoder, text is empty. With ``logprobs`` outputs carry the cumulative
+    /// logprob (else None).
     #[pyo3(signature = (
         handle, n, mode, *, logprobs = false, decoder = None, prompt_token_ids = None,
-        stop = Vec::new(), include_stop_str_in_output = false, skip_special_tokens = true
+        stop = Vec::new(), include_stop_str_in_output = false, skip_special_tokens = true,
+        stop_token_ids = Vec::new()
     ))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
@@ -105,6 +109,7 @@ impl PyOutputStreams {
         stop: Vec<String>,
         include_stop_str_in_output: bool,
         skip_special_tokens: bool,
+        stop_token_ids: Vec<u32>,
     ) -> PyResult<()> {
         let mode = mode_arg(mode)?;
         let text = match decoder {
@@ -118,6 +123,7 @@ impl PyOutputStreams {
                 stops: stop,
                 include_stop: include_stop_str_in_output,
                 skip_special: skip_special_tokens,
+                stop_token_ids,
             }),
         };
         self.inner

@@ -29,7 +29,9 @@ class SamplingParams:
     a request's samples independent of the rest of the batch; ``max_tokens``
     (None = up to ``max_model_len``), ``min_tokens`` (EOS and stop tokens are
     suppressed before that); ``stop`` strings (excluded from the text unless
-    ``include_stop_str_in_output``); ``stop_token_ids``; ``ignore_eos``;
+    ``include_stop_str_in_output``); ``stop_token_ids`` (the text of the stop token,
+    or EOS, that ends a sample is likewise left out unless
+    ``include_stop_str_in_output``; its id stays in ``token_ids``); ``ignore_eos``;
     ``logprobs`` (top-N per token, the sampled one always included);
     ``prompt_logprobs`` (top-N per prompt token, the prompt token always included;
     scored in the prefill's own forward pass, and such a request bypasses the prefix

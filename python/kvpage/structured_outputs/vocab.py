@@ -4,36 +4,29 @@ The Rust grammar engine matches grammars over bytes, so it needs every token's e
 byte string (not its decoded text, which loses partial UTF-8 sequences):
 
 * byte-level BPE (GPT-2 style, ``ByteLevel`` decoder): each character of the token maps
-  back to one byte through GPT-2's byte-to-unicode table;
+  back to one byte through GPT-2's byte-to-unicode table -- added tokens too, as
+  ``tokenizer.decode`` does (an added ``"café"`` is ``b"caf\\xe9"``, decoded ``"caf\\ufffd"``);
+  a token with any other character is its UTF-8. The Rust core computes this
+  (``kvpage._core.byte_level_token_bytes``), the same function its detokenizer decodes
+  with, so the grammar's bytes and the output text never disagree;
 * SentencePiece with byte fallback: ``<0xNN>`` is the byte ``NN``; ``▁`` is a space;
 * special tokens become ``b"\\xff" + name`` (never matched by a grammar; EOS is passed
   separately), and ids past the tokenizer (embedding padding) ``b""`` (never allowed).
+
+Added tokens that are not special go through the same rule as the rest of the
+vocabulary: ``decode`` passes them through the tokenizer's decoder too.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from functools import cache
 from typing import Any
+
+from kvpage._core import byte_level_token_bytes
 
 SPECIAL_MARKER = b"\xff"
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
-
-
-@cache
-def _unicode_to_byte() -> dict[str, int]:
-    """Inverse of GPT-2's ``bytes_to_unicode`` (printable bytes map to themselves, the
-    rest to code points from 256 up, in byte order)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[chr(b)] = b
-        else:
-            table[chr(256 + extra)] = b
-            extra += 1
-    return table
 
 
 def decoder_kind(tokenizer: Any) -> str:
@@ -55,22 +48,20 @@ def decoder_kind(tokenizer: Any) -> str:
 def token_bytes(tokenizer: Any, vocab_size: int) -> list[bytes]:
     """Bytes of token ids ``0 .. vocab_size - 1`` (see the module docstring)."""
     kind = decoder_kind(tokenizer)
-    byte_of = _unicode_to_byte()
     added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
     special_ids = set(getattr(tokenizer, "all_special_ids", []) or [])
     count = min(len(tokenizer), vocab_size)
     pieces = tokenizer.convert_ids_to_tokens(list(range(count)))
     out = [b""] * vocab_size
+    plain = []  # (id, piece) of the byte-level tokens that are not special
     for token_id, piece in enumerate(pieces):
         if piece is None:
             continue
         entry = added.get(token_id)
         if token_id in special_ids or (entry is not None and getattr(entry, "special", False)):
             out[token_id] = SPECIAL_MARKER + piece.encode("utf-8")
-        elif entry is not None:  # added plain-text token: its content verbatim
-            out[token_id] = str(getattr(entry, "content", piece)).encode("utf-8")
-        elif kind == "byte_level" and all(c in byte_of for c in piece):
-            out[token_id] = bytes(byte_of[c] for c in piece)
+        elif kind == "byte_level":
+            plain.append((token_id, piece))
         elif kind == "byte_fallback":
             match = _BYTE_TOKEN.match(piece)
             out[token_id] = (
@@ -80,4 +71,8 @@ def token_bytes(tokenizer: Any, vocab_size: int) -> list[bytes]:
             )
         else:
             out[token_id] = tokenizer.convert_tokens_to_string([piece]).encode("utf-8")
+    if plain:
+        ids, strings = zip(*plain, strict=True)
+        for token_id, data in zip(ids, byte_level_token_bytes(list(strings)), strict=True):
+            out[token_id] = data
     return out
