@@ -34,7 +34,10 @@ def test_instant_runner_streams_the_text_it_was_given() -> None:
         for out in engine.step():
             if out.finished:
                 texts[out.request_id] = out.outputs[0].text
-    assert len(texts["a"]) > 60 and texts["a"] in host.TEXT * 5
+    # Cut by max_tokens, the text may end inside a character, shown as U+FFFD as
+    # tokenizer.decode shows it.
+    text = texts["a"].removesuffix("\ufffd")
+    assert len(text) > 60 and text in host.TEXT * 5
 
 
 def test_bench_host_cli_prints_a_table(capsys: pytest.CaptureFixture) -> None:
