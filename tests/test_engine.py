@@ -80,6 +80,18 @@ def test_prefix_caching_hits_and_matches_uncached_outputs(tiny_model_dir: Path, 
     assert all(o.num_cached_tokens == 0 for o in uncached)
 
 
+def test_reset_prefix_cache_forgets_every_prefix(llm: LLM) -> None:
+    prompt = {"prompt_token_ids": list(range(200, 240)) + [5]}
+    llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert llm.engine.get_stats()["num_cached_blocks"] > 0
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].num_cached_tokens >= 32
+    assert llm.reset_prefix_cache() is True
+    assert llm.engine.get_stats()["num_cached_blocks"] == 0
+    again = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0
+    assert_all_blocks_back(llm.engine)
+
+
 def test_parallel_samples_share_the_prompt_and_are_seeded(llm: LLM) -> None:
     params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
     first = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0]
@@ -182,6 +194,26 @@ def test_logprobs_are_returned_for_each_token(llm: LLM) -> None:
     )
 
 
+def test_logprobs_mode_reaches_the_output(llm: LLM) -> None:
+    """Seeded, the same tokens come out in every mode; the processed logits of the chosen
+    token are its raw logits over the temperature."""
+
+    def chosen(mode: str) -> tuple[list[int], list[float]]:
+        params = SamplingParams(temperature=0.7, seed=3, max_tokens=5, ignore_eos=True,
+                                logprobs=1, logprobs_mode=mode)
+        out = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
+        pairs = zip(out.token_ids, out.logprobs, strict=True)
+        return list(out.token_ids), [entry[token].logprob for token, entry in pairs]
+
+    raw_tokens, raw_logits = chosen("raw_logits")
+    processed_tokens, processed_logits = chosen("processed_logits")
+    assert raw_tokens == processed_tokens
+    assert processed_logits == pytest.approx([v / 0.7 for v in raw_logits], rel=1e-5)
+    raw_lp = chosen("raw_logprobs")[1]
+    processed_lp = chosen("processed_logprobs")[1]
+    assert all(lp <= 0 for lp in raw_lp + processed_lp) and raw_lp != processed_lp
+
+
 def test_chat_uses_the_chat_template(llm: LLM) -> None:
     out = llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)[0]
     assert out.prompt == "<|user|>hi<|end|><|assistant|>"
@@ -196,6 +228,7 @@ def test_chat_uses_the_chat_template(llm: LLM) -> None:
         (dict(max_tokens=0), "max_tokens"),
         (dict(logprobs=-1), "logprobs"),
         (dict(prompt_logprobs=1.5), "prompt_logprobs"),
+        (dict(logprobs_mode="softmax"), "logprobs_mode"),
         (dict(stop=[""]), "stop"),
         (dict(presence_penalty=float("nan")), "presence_penalty"),
         (dict(min_tokens=5, max_tokens=2), "min_tokens"),

@@ -47,6 +47,7 @@ def make_inputs(**overrides: Any) -> SamplingInputs:
         step=np.zeros(N, np.int32),
         output_counts=np.zeros((N, V), np.int32),
         prompt_mask=np.zeros((N, V), bool),
+        logprobs_mode=np.zeros(N, np.int32),
     )
     for name, value in overrides.items():
         value = np.asarray(value, values[name].dtype)
@@ -210,6 +211,38 @@ def test_logprobs_are_raw_log_softmax() -> None:
     np.testing.assert_array_equal(out.ranks, ranks)
     np.testing.assert_array_equal(out.top_token_ids, np.argsort(-expected, -1)[:, :K])
     np.testing.assert_allclose(out.top_logprobs, np.sort(expected, -1)[:, ::-1][:, :K], atol=1e-5)
+
+
+def test_logprobs_mode_reports_raw_or_processed_values() -> None:
+    """Per row: raw log-softmax, raw logits, or the log-softmax / logits the token was
+    drawn from (temperature and top-k applied; greedy rows: the logits themselves)."""
+    logits = random_logits(11)
+    modes = np.array([0, 1, 2, 3, 0, 1, 2, 3])
+    temperature = np.array([0.7, 0.7, 0.7, 0.7, 0.0, 0.0, 0.0, 0.0], np.float32)
+    top_k = np.array([0, 8, 8, 8, 0, 0, 0, 0])
+    out = run(logits, make_inputs(temperature=temperature, top_k=top_k, logprobs_mode=modes))
+    for row in range(N):
+        raw = logits[row].astype(np.float64)
+        processed = raw / temperature[row] if temperature[row] > 0 else raw.copy()
+        if top_k[row]:
+            processed[raw < np.sort(raw)[-top_k[row]]] = -np.inf
+        expected = [log_softmax(raw), raw, log_softmax(processed), processed][modes[row]]
+        token = out.token_ids[row]
+        assert np.isfinite(processed[token])  # drawn from the processed distribution
+        np.testing.assert_allclose(out.logprobs[row], expected[token], rtol=1e-5, atol=1e-5)
+        assert out.ranks[row] == 1 + (expected > expected[token]).sum()
+        np.testing.assert_allclose(
+            out.top_logprobs[row], np.sort(expected)[::-1][:K], rtol=1e-5, atol=1e-5
+        )
+
+
+def test_all_raw_rows_report_what_they_did_before_the_modes() -> None:
+    logits = random_logits(12)
+    inputs = make_inputs(temperature=0.8, top_k=4)
+    with_modes = run(logits, inputs)
+    without = run(logits, inputs._replace(logprobs_mode=None))
+    for name in ("token_ids", "logprobs", "ranks", "top_token_ids", "top_logprobs"):
+        np.testing.assert_array_equal(getattr(with_modes, name), getattr(without, name))
 
 
 @pytest.mark.parametrize("variant", range(4))

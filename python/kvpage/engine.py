@@ -718,6 +718,14 @@ class LLMEngine:
         self.params_version += 1
         return self.params_version
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's name): blocks no sequence holds return to
+        the pool, and running sequences keep their blocks but stop caching them. For
+        callers whose prompts change wholesale, e.g. an RL loop between steps;
+        ``update_params`` does it already. Returns True, as vLLM's does on success."""
+        self.scheduler.reset_prefix_cache()
+        return True
+
     # ---- introspection --------------------------------------------------
 
     def get_stats(self) -> dict[str, Any]:

@@ -55,6 +55,10 @@ class LLM:
         ``LLMEngine.update_params``); returns the new params version."""
         return self.engine.update_params(params)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix (see ``LLMEngine.reset_prefix_cache``)."""
+        return self.engine.reset_prefix_cache()
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 

@@ -15,6 +15,12 @@ from dataclasses import dataclass
 GREEDY_EPSILON = 1e-5
 """Temperatures below this are greedy (argmax)."""
 
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+"""What ``logprobs`` report (vLLM's names), by code: ``raw_*`` are the model's logits (or
+their log-softmax) before anything else; ``processed_*`` come after penalties, grammar
+masks, min_tokens, temperature, min-p, top-k and top-p: the distribution the token was
+drawn from (greedy rows: the logits argmax was taken over)."""
+
 
 @dataclass(slots=True)
 class DeviceSamplingParams:
@@ -32,7 +38,7 @@ class DeviceSamplingParams:
       divided and negative logits multiplied by it; 1 = off.
     * ``logprobs``: None = no top list; ``n`` = also return the ``n`` most likely tokens
       with their log-probabilities. The sampled token's log-probability is always returned.
-      Log-probabilities are those of the raw model logits (before penalties/temperature).
+      ``logprobs_mode`` (a code into :data:`LOGPROBS_MODES`) says which values they are.
     * ``min_tokens`` / ``stop_token_ids``: while fewer than ``min_tokens`` tokens have been
       generated, the tokens in ``stop_token_ids`` (the caller includes EOS unless it ignores
       it) cannot be sampled.
@@ -49,6 +55,7 @@ class DeviceSamplingParams:
     logprobs: int | None = None
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    logprobs_mode: int = 0
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -71,6 +78,8 @@ class DeviceSamplingParams:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if not 0 <= self.logprobs_mode < len(LOGPROBS_MODES):
+            raise ValueError(f"logprobs_mode must be a code into {LOGPROBS_MODES}")
 
     @property
     def greedy(self) -> bool:

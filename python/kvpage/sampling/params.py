@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvpage._core import DEFAULT_MAX_TOKENS  # the one default, owned by the Rust core
-from kvpage.sampling.device_params import DeviceSamplingParams
+from kvpage.sampling.device_params import LOGPROBS_MODES, DeviceSamplingParams
 from kvpage.structured_outputs.params import StructuredOutputsParams
 
 MAX_N = 64
@@ -33,6 +33,11 @@ class SamplingParams:
     or EOS, that ends a sample is likewise left out unless
     ``include_stop_str_in_output``; its id stays in ``token_ids``); ``ignore_eos``;
     ``logprobs`` (top-N per token, the sampled one always included);
+    ``logprobs_mode``: what those values are (``raw_logprobs``, the default,
+    ``raw_logits``, ``processed_logprobs`` or ``processed_logits``; processed means
+    after penalties, grammar, temperature, min-p, top-k and top-p: the distribution
+    the token was drawn from, which is what an RL loss wants at temperature != 1;
+    prompt logprobs stay raw);
     ``prompt_logprobs`` (top-N per prompt token, the prompt token always included;
     scored in the prefill's own forward pass, and such a request bypasses the prefix
     cache: see :mod:`kvpage.prompt_logprobs`);
@@ -56,6 +61,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    logprobs_mode: str = "raw_logprobs"
     prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -103,6 +109,7 @@ class SamplingParams:
             self.max_tokens is None or (integer(self.max_tokens) and self.max_tokens >= 1),
             "None or an integer >= 1",
         )
+        check("logprobs_mode", self.logprobs_mode in LOGPROBS_MODES, f"one of {LOGPROBS_MODES}")
         check("min_tokens", integer(self.min_tokens) and self.min_tokens >= 0, "an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
@@ -179,6 +186,7 @@ class SamplingParams:
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logprobs=self.logprobs,
+            logprobs_mode=LOGPROBS_MODES.index(self.logprobs_mode),
             min_tokens=self.min_tokens,
             stop_token_ids=tuple(sorted(stop)),
         )

@@ -3,7 +3,9 @@
 This file owns the sampling math. Every per-row knob is an array, so one compiled
 function serves any mix of greedy and random rows and any parameter values:
 
-1. raw log-probabilities (``log_softmax`` of the model logits) -- what logprobs report;
+1. raw log-probabilities (``log_softmax`` of the model logits) -- what logprobs report by
+   default (each row's ``logprobs_mode`` may ask for the raw logits, or for the processed
+   logits or log-probabilities: those the token was drawn from, after steps 2-4);
 2. penalties (vLLM semantics): repetition over prompt + output tokens, then frequency and
    presence over output tokens;
 2b. min_tokens (vLLM semantics): while a row has generated fewer than ``min_tokens`` tokens,
@@ -51,11 +53,12 @@ class SamplingInputs(NamedTuple):
     prompt_mask: jax.Array | None  # bool [N, V]: token appears in the prompt
     min_tokens: jax.Array | None = None  # i32: stop tokens are masked while step < min_tokens
     stop_mask: jax.Array | None = None  # bool [N, V]: the row's stop tokens
+    logprobs_mode: jax.Array | None = None  # i32: code into LOGPROBS_MODES (None: raw)
 
 
 class SamplerOutput(NamedTuple):
     token_ids: jax.Array  # i32 [N]
-    logprobs: jax.Array  # f32 [N]  raw log-probability of the chosen token
+    logprobs: jax.Array  # f32 [N]  the chosen token's value in the row's logprobs_mode
     ranks: jax.Array  # i32 [N]  1 + number of tokens strictly more likely
     top_token_ids: jax.Array  # i32 [N, K]
     top_logprobs: jax.Array  # f32 [N, K]
@@ -186,7 +189,8 @@ def row_keys(
 
 def _random_tokens(
     logits: jax.Array, inputs: SamplingInputs, is_greedy: jax.Array, unseeded_key: jax.Array
-) -> jax.Array:
+) -> tuple[jax.Array, jax.Array]:
+    """The drawn tokens, and the processed logits they were drawn from."""
     temperature = jnp.where(is_greedy, 1.0, inputs.temperature)
     scaled = logits / temperature[:, None]
     scaled = jax.lax.cond(
@@ -207,7 +211,17 @@ def _random_tokens(
     keys = row_keys(inputs.seed, inputs.has_seed, inputs.step, unseeded_key)
     vocab = logits.shape[-1]
     gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(keys)
-    return jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
+    return jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32), scaled
+
+
+def _logprobs_in_mode(
+    mode: jax.Array, raw_logits: jax.Array, raw_logprobs: jax.Array, processed: jax.Array
+) -> jax.Array:
+    """Per row, the values its ``logprobs_mode`` reports (codes of ``LOGPROBS_MODES``)."""
+    mode = mode[:, None]
+    processed_values = jnp.where(mode == 3, processed, jax.nn.log_softmax(processed, axis=-1))
+    raw_values = jnp.where(mode == 1, raw_logits, raw_logprobs)
+    return jnp.where(mode >= 2, processed_values, raw_values)
 
 
 def sample(
@@ -226,6 +240,7 @@ def sample(
     to the tokens its grammar allows; None or all-ones rows restrict nothing.
     """
     logits = logits.astype(jnp.float32)
+    raw_logits = logits
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
     if inputs.output_counts is not None and inputs.prompt_mask is not None:
         active = (
@@ -261,15 +276,23 @@ def sample(
             logits = jnp.where(dead, grammar_logits, logits)
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     is_greedy = inputs.temperature < GREEDY_EPSILON
-    random_tokens = jax.lax.cond(
+    random_tokens, drawn_from = jax.lax.cond(
         jnp.all(is_greedy),
-        lambda x: greedy_tokens,
+        lambda x: (greedy_tokens, x),
         lambda x: _random_tokens(x, inputs, is_greedy, unseeded_key),
         logits,
     )
     tokens = jnp.where(is_greedy, greedy_tokens, random_tokens)
-    chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
-    ranks = 1 + jnp.sum(raw_logprobs > chosen[:, None], axis=-1).astype(jnp.int32)
+    reported = raw_logprobs
+    if inputs.logprobs_mode is not None:
+        processed = jnp.where(is_greedy[:, None], logits, drawn_from)
+        reported = jax.lax.cond(
+            jnp.any(inputs.logprobs_mode != 0),
+            lambda: _logprobs_in_mode(inputs.logprobs_mode, raw_logits, raw_logprobs, processed),
+            lambda: raw_logprobs,
+        )
+    chosen = jnp.take_along_axis(reported, tokens[:, None], axis=-1)[:, 0]
+    ranks = 1 + jnp.sum(reported > chosen[:, None], axis=-1).astype(jnp.int32)
 
     n = logits.shape[0]
     if num_top_logprobs > 0:
@@ -284,9 +307,7 @@ def sample(
                 jnp.zeros((n, num_top_logprobs), jnp.float32),
             )
 
-        top_ids, top_values = jax.lax.cond(
-            jnp.asarray(want_top_logprobs), top, skip, raw_logprobs
-        )
+        top_ids, top_values = jax.lax.cond(jnp.asarray(want_top_logprobs), top, skip, reported)
     else:
         top_ids = jnp.zeros((n, 0), jnp.int32)
         top_values = jnp.zeros((n, 0), jnp.float32)

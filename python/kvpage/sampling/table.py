@@ -26,13 +26,13 @@ from kvpage.sampling.sampler import SamplingInputs
 TEMPERATURE, TOP_P, MIN_P, PRESENCE, FREQUENCY, REPETITION = range(6)
 NUM_FLOAT_COLUMNS = 6
 # Columns of SamplingTable.ints
-TOP_K, HAS_SEED, STEP, MIN_TOKENS = range(4)
-NUM_INT_COLUMNS = 4
+TOP_K, HAS_SEED, STEP, MIN_TOKENS, LOGPROBS_MODE = range(5)
+NUM_INT_COLUMNS = 5
 
 
 class SamplingTable(NamedTuple):
     floats: jax.Array  # f32 [R + 1, 6]
-    ints: jax.Array  # i32 [R + 1, 4]
+    ints: jax.Array  # i32 [R + 1, 5]
     seeds: jax.Array  # u32 [R + 1, 2]: low and high words of each request's seed
     output_counts: jax.Array | None  # i32 [R + 1, V]
     prompt_mask: jax.Array | None  # bool [R + 1, V]
@@ -55,6 +55,7 @@ def params_to_rows(
     ints[HAS_SEED] = params.seed is not None
     ints[STEP] = num_generated
     ints[MIN_TOKENS] = params.min_tokens
+    ints[LOGPROBS_MODE] = params.logprobs_mode
     seed_value = params.seed or 0
     seed = np.asarray([seed_value & 0xFFFFFFFF, (seed_value >> 32) & 0xFFFFFFFF], np.uint32)
     return floats, ints, seed
@@ -137,6 +138,7 @@ def gather_inputs(table: SamplingTable, rows: jax.Array) -> SamplingInputs:
         prompt_mask=None if table.prompt_mask is None else table.prompt_mask[rows],
         min_tokens=ints[:, MIN_TOKENS],
         stop_mask=table.stop_mask[rows],
+        logprobs_mode=ints[:, LOGPROBS_MODE],
     )
 
 
