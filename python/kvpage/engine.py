@@ -151,19 +151,25 @@ def load_tokenizer(model_dir: str | Path) -> Any:
 
 
 def load_model_and_tokenizer(
-    model: str | Path, dtype: str = "auto"
+    model: str | Path,
+    dtype: str = "auto",
+    quantization: str = "auto",
+    tensor_parallel_size: int = 1,
 ) -> tuple[ModelConfig, Any, Any, Path | None]:
     """``(model_config, params, tokenizer, model_dir)`` from an HF model directory or a
     GGUF file (``model_dir`` is None for a GGUF file; ``tokenizer`` None if there is
-    none)."""
+    none). ``quantization``: :mod:`kvpage.quant.modes`."""
     path = Path(model)
     if is_gguf(path):
         start = time.perf_counter()
-        model_config, params, tokenizer = load_gguf(path, dtype=dtype)
+        model_config, params, tokenizer = load_gguf(
+            path, dtype=dtype, quantization=quantization,
+            tensor_parallel_size=tensor_parallel_size,
+        )
         logger.info("loaded %s (%s) in %.1f s", path, model_config.dtype,
                     time.perf_counter() - start)
         return model_config, params, tokenizer, None
-    model_config, params = load_model(path, dtype=dtype)
+    model_config, params = load_model(path, dtype=dtype, quantization=quantization)
     tokenizer = (
         load_tokenizer(path)
         if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file()
@@ -274,7 +280,8 @@ class LLMEngine:
         if config.model is None:
             raise ValueError("EngineConfig.model must name an HF model directory or a .gguf file")
         model_config, params, tokenizer, model_dir = load_model_and_tokenizer(
-            config.model, dtype=config.dtype
+            config.model, dtype=config.dtype, quantization=config.quantization,
+            tensor_parallel_size=config.tensor_parallel_size,
         )
         return cls(config, model_config, params, tokenizer, model_dir)
 

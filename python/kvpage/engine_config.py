@@ -10,6 +10,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
+from kvpage.quant.modes import QUANTIZATION_MODES
+from kvpage.quant.modes import check_mode as check_quantization
+
 POLICIES = ("fcfs", "priority", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 WARMUP_MODES = ("none", "background", "full")
@@ -36,6 +39,10 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     max_model_len: int | None = None
     dtype: str = "auto"
+    quantization: str = "auto"
+    """Which weights stay quantized in memory (:mod:`kvpage.quant.modes`): ``"auto"``
+    keeps a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K blocks on CPU, ``"none"`` dequantizes
+    at load, ``"gguf"`` keeps blocks everywhere, ``"int8"`` stores per-channel int8."""
     scheduling_policy: str = "fcfs"
     attention_backend: str | None = None
     tensor_parallel_size: int = 1
@@ -84,6 +91,7 @@ class EngineConfig:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        check_quantization(self.quantization)
         if self.long_prefill_token_threshold < 0:
             raise ValueError(
                 "long_prefill_token_threshold must be >= 0 (0 = no cap), got "
@@ -175,6 +183,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="longest sequence, prompt + output (default: the model's)",
     )
     g.add_argument("--dtype", default="auto", choices=DTYPES, help="weight dtype")
+    g.add_argument(
+        "--quantization",
+        default="auto",
+        choices=QUANTIZATION_MODES,
+        help="weights kept quantized: auto (a GGUF file's blocks on CPU), none "
+        "(dequantize at load), gguf (blocks everywhere), int8 (per-channel int8)",
+    )
     g.add_argument(
         "--scheduling-policy",
         default="fcfs",

@@ -66,6 +66,14 @@ impl OutPtr {
     pub fn new(y: &mut [f32]) -> Self {
         OutPtr(y.as_mut_ptr())
     }
+
+    /// Element `index` of the buffer.
+    ///
+    /// # Safety
+    /// `index` is within the buffer, and no other thread writes that element.
+    pub unsafe fn at(self, index: usize) -> *mut f32 {
+        self.0.add(index)
+    }
 }
 
 /// Number of tiles of [`OUTS_PER_TILE`] weight rows a call splits into.

@@ -3,6 +3,8 @@
 //! - [`cpu_attention`]: paged decode attention on the host CPU: one query
 //!   token per row, K/V read straight from the paged pool.
 //! - [`cpu_matmul`]: linear layers of few rows (decode steps): `y = x · wᵀ`.
+//! - [`quant`]: linear layers with quantized weights (GGUF blocks, int8),
+//!   read as they are stored: `y = x · dequant(w)ᵀ`.
 //! - [`parallel`]: where those kernels' parallel work runs (XLA's intra-op
 //!   pool when XLA calls them, scoped threads in tests and benches); kernels
 //!   never spawn threads themselves.
@@ -21,4 +23,6 @@
 pub mod cpu_attention;
 pub mod cpu_matmul;
 pub mod parallel;
+pub mod quant;
 pub mod xla_ffi;
+pub mod xla_ffi_quant;

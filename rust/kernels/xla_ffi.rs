@@ -32,9 +32,11 @@ const API_MINOR: i32 = 1;
 
 const EXTENSION_METADATA: i32 = 1;
 const STAGE_EXECUTE: i32 = 3;
-const ARG_BUFFER: i32 = 1;
+pub(super) const ARG_BUFFER: i32 = 1;
+pub(super) const DTYPE_S8: i32 = 2;
+pub(super) const DTYPE_U8: i32 = 6;
 const DTYPE_S32: i32 = 4;
-const DTYPE_F32: i32 = 11;
+pub(super) const DTYPE_F32: i32 = 11;
 const DTYPE_BF16: i32 = 16;
 const ERROR_INVALID_ARGUMENT: i32 = 3;
 const ERROR_INTERNAL: i32 = 13;
@@ -144,7 +146,7 @@ struct Buffer {
 }
 
 #[repr(C)]
-struct List {
+pub(super) struct List {
     struct_size: usize,
     extension_start: *mut ExtensionBase,
     size: i64,
@@ -153,31 +155,31 @@ struct List {
 }
 
 #[repr(C)]
-struct CallFrame {
+pub(super) struct CallFrame {
     struct_size: usize,
     extension_start: *mut ExtensionBase,
     api: *const Api,
     ctx: *mut c_void,
     stage: i32,
-    args: List,
-    rets: List,
+    pub(super) args: List,
+    pub(super) rets: List,
     // attrs and the future follow; never read.
 }
 
 /// A checked view of one argument or result buffer.
-struct View {
-    dtype: i32,
-    data: *mut c_void,
-    dims: Vec<usize>,
+pub(super) struct View {
+    pub(super) dtype: i32,
+    pub(super) data: *mut c_void,
+    pub(super) dims: Vec<usize>,
 }
 
 impl View {
-    fn len(&self) -> usize {
+    pub(super) fn len(&self) -> usize {
         self.dims.iter().product()
     }
 }
 
-unsafe fn buffers(list: &List, what: &str, want: usize) -> Result<Vec<View>, String> {
+pub(super) unsafe fn buffers(list: &List, what: &str, want: usize) -> Result<Vec<View>, String> {
     if list.size != want as i64 {
         return Err(format!("expected {want} {what}, got {}", list.size));
     }
@@ -315,8 +317,8 @@ unsafe fn pool_threads(frame: &CallFrame) -> usize {
 }
 
 /// XLA's intra-op pool as seen from one call frame.
-struct XlaPool<'f> {
-    frame: &'f CallFrame,
+pub(super) struct XlaPool<'f> {
+    pub(super) frame: &'f CallFrame,
 }
 
 impl Parallel for XlaPool<'_> {
@@ -389,7 +391,7 @@ unsafe fn parallel_for(
 }
 
 /// Run `body` for an execute call frame, turning errors and panics into XLA errors.
-unsafe fn handle(
+pub(super) unsafe fn handle(
     frame: *mut CallFrame,
     name: &str,
     body: unsafe fn(&CallFrame) -> Result<(), String>,

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from kvpage.model.config import ModelConfig
-from kvpage.model.llama import compute_logits, layer_params, linear, rms_norm
+from kvpage.model.llama import compute_logits, embed_tokens, layer_params, linear, rms_norm
 from kvpage.model.params import Params
 from kvpage.model.rope import apply_rope, config_inverse_frequencies, rope_cos_sin
 
@@ -46,7 +46,7 @@ def _attention(
 def dense_hidden_states(params: Params, config: ModelConfig, token_ids: jax.Array) -> jax.Array:
     """Last-layer hidden states ``[B, L, hidden]`` (before the final norm)."""
     batch, length = token_ids.shape
-    hidden = jnp.take(params["embed_tokens"]["weight"], token_ids, axis=0)
+    hidden = embed_tokens(params, token_ids)
     positions = jnp.tile(jnp.arange(length, dtype=jnp.int32), batch)
     cos, sin = rope_cos_sin(positions, config_inverse_frequencies(config))
     eps = config.rms_norm_eps

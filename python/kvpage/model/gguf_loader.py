@@ -13,8 +13,14 @@ is not GGUF, or a truncated one raises :class:`CheckpointError` naming the probl
 
 llama.cpp's converter permutes the rows of Llama's q/k projections (per head, from HF's
 "rotate half" pairing to interleaved pairs); :func:`_unpermute_rope_rows` undoes that,
-as transformers' GGUF loader does. Quantized weights are dequantized once at load time:
-with ``dtype="auto"`` they become float32 on CPU and bfloat16 on accelerators.
+as transformers' GGUF loader does (on a quantized tensor it moves whole rows of blocks).
+
+``quantization`` (:mod:`kvpage.quant.modes`) decides what stays quantized: by default a
+Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K tensor stays in its blocks on CPU
+(:class:`~kvpage.quant.QuantizedWeight`, no float copy); every other tensor, and every
+tensor with ``quantization="none"``, is dequantized once at load: with ``dtype="auto"``
+to float32 on CPU and bfloat16 on accelerators. ``"int8"`` requantizes the 2-D weights
+per channel.
 """
 
 from __future__ import annotations
@@ -36,6 +42,9 @@ from kvpage.model.errors import CheckpointError
 from kvpage.model.gguf_file import GGUFFile
 from kvpage.model.params import Params, jnp_dtype, param_spec, tree_from_flat
 from kvpage.model.rope import inverse_frequencies
+from kvpage.quant.int8 import quantize_int8
+from kvpage.quant.modes import GGUF_KEPT, check_mode, keeps_gguf_blocks
+from kvpage.quant.weights import QuantizedWeight
 
 GGUF_SUFFIX = ".gguf"
 _MAGIC = b"GGUF"
@@ -336,8 +345,13 @@ def load_gguf(
     device: jax.Device | None = None,
     tokenizer: bool = True,
     progress: Callable[[int, int], None] | None = None,
+    quantization: str = "auto",
+    tensor_parallel_size: int = 1,
 ) -> GGUFModel:
-    """Read and dequantize a GGUF file into ``(config, params, tokenizer)``.
+    """Read a GGUF file into ``(config, params, tokenizer)``, keeping quantized tensors
+    in their blocks or dequantizing them as ``quantization`` says (module docs; the
+    devices the model will run on, ``device`` and ``tensor_parallel_size``, decide
+    ``"auto"``).
 
     Every tensor of :func:`kvpage.model.params.param_spec` must be present with its
     exact shape; an unknown tensor, a missing one or an unsupported tensor type raises
@@ -345,9 +359,14 @@ def load_gguf(
     ``progress(done, total)`` is called after each tensor.
     """
     path = Path(path)
+    check_mode(quantization)
     reader = _open(path)
     config = _config_from_reader(reader, path, dtype, device)
-    params = _params_from_reader(reader, path, config, device, progress)
+    platform = device.platform if device is not None else jax.default_backend()
+    keep = keeps_gguf_blocks(quantization, platform, tensor_parallel_size)
+    params = _params_from_reader(
+        reader, path, config, device, progress, keep_blocks=keep, int8=quantization == "int8"
+    )
     return GGUFModel(config, params, _tokenizer(reader, path) if tokenizer else None)
 
 
@@ -357,12 +376,14 @@ def _params_from_reader(
     config: ModelConfig,
     device: jax.Device | None,
     progress: Callable[[int, int], None] | None,
+    keep_blocks: bool = False,
+    int8: bool = False,
 ) -> Params:
     gguf_arch = _architecture(reader, path)
     permuted = _ARCHITECTURES[gguf_arch][1]
     target = jnp_dtype(config.dtype)
     spec = param_spec(config)
-    flat: dict[str, jax.Array] = {}
+    flat: dict[str, Any] = {}
     tensors = [t for t in reader.tensors if t.name != _ROPE_FREQS]
     names = []
     for tensor in tensors:
@@ -379,11 +400,21 @@ def _params_from_reader(
             )
         names.append(name)
 
-    def host_values(tensor: Any) -> np.ndarray:
-        values = _dequantize(tensor, path)
+    def unpermuted(tensor: Any, values: np.ndarray) -> np.ndarray:
         if permuted and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
             heads = config.num_heads if ".attn_q." in tensor.name else config.num_kv_heads
             values = _unpermute_rope_rows(values, heads)
+        return values
+
+    def host_values(tensor: Any) -> np.ndarray | QuantizedWeight:
+        shape = _tensor_shape(tensor)
+        kind = GGUF_KEPT.get(tensor.tensor_type.name)
+        if keep_blocks and kind is not None and len(shape) == 2:
+            blocks = np.ascontiguousarray(unpermuted(tensor, tensor.data))
+            return QuantizedWeight(blocks, kind, shape, target)
+        values = unpermuted(tensor, _dequantize(tensor, path))
+        if int8 and values.ndim == 2:
+            return quantize_int8(values, target)
         return values
 
     # numpy dequantizes outside the GIL: a few tensors at a time on every core, in order,
@@ -391,13 +422,16 @@ def _params_from_reader(
     workers = max(1, min(4, os.cpu_count() or 1))
     window = 2 * workers
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        pending: collections.deque[concurrent.futures.Future[np.ndarray]] = collections.deque()
+        pending: collections.deque[concurrent.futures.Future[Any]] = collections.deque()
         upcoming = iter(tensors)
         for done, name in enumerate(names, start=1):
             while len(pending) < window and (tensor := next(upcoming, None)) is not None:
                 pending.append(pool.submit(host_values, tensor))
-            array = jax.device_put(pending.popleft().result(), device)
-            flat[name] = array if array.dtype == target else array.astype(target)
+            value = jax.device_put(pending.popleft().result(), device)
+            if isinstance(value, QuantizedWeight) or value.dtype == target:
+                flat[name] = value
+            else:
+                flat[name] = value.astype(target)
             if progress is not None:
                 progress(done, len(tensors))
     missing = [name for name in spec if name not in flat]

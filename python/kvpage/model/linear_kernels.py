@@ -1,10 +1,14 @@
 """Which kernel the linear layers of a traced model run on.
 
 Owns :func:`matmul_nt` (``x . w^T`` with an HF-oriented ``[out, in]`` weight, the
-product behind every linear layer and the vocab projection) and the switch
-:func:`host_matmuls`. With the switch on, products of a few rows lowered for CPU go to
-kvpage's Rust kernel (``pallas_kernels/cpu_matmul.py``: policy and measurements); with
-it off, or on any other platform, they are XLA's ``dot_general``.
+product behind every linear layer and the vocab projection), :func:`embedding_rows`
+and the switch :func:`host_matmuls`. A weight may be a
+:class:`~kvpage.quant.QuantizedWeight`: with the switch on, its products run in the Rust
+core from its blocks (``pallas_kernels/cpu_qmatmul.py``, every row count); otherwise, or
+on another platform, the step dequantizes it and uses XLA's dot. For float weights, with
+the switch on, products of a few rows lowered for CPU go to kvpage's Rust kernel
+(``pallas_kernels/cpu_matmul.py``: policy and measurements); with it off, or on any other
+platform, they are XLA's ``dot_general``.
 
 The switch is off by default: the kernel has no derivative, so the training path
 (:mod:`kvpage.model.dense` under ``jax.grad``) never meets it. The model runner turns
@@ -21,9 +25,12 @@ import contextvars
 from collections.abc import Iterator
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
+from kvpage.quant.weights import QuantizedWeight
 from pallas_kernels.cpu_matmul import cpu_matmul_nt
+from pallas_kernels.cpu_qmatmul import cpu_qmatmul_nt
 
 _HOST_MATMULS = contextvars.ContextVar("kvpage_host_matmuls", default=False)
 
@@ -39,10 +46,14 @@ def host_matmuls(enabled: bool = True) -> Iterator[None]:
 
 
 def matmul_nt(
-    x: jax.Array, w: jax.Array, preferred_element_type: jax.typing.DTypeLike | None = None
+    x: jax.Array,
+    w: jax.Array | QuantizedWeight,
+    preferred_element_type: jax.typing.DTypeLike | None = None,
 ) -> jax.Array:
     """``x [..., in] . w [out, in]^T`` (``lax.dot_general`` contracting ``x``'s last axis
     with ``w``'s axis 1)."""
+    if isinstance(w, QuantizedWeight):
+        return _quantized_matmul_nt(x, w, preferred_element_type)
 
     def xla() -> jax.Array:
         dims = (((x.ndim - 1,), (1,)), ((), ()))
@@ -51,3 +62,31 @@ def matmul_nt(
     if not _HOST_MATMULS.get():
         return xla()
     return cpu_matmul_nt(x, w, otherwise=xla)
+
+
+def _quantized_matmul_nt(
+    x: jax.Array, w: QuantizedWeight, preferred_element_type: jax.typing.DTypeLike | None
+) -> jax.Array:
+    out_dtype = preferred_element_type or x.dtype
+
+    def xla() -> jax.Array:
+        dims = (((x.ndim - 1,), (1,)), ((), ()))
+        return lax.dot_general(
+            x, w.dequantize(x.dtype), dims, preferred_element_type=preferred_element_type
+        )
+
+    if not _HOST_MATMULS.get():
+        return xla()
+    flat = x.reshape(-1, x.shape[-1])
+    y = cpu_qmatmul_nt(
+        flat, w.blocks, w.row_scales, w.kind,
+        otherwise=lambda: xla().reshape(flat.shape[0], -1).astype(jnp.float32),
+    )
+    return y.reshape(*x.shape[:-1], w.shape[0]).astype(out_dtype)
+
+
+def embedding_rows(weight: jax.Array | QuantizedWeight, token_ids: jax.Array) -> jax.Array:
+    """Rows ``token_ids`` of an embedding table (a quantized one dequantizes only them)."""
+    if isinstance(weight, QuantizedWeight):
+        return weight.take_rows(token_ids)
+    return jnp.take(weight, token_ids, axis=0)

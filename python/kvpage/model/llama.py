@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from kvpage.model.attention import AttentionBackend
 from kvpage.model.config import ModelConfig
-from kvpage.model.linear_kernels import matmul_nt
+from kvpage.model.linear_kernels import embedding_rows, matmul_nt
 from kvpage.model.params import Params
 from kvpage.model.rope import apply_rope, config_inverse_frequencies, rope_cos_sin
 
@@ -109,7 +109,7 @@ def _mlp(mlp: dict[str, Any], hidden: jax.Array) -> jax.Array:
 
 def embed_tokens(params: Params, token_ids: jax.Array) -> jax.Array:
     """The input embeddings ``[T, hidden]`` of ``token_ids``."""
-    return jnp.take(params["embed_tokens"]["weight"], token_ids, axis=0)
+    return embedding_rows(params["embed_tokens"]["weight"], token_ids)
 
 
 def decoder_layer(

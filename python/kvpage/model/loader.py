@@ -38,6 +38,7 @@ from kvpage.model.params import (
     validate_params,
 )
 from kvpage.model.safetensors_file import SafetensorsFile
+from kvpage.quant.int8 import quantize_int8
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,10 @@ def auto_dtype_for_platform(checkpoint_dtype: str, platform: str) -> str:
 
 
 def load_model(
-    model_dir: str | Path, dtype: str = "auto", device: jax.Device | None = None
+    model_dir: str | Path,
+    dtype: str = "auto",
+    device: jax.Device | None = None,
+    quantization: str = "auto",
 ) -> tuple[ModelConfig, Params]:
     """Read ``config.json`` and the safetensors weights of an HF model directory.
 
@@ -85,7 +89,9 @@ def load_model(
     if dtype != config.dtype:
         jnp_dtype(dtype)
         config = dataclasses.replace(config, dtype=dtype)
-    return config, load_params(model_dir, config, dtype=dtype, device=device)
+    return config, load_params(
+        model_dir, config, dtype=dtype, device=device, int8=quantization == "int8"
+    )
 
 
 def _weight_files(model_dir: Path) -> dict[str, Path]:
@@ -127,8 +133,10 @@ def load_params(
     config: ModelConfig,
     dtype: str = "auto",
     device: jax.Device | None = None,
+    int8: bool = False,
 ) -> Params:
-    """Load every tensor of :func:`param_spec` from ``model_dir`` as ``dtype`` jax arrays.
+    """Load every tensor of :func:`param_spec` from ``model_dir`` as ``dtype`` jax arrays
+    (``int8``: 2-D weights as per-channel int8, quantized on the host as they are read).
 
     Tensors the model does not use (``lm_head.weight`` of a tied model, rotary buffers)
     are ignored; missing tensors and shape mismatches raise :class:`CheckpointError`.
@@ -144,7 +152,7 @@ def load_params(
             f"checkpoint {model_dir} lacks tensors: {', '.join(missing[:8])}{more}"
         )
     files: dict[Path, SafetensorsFile] = {}
-    flat: dict[str, jax.Array] = {}
+    flat: dict[str, Any] = {}
     for name, shape in spec.items():
         path = where[name]
         if path not in files:
@@ -156,6 +164,9 @@ def load_params(
             raise CheckpointError(
                 f"tensor {name!r} in {path} has shape {shard.shape(name)}, expected {shape}"
             )
+        if int8 and len(shape) == 2:
+            flat[name] = jax.device_put(quantize_int8(shard.get(name), target), device)
+            continue
         # Convert on the device: the host only streams the file's bytes.
         value = jax.device_put(np.asarray(shard.get(name)), device)
         flat[name] = value if value.dtype == target else value.astype(target)

@@ -49,6 +49,7 @@ import numpy as np
 
 from kvpage.model.config import ModelConfig
 from kvpage.model.errors import CheckpointError
+from kvpage.quant.weights import is_quantized
 
 Params = dict[str, Any]
 Path_ = tuple[str | int, ...]
@@ -170,7 +171,8 @@ def _lookup(tree: Any, path: Path_) -> Any:
 
 
 def _count_leaves(params: Params) -> int:
-    return len(jax.tree_util.tree_leaves(params))
+    """Tensors in the tree (a :class:`~kvpage.quant.QuantizedWeight` is one)."""
+    return len(jax.tree_util.tree_leaves(params, is_leaf=is_quantized))
 
 
 def validate_params(config: ModelConfig, params: Params) -> None:
@@ -200,7 +202,9 @@ def validate_params(config: ModelConfig, params: Params) -> None:
         known = {id(v) for _, v, _ in iter_leaves(config, params)}
         extra = [
             jax.tree_util.keystr(path)
-            for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+            for path, leaf in jax.tree_util.tree_flatten_with_path(
+                params, is_leaf=is_quantized
+            )[0]
             if id(leaf) not in known
         ]
         problems.append(f"unexpected tensors: {', '.join(extra[:8]) or '(repeated leaves)'}")
@@ -209,13 +213,16 @@ def validate_params(config: ModelConfig, params: Params) -> None:
 
 
 def cast_params(params: Params, dtype: str | None, device: jax.Device | None = None) -> Params:
-    """Put every leaf on ``device`` as a jax array of ``dtype`` (None keeps each leaf's dtype)."""
+    """Put every leaf on ``device`` as a jax array of ``dtype`` (None keeps each leaf's
+    dtype). A :class:`~kvpage.quant.QuantizedWeight` keeps its stored arrays."""
     target = None if dtype is None else jnp_dtype(dtype)
 
-    def convert(x: Any) -> jax.Array:
+    def convert(x: Any) -> Any:
+        if is_quantized(x):
+            return jax.device_put(x, device) if device is not None else x
         arr = jnp.asarray(x) if not isinstance(x, jax.Array) else x
         if target is not None and arr.dtype != target:
             arr = arr.astype(target)
         return jax.device_put(arr, device) if device is not None else arr
 
-    return jax.tree_util.tree_map(convert, params)
+    return jax.tree_util.tree_map(convert, params, is_leaf=is_quantized)

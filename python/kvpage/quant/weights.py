@@ -1,0 +1,134 @@
+"""A quantized ``[out, in]`` linear weight as one node of the params pytree.
+
+Owns :class:`QuantizedWeight`: the stored arrays (GGUF's blocks as ``uint8 [out,
+row_bytes]``, or int8 values ``[out, in]`` with float32 ``row_scales [out]``) as pytree
+children, and the format, logical shape and compute dtype as static data, so a traced
+step sees the format and jit, ``device_put`` and shardings treat the arrays as any
+other leaves. ``shape`` and ``dtype`` are the float weight's, so code that sizes
+activations from a weight (hidden size, dtype) works unchanged.
+
+Invariant: ``blocks.shape == (out, row_bytes(kind, in))`` (int8: ``(out, in)`` with
+``row_scales.shape == (out,)``); checked at construction from concrete arrays.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# kind -> (weights per block, bytes per block); int8 is a "block" of one weight.
+BLOCK_LAYOUTS: dict[str, tuple[int, int]] = {
+    "q8_0": (32, 34),
+    "q4_0": (32, 18),
+    "q4_1": (32, 20),
+    "q4_k": (256, 144),
+    "q6_k": (256, 210),
+    "int8": (1, 1),
+}
+KINDS: tuple[str, ...] = tuple(BLOCK_LAYOUTS)
+
+
+def row_bytes(kind: str, inner: int) -> int:
+    """Bytes of one stored row of ``inner`` weights (ValueError if ``inner`` is not a
+    multiple of the format's block)."""
+    elems, size = BLOCK_LAYOUTS[kind]
+    if inner <= 0 or inner % elems:
+        raise ValueError(f"{kind} weights need rows of a multiple of {elems} values, got {inner}")
+    return inner // elems * size
+
+
+@jax.tree_util.register_pytree_node_class
+class QuantizedWeight:
+    """An ``[out, in]`` weight in format ``kind`` (see :data:`KINDS`)."""
+
+    __slots__ = ("blocks", "row_scales", "kind", "shape", "dtype")
+
+    def __init__(
+        self,
+        blocks: Any,
+        kind: str,
+        shape: tuple[int, int],
+        dtype: Any = jnp.float32,
+        row_scales: Any = None,
+    ) -> None:
+        if kind not in BLOCK_LAYOUTS:
+            raise ValueError(f"unknown quantized format {kind!r}; known: {', '.join(KINDS)}")
+        self.blocks = blocks
+        self.row_scales = row_scales
+        self.kind = kind
+        self.shape = (int(shape[0]), int(shape[1]))
+        self.dtype = jnp.dtype(dtype)
+        if isinstance(blocks, np.ndarray | jax.Array):
+            self._check()
+
+    def _check(self) -> None:
+        out, inner = self.shape
+        want = (out, row_bytes(self.kind, inner))
+        if tuple(self.blocks.shape) != want:
+            raise ValueError(f"{self.kind} blocks of a {self.shape} weight must be {want}, "
+                             f"got {tuple(self.blocks.shape)}")
+        if (self.kind == "int8") != (self.row_scales is not None):
+            raise ValueError("int8 weights (and only they) carry row_scales")
+        if self.row_scales is not None and tuple(self.row_scales.shape) != (out,):
+            raise ValueError(f"row_scales must be ({out},), got {tuple(self.row_scales.shape)}")
+
+    # ---- pytree
+    def tree_flatten(self) -> tuple[tuple[Any, ...], tuple[str, tuple[int, int], Any]]:
+        children = (self.blocks,) if self.row_scales is None else (self.blocks, self.row_scales)
+        return children, (self.kind, self.shape, self.dtype)
+
+    @classmethod
+    def tree_unflatten(cls, aux: tuple[str, tuple[int, int], Any], children: Any) -> Any:
+        obj = object.__new__(cls)
+        obj.kind, obj.shape, obj.dtype = aux
+        obj.blocks = children[0]
+        obj.row_scales = children[1] if len(children) > 1 else None
+        return obj
+
+    # ---- views
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the stored arrays hold."""
+        total = int(np.prod(self.blocks.shape)) * np.dtype(self.blocks.dtype).itemsize
+        if self.row_scales is not None:
+            total += int(np.prod(self.row_scales.shape)) * 4
+        return total
+
+    def dequantize(self, dtype: Any = None) -> jax.Array:
+        """The float weight ``[out, in]`` (traceable; bit-exact with ``gguf``'s reference
+        for GGUF formats, in float32 then cast to ``dtype``, default :attr:`dtype`)."""
+        return dequantize_rows(self, self.blocks, self.row_scales, dtype)
+
+    def take_rows(self, ids: jax.Array, dtype: Any = None) -> jax.Array:
+        """Rows ``ids`` of the float weight (an embedding lookup), dequantizing only them."""
+        scales = None if self.row_scales is None else jnp.take(self.row_scales, ids, axis=0)
+        return dequantize_rows(self, jnp.take(self.blocks, ids, axis=0), scales, dtype)
+
+    def __repr__(self) -> str:
+        return f"QuantizedWeight({self.kind}, shape={self.shape}, dtype={self.dtype.name})"
+
+
+def dequantize_rows(
+    weight: QuantizedWeight, blocks: jax.Array, row_scales: jax.Array | None, dtype: Any
+) -> jax.Array:
+    """Float values of stored rows ``blocks [..., row_bytes]`` of ``weight``'s format."""
+    from kvpage.quant.gguf_blocks import dequantize_blocks
+
+    target = weight.dtype if dtype is None else jnp.dtype(dtype)
+    if weight.kind == "int8":
+        values = blocks.astype(jnp.float32) * row_scales[..., None].astype(jnp.float32)
+    else:
+        values = dequantize_blocks(weight.kind, blocks, weight.shape[1])
+    return values.astype(target)
+
+
+def is_quantized(leaf: Any) -> bool:
+    """Whether a params-tree node is a :class:`QuantizedWeight`."""
+    return isinstance(leaf, QuantizedWeight)

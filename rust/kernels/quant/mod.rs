@@ -1,0 +1,34 @@
+//! Weight-only quantized linear layers on the host CPU: `y = x · dequant(w)ᵀ`
+//! read straight from the weights' quantized blocks (GGUF's Q8_0, Q4_0, Q4_1,
+//! Q4_K, Q6_K, and per-channel int8), never expanded to float in memory.
+//!
+//! A decode step of a small model streams every weight once per step, so the
+//! bytes per weight bound its speed: SmolLM2's Q4_1 file holds 0.625 bytes per
+//! weight where float32 holds 4. Each 32-weight sub-block is unpacked in
+//! registers to small integers with its scale and offset ([`formats`]); then
+//! ([`qmatmul`]) a one-row call multiplies them with the row quantized to 16
+//! bits ([`activations`]) in integer multiply-adds, and a call of more rows
+//! expands each sub-block to float once and shares it across the rows.
+//!
+//! - [`formats`]: the block layouts, and the reference unpacking every kernel
+//!   agrees with.
+//! - [`activations`]: the 16-bit rows of `x`, with per-block scales and sums.
+//! - [`qmatmul`]: the product, its validation, tiles for the thread pool, the
+//!   AVX2 kernels and the portable loops.
+//!
+//! Invariants:
+//! - a weight buffer has exactly `outs * row_bytes(inner)` bytes and `inner` is a
+//!   multiple of the type's block (checked before any read);
+//! - every weight of a sub-block is `scale[i / 16] * q[i] + min[i / 16]` with the
+//!   values [`formats::unpack`] gives; the vectorized kernels read the same
+//!   values;
+//! - each element of `y` is computed by one worker, in an order that depends only
+//!   on the shapes and the instruction set, never on the thread count or on the
+//!   other rows of a multi-row call.
+
+pub mod activations;
+pub mod formats;
+pub mod qmatmul;
+
+#[cfg(test)]
+mod tests;

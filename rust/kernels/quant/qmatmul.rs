@@ -1,0 +1,752 @@
+//! `y = x · dequant(w)ᵀ` with quantized weights: the decode- and prefill-sized
+//! linear layers of a quantized model on the host CPU.
+//!
+//! Owns [`qmatmul`] (one thread, for tests and benches), [`validate`],
+//! [`Inputs`] and the per-tile entry [`tile`] that the XLA FFI handler runs on
+//! XLA's thread pool. Each weight row's sub-blocks are unpacked once and
+//! multiplied against a group of up to [`ROW_GROUP`] input rows while they are
+//! in registers. Two paths, by the rows of the call:
+//!
+//! - **one row** (a decode step of one sequence; up to [`INTEGER_ROWS`]): the
+//!   row is quantized to 16 bits per block ([`Q16Rows`]) and the products are
+//!   integer multiply-adds (`pmaddwd`); per sub-block `s` of 32 weights the
+//!   kernel adds
+//!   `Σ_h scale[h] · d_x[s] · Σ_{i in half h} q[i] · q_x[i] + Σ_h min[h] · half_sum_x[s, h]`.
+//!   Fewest instructions per weight, where weight streaming is the limit.
+//! - **more rows**: each sub-block is expanded to float in registers
+//!   (`scale · q + min`, one FMA per 8 weights) and multiplied against the float
+//!   inputs, as the float kernel does ([`crate::kernels::cpu_matmul`]): the
+//!   expansion is shared by every row, so the cost per row is the float kernel's
+//!   and no input precision is lost.
+//!
+//! A row's result therefore depends on whether it is alone in its call (as
+//! XLA's own dot differs between shapes); within a path it does not depend on
+//! the other rows.
+//!
+//! Layout (row-major): `x [rows, inner]` f32, `w [outs, row_bytes(inner)]`
+//! bytes (each row its blocks, as GGUF stores a `[out, in]` weight),
+//! `row_scales [outs]` f32 for per-channel types (else empty), `y [rows, outs]`.
+
+use std::sync::OnceLock;
+
+use super::activations::Q16Rows;
+use super::formats::{dequantize_row, unpack, QuantType, SubBlock, SUB};
+use crate::kernels::cpu_matmul::OutPtr;
+
+/// Shapes and weight format of one call (layout in the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QuantShape {
+    pub kind: QuantType,
+    pub rows: usize,
+    pub inner: usize,
+    pub outs: usize,
+}
+
+/// Input rows multiplied against one unpacking of a weight row (the AVX2
+/// kernel's register budget: 8 accumulators of 16 registers).
+pub const ROW_GROUP: usize = 8;
+
+/// Weight rows per unit of parallel work.
+pub const OUTS_PER_TILE: usize = 16;
+
+/// Calls of at most this many rows take the integer path (module docs).
+pub const INTEGER_ROWS: usize = 1;
+
+/// The inputs of one call as the kernels read them: the float rows, and for
+/// the integer path their 16-bit form.
+pub struct Inputs<'a> {
+    pub x: &'a [f32],
+    pub q8: Option<Q16Rows>,
+}
+
+impl<'a> Inputs<'a> {
+    /// Prepare `x` (validated for `shape`) for the path its row count takes.
+    pub fn prepare(shape: &QuantShape, x: &'a [f32]) -> Self {
+        let q8 =
+            (shape.rows <= INTEGER_ROWS).then(|| Q16Rows::quantize(x, shape.rows, shape.inner));
+        Inputs { x, q8 }
+    }
+}
+
+/// Check the invariants of [`super`]; `Err` names the first violation.
+pub fn validate(
+    shape: &QuantShape,
+    x: &[f32],
+    w: &[u8],
+    row_scales: &[f32],
+    y: &[f32],
+) -> Result<(), String> {
+    let s = shape;
+    let Some(row_bytes) = s.kind.row_bytes(s.inner) else {
+        return Err(format!(
+            "{} weights need an inner size that is a positive multiple of {}, got {}",
+            s.kind.name(),
+            s.kind.block_elems(),
+            s.inner
+        ));
+    };
+    let scales = if s.kind.row_scaled() { s.outs } else { 0 };
+    let sizes = [
+        ("x", x.len(), s.rows * s.inner),
+        ("w", w.len(), s.outs * row_bytes),
+        ("row_scales", row_scales.len(), scales),
+        ("y", y.len(), s.rows * s.outs),
+    ];
+    for (name, got, want) in sizes {
+        if got != want {
+            return Err(format!("{name} has {got} elements, its shape says {want}"));
+        }
+    }
+    Ok(())
+}
+
+/// Number of tiles of [`OUTS_PER_TILE`] weight rows a call splits into.
+pub fn tiles(shape: &QuantShape) -> usize {
+    shape.outs.div_ceil(OUTS_PER_TILE)
+}
+
+/// `y = x · dequant(w)ᵀ` on the calling thread.
+pub fn qmatmul(
+    shape: &QuantShape,
+    x: &[f32],
+    w: &[u8],
+    row_scales: &[f32],
+    y: &mut [f32],
+) -> Result<(), String> {
+    validate(shape, x, w, row_scales, y)?;
+    let inputs = Inputs::prepare(shape, x);
+    let out = OutPtr::new(y);
+    for index in 0..tiles(shape) {
+        // SAFETY: validated above; one thread writes every tile.
+        unsafe { tile(shape, &inputs, w, row_scales, out, index) };
+    }
+    Ok(())
+}
+
+/// Whether calls run the AVX2 kernel (else the portable loop); chosen once per
+/// process. `KVPAGE_CPU_MATMUL_PORTABLE=1` forces the portable loop.
+pub fn vectorized() -> bool {
+    static CHOSEN: OnceLock<bool> = OnceLock::new();
+    *CHOSEN.get_or_init(|| {
+        if std::env::var("KVPAGE_CPU_MATMUL_PORTABLE").as_deref() == Ok("1") {
+            return false;
+        }
+        detect()
+    })
+}
+
+#[cfg(target_arch = "x86_64")]
+fn detect() -> bool {
+    is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn detect() -> bool {
+    false
+}
+
+/// Columns `index * OUTS_PER_TILE ..` (one tile) of `y`, every row.
+///
+/// # Safety
+/// `inputs` were prepared from an `x` that passed [`validate`] with `w`,
+/// `row_scales` and the buffer behind `y` for `shape`; no other thread writes the
+/// same tile.
+pub unsafe fn tile(
+    shape: &QuantShape,
+    inputs: &Inputs,
+    w: &[u8],
+    row_scales: &[f32],
+    y: OutPtr,
+    index: usize,
+) {
+    let start = index * OUTS_PER_TILE;
+    let end = (start + OUTS_PER_TILE).min(shape.outs);
+    if start >= end {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if vectorized() {
+        return match &inputs.q8 {
+            Some(xq) => avx2::integer_tile(shape, xq, w, row_scales, y, start, end),
+            None => avx2::float_tile(shape, inputs.x, w, row_scales, y, start, end),
+        };
+    }
+    match &inputs.q8 {
+        Some(xq) => portable_integer_tile(shape, xq, w, row_scales, y, start, end),
+        None => portable_float_tile(shape, inputs.x, w, row_scales, y, start, end),
+    }
+}
+
+/// The row scale of weight row `out` (1 for types without one).
+fn row_scale(shape: &QuantShape, row_scales: &[f32], out: usize) -> f32 {
+    if shape.kind.row_scaled() {
+        row_scales[out]
+    } else {
+        1.0
+    }
+}
+
+/// Every tile through the portable loop, whatever the CPU has (tests).
+///
+/// # Safety
+/// As [`tile`], for every tile.
+#[cfg(test)]
+pub(super) unsafe fn portable_for_tests(
+    shape: &QuantShape,
+    inputs: &Inputs,
+    w: &[u8],
+    row_scales: &[f32],
+    y: OutPtr,
+) {
+    match &inputs.q8 {
+        Some(xq) => portable_integer_tile(shape, xq, w, row_scales, y, 0, shape.outs),
+        None => portable_float_tile(shape, inputs.x, w, row_scales, y, 0, shape.outs),
+    }
+}
+
+/// Any CPU, several rows: each weight row expanded to float once, float sums.
+unsafe fn portable_float_tile(
+    shape: &QuantShape,
+    x: &[f32],
+    w: &[u8],
+    row_scales: &[f32],
+    y: OutPtr,
+    start: usize,
+    end: usize,
+) {
+    let row_bytes = shape.kind.row_bytes(shape.inner).expect("validated");
+    for out in start..end {
+        let row = &w[out * row_bytes..][..row_bytes];
+        let scale = row_scale(shape, row_scales, out);
+        let weights = dequantize_row(shape.kind, row, shape.inner, scale);
+        for r in 0..shape.rows {
+            let x_row = &x[r * shape.inner..][..shape.inner];
+            let mut lanes = [0.0f32; 8];
+            for (xc, wc) in x_row.chunks_exact(8).zip(weights.chunks_exact(8)) {
+                for lane in 0..8 {
+                    lanes[lane] += xc[lane] * wc[lane];
+                }
+            }
+            *y.at(r * shape.outs + out) = lanes.iter().sum();
+        }
+    }
+}
+
+/// Any CPU, one row: [`unpack`] each sub-block once per weight row, integer sums.
+unsafe fn portable_integer_tile(
+    shape: &QuantShape,
+    xq: &Q16Rows,
+    w: &[u8],
+    row_scales: &[f32],
+    y: OutPtr,
+    start: usize,
+    end: usize,
+) {
+    let kind = shape.kind;
+    let row_bytes = kind.row_bytes(shape.inner).expect("validated");
+    let per_block = kind.block_elems() / SUB;
+    let subs = shape.inner / SUB;
+    let mut unpacked = vec![SubBlock::default(); subs];
+    for out in start..end {
+        let row = &w[out * row_bytes..][..row_bytes];
+        let scale = row_scale(shape, row_scales, out);
+        for (s, sub) in unpacked.iter_mut().enumerate() {
+            let block = &row[(s / per_block) * kind.block_bytes()..];
+            *sub = unpack(kind, block, s % per_block, scale);
+        }
+        for r in 0..shape.rows {
+            let x_row = xq.row(r);
+            let mut sum = 0.0f32;
+            for (s, sub) in unpacked.iter().enumerate() {
+                let xs = &x_row[s * SUB..][..SUB];
+                let mut halves = [0i32; 2];
+                for i in 0..SUB {
+                    halves[i / 16] += i32::from(sub.q[i]) * i32::from(xs[i]);
+                }
+                let b = r * subs + s;
+                let d = xq.d[b];
+                for (h, half) in halves.iter().enumerate() {
+                    sum += sub.scale[h] * d * *half as f32;
+                    sum += sub.min[h] * xq.half_sums[2 * b + h];
+                }
+            }
+            *y.at(r * shape.outs + out) = sum;
+        }
+    }
+}
+
+/// x86-64 with AVX2 + FMA + F16C: integer multiply-adds over 32 weights at once.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{row_scale, QuantShape, ROW_GROUP};
+
+    /// Input rows per expansion of a weight row on the float path: two
+    /// accumulators per row and four weight vectors within 16 registers.
+    const FLOAT_ROW_GROUP: usize = 5;
+    use crate::kernels::cpu_matmul::OutPtr;
+    use crate::kernels::quant::activations::Q16Rows;
+    use crate::kernels::quant::formats::{q4k_scale_min, QuantType, SUB};
+    use std::arch::x86_64::*;
+
+    /// One sub-block in registers: 32 integers as `i8` (unsigned formats' values
+    /// are below 64), the scale and offset of each half.
+    #[derive(Clone, Copy)]
+    struct Sub {
+        q: __m256i,
+        scale: [f32; 2],
+        min: [f32; 2],
+    }
+
+    /// A weight format's unpacking in registers (the layouts of
+    /// [`crate::kernels::quant::formats`]); a type per format so every call inlines.
+    trait Format {
+        const KIND: QuantType;
+        /// The offsets are zero.
+        const SIGNED: bool;
+        /// The two halves have their own scale and offset (Q6_K's 16-weight groups).
+        const HALVES_DIFFER: bool = false;
+        /// Sub-block `j` of the block at `block`.
+        unsafe fn sub(block: *const u8, j: usize, row_scale: f32) -> Sub;
+    }
+
+    macro_rules! by_format {
+        ($kind:expr, $function:ident, $args:tt) => {
+            match $kind {
+                QuantType::Q8_0 => $function::<Q8_0> $args,
+                QuantType::Int8 => $function::<Int8> $args,
+                QuantType::Q4_0 => $function::<Q4_0> $args,
+                QuantType::Q4_1 => $function::<Q4_1> $args,
+                QuantType::Q4K => $function::<Q4K> $args,
+                QuantType::Q6K => $function::<Q6K> $args,
+            }
+        };
+    }
+
+    pub(super) unsafe fn integer_tile(
+        shape: &QuantShape,
+        xq: &Q16Rows,
+        w: &[u8],
+        row_scales: &[f32],
+        y: OutPtr,
+        start: usize,
+        end: usize,
+    ) {
+        by_format!(
+            shape.kind,
+            tile_of,
+            (shape, xq, w, row_scales, y, start, end)
+        )
+    }
+
+    pub(super) unsafe fn float_tile(
+        shape: &QuantShape,
+        x: &[f32],
+        w: &[u8],
+        row_scales: &[f32],
+        y: OutPtr,
+        start: usize,
+        end: usize,
+    ) {
+        by_format!(
+            shape.kind,
+            float_tile_of,
+            (shape, x, w, row_scales, y, start, end)
+        )
+    }
+
+    unsafe fn float_tile_of<F: Format>(
+        shape: &QuantShape,
+        x: &[f32],
+        w: &[u8],
+        row_scales: &[f32],
+        y: OutPtr,
+        start: usize,
+        end: usize,
+    ) {
+        for first_row in (0..shape.rows).step_by(FLOAT_ROW_GROUP) {
+            let rows = (shape.rows - first_row).min(FLOAT_ROW_GROUP);
+            macro_rules! dispatch {
+                ($($r:literal),*) => {
+                    match rows {
+                        $($r => float_group::<F, $r>(shape, x, w, row_scales, y, first_row, start, end),)*
+                        _ => unreachable!("float row groups hold 1..={} rows", FLOAT_ROW_GROUP),
+                    }
+                };
+            }
+            dispatch!(1, 2, 3, 4, 5);
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn float_group<F: Format, const R: usize>(
+        shape: &QuantShape,
+        x: &[f32],
+        w: &[u8],
+        row_scales: &[f32],
+        y: OutPtr,
+        first_row: usize,
+        start: usize,
+        end: usize,
+    ) {
+        let row_bytes = F::KIND.row_bytes(shape.inner).expect("validated");
+        let x = x.as_ptr().add(first_row * shape.inner);
+        for out in start..end {
+            let row = w.as_ptr().add(out * row_bytes);
+            let scale = row_scale(shape, row_scales, out);
+            let sums = float_row_dots::<F, R>(row, scale, x, shape.inner);
+            for (r, value) in sums.iter().enumerate() {
+                *y.at((first_row + r) * shape.outs + out) = *value;
+            }
+        }
+    }
+
+    /// `x[r] · w_row` for `R` float input rows (stride `inner`), each sub-block
+    /// expanded to float once; two accumulator chains per row (even and odd
+    /// 8-weight chunks), the same for every `R`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::needless_range_loop)] // index loops name the register blocking
+    unsafe fn float_row_dots<F: Format, const R: usize>(
+        row: *const u8,
+        row_scale: f32,
+        x: *const f32,
+        inner: usize,
+    ) -> [f32; R] {
+        let subs_per_block = F::KIND.block_elems() / SUB;
+        let blocks = inner / F::KIND.block_elems();
+        let mut acc = [[_mm256_setzero_ps(); 2]; R];
+        for b in 0..blocks {
+            for j in 0..subs_per_block {
+                let sub = F::sub(row.add(b * F::KIND.block_bytes()), j, row_scale);
+                let halves = [
+                    _mm256_castsi256_si128(sub.q),
+                    _mm256_extracti128_si256::<1>(sub.q),
+                ];
+                let mut weights = [_mm256_setzero_ps(); 4];
+                for c in 0..4 {
+                    let bytes = if c % 2 == 0 {
+                        halves[c / 2]
+                    } else {
+                        _mm_srli_si128::<8>(halves[c / 2])
+                    };
+                    let values = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+                    weights[c] = _mm256_fmadd_ps(
+                        values,
+                        _mm256_set1_ps(sub.scale[c / 2]),
+                        _mm256_set1_ps(sub.min[c / 2]),
+                    );
+                }
+                let base = (b * subs_per_block + j) * SUB;
+                for r in 0..R {
+                    let xr = x.add(r * inner + base);
+                    for c in 0..4 {
+                        let xv = _mm256_loadu_ps(xr.add(8 * c));
+                        acc[r][c % 2] = _mm256_fmadd_ps(xv, weights[c], acc[r][c % 2]);
+                    }
+                }
+            }
+        }
+        let mut sums = [0.0f32; R];
+        for r in 0..R {
+            sums[r] = horizontal_sum(_mm256_add_ps(acc[r][0], acc[r][1]));
+        }
+        sums
+    }
+
+    unsafe fn tile_of<F: Format>(
+        shape: &QuantShape,
+        xq: &Q16Rows,
+        w: &[u8],
+        row_scales: &[f32],
+        y: OutPtr,
+        start: usize,
+        end: usize,
+    ) {
+        for first_row in (0..shape.rows).step_by(ROW_GROUP) {
+            let rows = (shape.rows - first_row).min(ROW_GROUP);
+            // (input rows, weight rows per pass): W independent accumulator chains
+            // for few rows, within 16 registers for many.
+            macro_rules! dispatch {
+                ($($r:literal $w:literal),*) => {
+                    match rows {
+                        $($r => group::<F, $r, $w>(shape, xq, w, row_scales, y, first_row, start, end),)*
+                        _ => unreachable!("row groups hold 1..={} rows", ROW_GROUP),
+                    }
+                };
+            }
+            dispatch!(1 4, 2 2, 3 2, 4 2, 5 1, 6 1, 7 1, 8 1);
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn group<F: Format, const R: usize, const W: usize>(
+        shape: &QuantShape,
+        xq: &Q16Rows,
+        w: &[u8],
+        row_scales: &[f32],
+        y: OutPtr,
+        first_row: usize,
+        start: usize,
+        end: usize,
+    ) {
+        let row_bytes = F::KIND.row_bytes(shape.inner).expect("validated");
+        let store = |out: usize, sums: &[f32; R]| {
+            for (r, value) in sums.iter().enumerate() {
+                *y.at((first_row + r) * shape.outs + out) = *value;
+            }
+        };
+        let mut out = start;
+        while out + W <= end {
+            let mut rows = [std::ptr::null::<u8>(); W];
+            let mut scales = [1.0f32; W];
+            for j in 0..W {
+                rows[j] = w.as_ptr().add((out + j) * row_bytes);
+                scales[j] = row_scale(shape, row_scales, out + j);
+            }
+            let sums = row_dots::<F, R, W>(rows, scales, xq, first_row);
+            for (j, row_sums) in sums.iter().enumerate() {
+                store(out + j, row_sums);
+            }
+            out += W;
+        }
+        while out < end {
+            let row = [w.as_ptr().add(out * row_bytes)];
+            let scale = [row_scale(shape, row_scales, out)];
+            let [sums] = row_dots::<F, R, 1>(row, scale, xq, first_row);
+            store(out, &sums);
+            out += 1;
+        }
+    }
+
+    /// `x[first_row + r] · w_rows[j]` for `R` input rows and `W` weight rows.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::needless_range_loop)] // index loops name the register blocking
+    unsafe fn row_dots<F: Format, const R: usize, const W: usize>(
+        w_rows: [*const u8; W],
+        row_scales: [f32; W],
+        xq: &Q16Rows,
+        first_row: usize,
+    ) -> [[f32; R]; W] {
+        let subs_per_block = F::KIND.block_elems() / SUB;
+        let blocks = xq.inner / F::KIND.block_elems();
+        let subs = xq.inner / SUB;
+        let mut acc = [[_mm256_setzero_ps(); R]; W];
+        let mut offsets = [[0.0f32; R]; W];
+        let x_q = xq.q.as_ptr();
+        let (x_d, x_half) = (xq.d.as_ptr(), xq.half_sums.as_ptr());
+        for b in 0..blocks {
+            for j in 0..subs_per_block {
+                let s = b * subs_per_block + j;
+                let mut sub = [F::sub(w_rows[0], 0, 0.0); W];
+                let mut wide = [[_mm256_setzero_si256(); 2]; W];
+                for k in 0..W {
+                    sub[k] = F::sub(w_rows[k].add(b * F::KIND.block_bytes()), j, row_scales[k]);
+                    wide[k] = [
+                        _mm256_cvtepi8_epi16(_mm256_castsi256_si128(sub[k].q)),
+                        _mm256_cvtepi8_epi16(_mm256_extracti128_si256::<1>(sub[k].q)),
+                    ];
+                }
+                for r in 0..R {
+                    let at = (first_row + r) * subs + s;
+                    let x0 = _mm256_loadu_si256(x_q.add(at * SUB) as *const __m256i);
+                    let x1 = _mm256_loadu_si256(x_q.add(at * SUB + 16) as *const __m256i);
+                    let dx = *x_d.add(at);
+                    let (h0, h1) = (*x_half.add(2 * at), *x_half.add(2 * at + 1));
+                    for k in 0..W {
+                        let low = _mm256_madd_epi16(wide[k][0], x0);
+                        let high = _mm256_madd_epi16(wide[k][1], x1);
+                        if F::HALVES_DIFFER {
+                            let s0 = _mm256_set1_ps(sub[k].scale[0] * dx);
+                            let s1 = _mm256_set1_ps(sub[k].scale[1] * dx);
+                            acc[k][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(low), s0, acc[k][r]);
+                            acc[k][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(high), s1, acc[k][r]);
+                            offsets[k][r] += sub[k].min[0] * h0 + sub[k].min[1] * h1;
+                        } else {
+                            let sum = _mm256_cvtepi32_ps(_mm256_add_epi32(low, high));
+                            let scale = _mm256_set1_ps(sub[k].scale[0] * dx);
+                            acc[k][r] = _mm256_fmadd_ps(sum, scale, acc[k][r]);
+                            if !F::SIGNED {
+                                offsets[k][r] += sub[k].min[0] * (h0 + h1);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        let mut sums = [[0.0f32; R]; W];
+        for k in 0..W {
+            for r in 0..R {
+                sums[k][r] = horizontal_sum(acc[k][r]) + offsets[k][r];
+            }
+        }
+        sums
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn horizontal_sum(v: __m256) -> f32 {
+        let halves = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let pairs = _mm_add_ps(halves, _mm_movehl_ps(halves, halves));
+        let one = _mm_add_ss(pairs, _mm_movehdup_ps(pairs));
+        _mm_cvtss_f32(one)
+    }
+
+    /// The halves at `at` and `at + 2` as floats (lanes 0 and 1).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn two_f16(at: *const u8) -> __m128 {
+        _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(
+            at as *const i32,
+        )))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn lane1(v: __m128) -> f32 {
+        _mm_cvtss_f32(_mm_movehdup_ps(v))
+    }
+
+    /// 16 bytes of nibbles: weights 0..16 the low nibbles, 16..32 the high ones.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn nibbles_16(at: *const u8) -> __m256i {
+        let packed = _mm_loadu_si128(at as *const __m128i);
+        let mask = _mm_set1_epi8(15);
+        let low = _mm_and_si128(packed, mask);
+        let high = _mm_and_si128(_mm_srli_epi16::<4>(packed), mask);
+        _mm256_set_m128i(high, low)
+    }
+
+    struct Q8_0;
+    impl Format for Q8_0 {
+        const KIND: QuantType = QuantType::Q8_0;
+        const SIGNED: bool = true;
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn sub(block: *const u8, _j: usize, _row_scale: f32) -> Sub {
+            let d = two_f16(block);
+            Sub {
+                q: _mm256_loadu_si256(block.add(2) as *const __m256i),
+                scale: [_mm_cvtss_f32(d); 2],
+                min: [0.0; 2],
+            }
+        }
+    }
+
+    struct Int8;
+    impl Format for Int8 {
+        const KIND: QuantType = QuantType::Int8;
+        const SIGNED: bool = true;
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn sub(block: *const u8, _j: usize, row_scale: f32) -> Sub {
+            Sub {
+                q: _mm256_loadu_si256(block as *const __m256i),
+                scale: [row_scale; 2],
+                min: [0.0; 2],
+            }
+        }
+    }
+
+    struct Q4_0;
+    impl Format for Q4_0 {
+        const KIND: QuantType = QuantType::Q4_0;
+        const SIGNED: bool = false;
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn sub(block: *const u8, _j: usize, _row_scale: f32) -> Sub {
+            let d = two_f16(block);
+            let min = -8.0 * _mm_cvtss_f32(d);
+            Sub {
+                q: nibbles_16(block.add(2)),
+                scale: [_mm_cvtss_f32(d); 2],
+                min: [min; 2],
+            }
+        }
+    }
+
+    struct Q4_1;
+    impl Format for Q4_1 {
+        const KIND: QuantType = QuantType::Q4_1;
+        const SIGNED: bool = false;
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn sub(block: *const u8, _j: usize, _row_scale: f32) -> Sub {
+            let dm = two_f16(block);
+            let m = lane1(dm);
+            Sub {
+                q: nibbles_16(block.add(4)),
+                scale: [_mm_cvtss_f32(dm); 2],
+                min: [m; 2],
+            }
+        }
+    }
+
+    struct Q4K;
+    impl Format for Q4K {
+        const KIND: QuantType = QuantType::Q4K;
+        const SIGNED: bool = false;
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn sub(block: *const u8, j: usize, _row_scale: f32) -> Sub {
+            let dm = two_f16(block);
+            let scales = std::slice::from_raw_parts(block.add(4), 12);
+            let (sc, m) = q4k_scale_min(scales, j);
+            let scale = _mm_cvtss_f32(dm) * f32::from(sc);
+            let min = -(lane1(dm) * f32::from(m));
+            let packed = _mm256_loadu_si256(block.add(16 + 32 * (j / 2)) as *const __m256i);
+            let packed = if j % 2 == 1 {
+                _mm256_srli_epi16::<4>(packed)
+            } else {
+                packed
+            };
+            Sub {
+                q: _mm256_and_si256(packed, _mm256_set1_epi8(15)),
+                scale: [scale; 2],
+                min: [min; 2],
+            }
+        }
+    }
+
+    struct Q6K;
+    impl Format for Q6K {
+        const KIND: QuantType = QuantType::Q6K;
+        const SIGNED: bool = false;
+        const HALVES_DIFFER: bool = true;
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn sub(block: *const u8, j: usize, _row_scale: f32) -> Sub {
+            let (half, chunk) = (j / 4, j % 4);
+            let d = _mm_cvtss_f32(two_f16(block.add(208)));
+            let low = _mm256_loadu_si256(block.add(64 * half + 32 * (chunk & 1)) as *const __m256i);
+            let high = _mm256_loadu_si256(block.add(128 + 32 * half) as *const __m256i);
+            let low = if chunk >= 2 {
+                _mm256_srli_epi16::<4>(low)
+            } else {
+                low
+            };
+            let high = match chunk {
+                0 => high,
+                1 => _mm256_srli_epi16::<2>(high),
+                2 => _mm256_srli_epi16::<4>(high),
+                _ => _mm256_srli_epi16::<6>(high),
+            };
+            let low = _mm256_and_si256(low, _mm256_set1_epi8(15));
+            let high = _mm256_and_si256(high, _mm256_set1_epi8(3));
+            let q = _mm256_or_si256(low, _mm256_slli_epi16::<4>(high));
+            let scales = block.add(192 + 8 * half + 2 * chunk) as *const i8;
+            let s0 = d * f32::from(*scales);
+            let s1 = d * f32::from(*scales.add(1));
+            Sub {
+                q,
+                scale: [s0, s1],
+                min: [-32.0 * s0, -32.0 * s1],
+            }
+        }
+    }
+}

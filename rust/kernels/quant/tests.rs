@@ -1,0 +1,301 @@
+//! Tests of the quantized product against a float64 reference built from
+//! [`formats::dequantize_row`] and the 16-bit inputs, for every type, both
+//! kernels and random shapes.
+
+use super::activations::Q16Rows;
+use super::formats::{self, f16_to_f32, QuantType, SUB};
+use super::qmatmul::{self, qmatmul, Inputs, QuantShape, INTEGER_ROWS};
+use crate::kernels::cpu_matmul::OutPtr;
+use crate::test_rng::SplitMix64 as TestRng;
+
+/// An f16 with a small magnitude (scales of real files are 1e-4 .. 1e-1).
+fn small_f16(rng: &mut TestRng) -> [u8; 2] {
+    let exponent = 3 + rng.below(10) as u16; // 2^-12 .. 2^-3
+    let bits = (exponent << 10) | rng.below(1024) as u16 | ((rng.below(2) as u16) << 15);
+    bits.to_le_bytes()
+}
+
+/// A random, well-formed block of `kind` (random integers, small scales).
+fn random_block(rng: &mut TestRng, kind: QuantType) -> Vec<u8> {
+    let mut block: Vec<u8> = (0..kind.block_bytes())
+        .map(|_| rng.below(256) as u8)
+        .collect();
+    let halves: &[usize] = match kind {
+        QuantType::Q8_0 | QuantType::Q4_0 => &[0],
+        QuantType::Q4_1 | QuantType::Q4K => &[0, 2],
+        QuantType::Q6K => &[208],
+        QuantType::Int8 => &[],
+    };
+    for &at in halves {
+        block[at..at + 2].copy_from_slice(&small_f16(rng));
+    }
+    block
+}
+
+fn random_weights(rng: &mut TestRng, kind: QuantType, outs: usize, inner: usize) -> Vec<u8> {
+    let blocks = outs * inner / kind.block_elems();
+    (0..blocks).flat_map(|_| random_block(rng, kind)).collect()
+}
+
+/// `y[r, o]` in float64 from the unpacked weights `scale * q + min` and the
+/// inputs as the call's path reads them: the integer path multiplies
+/// `scale * q` by the 16-bit inputs and `min` by the float ones; the float
+/// path reads float inputs throughout.
+fn reference(shape: &QuantShape, x: &[f32], w: &[u8], row_scales: &[f32]) -> Vec<f64> {
+    let integer = shape.rows <= INTEGER_ROWS;
+    let kind = shape.kind;
+    let row_bytes = kind.row_bytes(shape.inner).unwrap();
+    let per_block = kind.block_elems() / SUB;
+    let xq = Q16Rows::quantize(x, shape.rows, shape.inner);
+    let mut y = vec![0.0; shape.rows * shape.outs];
+    for o in 0..shape.outs {
+        let scale = if kind.row_scaled() {
+            row_scales[o]
+        } else {
+            1.0
+        };
+        let row = &w[o * row_bytes..][..row_bytes];
+        for r in 0..shape.rows {
+            let mut total = 0.0f64;
+            for s in 0..shape.inner / SUB {
+                let block = &row[(s / per_block) * kind.block_bytes()..];
+                let sub = formats::unpack(kind, block, s % per_block, scale);
+                for i in 0..SUB {
+                    let at = r * shape.inner + s * SUB + i;
+                    let exact = f64::from(x[at]);
+                    let scaled_input = if integer {
+                        f64::from(xq.q[at]) * f64::from(xq.d[at / SUB])
+                    } else {
+                        exact
+                    };
+                    total += f64::from(sub.scale[i / 16]) * f64::from(sub.q[i]) * scaled_input
+                        + f64::from(sub.min[i / 16]) * exact;
+                }
+            }
+            y[r * shape.outs + o] = total;
+        }
+    }
+    y
+}
+
+fn check(
+    seed: u64,
+    cases: usize,
+    compute: impl Fn(&QuantShape, &[f32], &[u8], &[f32], &mut [f32]),
+) {
+    let mut rng = TestRng::new(seed);
+    for case in 0..cases {
+        let kind = QuantType::ALL[case % QuantType::ALL.len()];
+        let shape = QuantShape {
+            kind,
+            rows: if case % 3 == 0 { 1 } else { 1 + rng.below(19) },
+            inner: kind.block_elems() * (1 + rng.below(4)),
+            outs: 1 + rng.below(40),
+        };
+        let x: Vec<f32> = (0..shape.rows * shape.inner)
+            .map(|_| rng.below(2001) as f32 / 1000.0 - 1.0)
+            .collect();
+        let w = random_weights(&mut rng, kind, shape.outs, shape.inner);
+        let row_scales: Vec<f32> = if kind.row_scaled() {
+            (0..shape.outs)
+                .map(|_| (1 + rng.below(100)) as f32 * 1e-3)
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let mut y = vec![f32::NAN; shape.rows * shape.outs];
+        compute(&shape, &x, &w, &row_scales, &mut y);
+        let want = reference(&shape, &x, &w, &row_scales);
+        let scale = want.iter().fold(1e-3f64, |m, v| m.max(v.abs()));
+        for (i, (got, want)) in y.iter().zip(&want).enumerate() {
+            assert!(
+                (f64::from(*got) - want).abs() <= 2e-5 * scale,
+                "seed {seed} case {case} {shape:?} element {i}: {got} vs {want}"
+            );
+        }
+    }
+}
+
+#[test]
+fn every_type_matches_a_float64_reference_on_random_shapes() {
+    check(17, 120, |shape, x, w, s, y| {
+        qmatmul(shape, x, w, s, y).unwrap()
+    });
+}
+
+#[test]
+fn the_portable_loop_matches_the_reference_too() {
+    check(19, 60, |shape, x, w, s, y| {
+        super::qmatmul::validate(shape, x, w, s, y).unwrap();
+        let inputs = Inputs::prepare(shape, x);
+        let out = OutPtr::new(y);
+        // SAFETY: validated; one thread.
+        unsafe { portable_all_tiles(shape, &inputs, w, s, out) };
+    });
+}
+
+/// Every tile through the portable loop, whatever the CPU has.
+unsafe fn portable_all_tiles(shape: &QuantShape, inputs: &Inputs, w: &[u8], s: &[f32], y: OutPtr) {
+    qmatmul::portable_for_tests(shape, inputs, w, s, y);
+}
+
+#[test]
+fn a_row_does_not_depend_on_the_other_rows_of_a_multi_row_call() {
+    let mut rng = TestRng::new(23);
+    for kind in QuantType::ALL {
+        let shape = QuantShape {
+            kind,
+            rows: 11,
+            inner: 512,
+            outs: 37,
+        };
+        let x: Vec<f32> = (0..shape.rows * shape.inner)
+            .map(|_| rng.below(2001) as f32 / 500.0 - 2.0)
+            .collect();
+        let w = random_weights(&mut rng, kind, shape.outs, shape.inner);
+        let s: Vec<f32> = if kind.row_scaled() {
+            vec![0.01; shape.outs]
+        } else {
+            Vec::new()
+        };
+        let mut all = vec![0.0; shape.rows * shape.outs];
+        qmatmul(&shape, &x, &w, &s, &mut all).unwrap();
+        for (first, count) in [(0, 2), (8, 3), (3, 8)] {
+            let part = QuantShape {
+                rows: count,
+                ..shape
+            };
+            let mut y = vec![0.0; count * shape.outs];
+            let xs = &x[first * shape.inner..][..count * shape.inner];
+            qmatmul(&part, xs, &w, &s, &mut y).unwrap();
+            let want = &all[first * shape.outs..][..count * shape.outs];
+            assert_eq!(y, want, "{kind:?} rows {first}..");
+        }
+    }
+}
+
+#[test]
+fn wrong_sizes_are_errors_before_any_read() {
+    let shape = QuantShape {
+        kind: QuantType::Q4_1,
+        rows: 2,
+        inner: 64,
+        outs: 3,
+    };
+    let err = qmatmul(&shape, &[0.0; 128], &[0; 119], &[], &mut [0.0; 6]).unwrap_err();
+    assert!(
+        err.contains("w has 119 elements, its shape says 120"),
+        "{err}"
+    );
+    let odd = QuantShape { inner: 48, ..shape };
+    let err = qmatmul(&odd, &[0.0; 96], &[0; 90], &[], &mut [0.0; 6]).unwrap_err();
+    assert!(err.contains("multiple of 32"), "{err}");
+    let int8 = QuantShape {
+        kind: QuantType::Int8,
+        ..shape
+    };
+    let err = qmatmul(&int8, &[0.0; 128], &[0; 192], &[1.0; 2], &mut [0.0; 6]).unwrap_err();
+    assert!(err.contains("row_scales has 2 elements"), "{err}");
+}
+
+#[test]
+fn zero_inputs_give_zero_and_no_nan() {
+    let shape = QuantShape {
+        kind: QuantType::Q8_0,
+        rows: 3,
+        inner: 64,
+        outs: 5,
+    };
+    let mut rng = TestRng::new(29);
+    let w = random_weights(&mut rng, shape.kind, shape.outs, shape.inner);
+    let mut y = vec![f32::NAN; 15];
+    qmatmul(&shape, &[0.0; 192], &w, &[], &mut y).unwrap();
+    assert!(y.iter().all(|v| *v == 0.0), "{y:?}");
+}
+
+#[test]
+fn half_precision_converts_exactly() {
+    assert_eq!(f16_to_f32(0x3c00), 1.0);
+    assert_eq!(f16_to_f32(0xc000), -2.0);
+    assert_eq!(f16_to_f32(0x0001), 2f32.powi(-24));
+    assert_eq!(f16_to_f32(0x7bff), 65504.0);
+    assert_eq!(f16_to_f32(0x7c00), f32::INFINITY);
+    assert!(f16_to_f32(0x7e00).is_nan());
+    assert_eq!(f16_to_f32(0x8000).to_bits(), (-0.0f32).to_bits());
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("f16c") {
+        for bits in 0..=u16::MAX {
+            // SAFETY: the CPU has F16C.
+            let hardware = unsafe { f16c(bits) };
+            let ours = f16_to_f32(bits);
+            assert!(
+                ours.to_bits() == hardware.to_bits() || (ours.is_nan() && hardware.is_nan()),
+                "{bits:#x}"
+            );
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "f16c")]
+unsafe fn f16c(bits: u16) -> f32 {
+    use std::arch::x86_64::*;
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+}
+
+#[test]
+fn q4_k_and_q6_k_unpack_as_their_layouts_say() {
+    // Q4_K: sub-block 5 is the high nibbles of qs[64..96], scale/min from the packed bytes.
+    let mut block = vec![0u8; 144];
+    block[0..2].copy_from_slice(&0x3c00u16.to_le_bytes()); // d = 1
+    block[2..4].copy_from_slice(&0x3800u16.to_le_bytes()); // dmin = 0.5
+    block[4 + 1] = 0b01_000011; // j = 1: sc = 3; feeds j = 5's high bits of sc
+    block[4 + 5] = 0b10_000111; // j = 1: m = 7; feeds j = 5's high bits of m
+    block[4 + 9] = 0b0101_0010; // j = 5: sc low 4 bits = 2, m low 4 bits = 5
+    block[16 + 64] = 0xa7; // weight 0 of sub-blocks 4 (7) and 5 (10)
+    let sub = formats::unpack(QuantType::Q4K, &block, 5, 1.0);
+    assert_eq!(sub.q[0], 10);
+    assert_eq!(sub.scale, [(2 | (1 << 4)) as f32; 2]);
+    assert_eq!(sub.min, [-0.5 * (5 | (2 << 4)) as f32; 2]);
+    // Q6_K: sub-block 6 (second half, chunk 2): weight 17 = ql[64 + 17] >> 4 | ((qh[32 + 17] >> 4) & 3) << 4.
+    let mut block = vec![0u8; 210];
+    block[208..210].copy_from_slice(&0x3c00u16.to_le_bytes());
+    block[64 + 17] = 0x90;
+    block[128 + 32 + 17] = 0b0010_0000;
+    block[192 + 8 + 4 + 1] = (-3i8) as u8;
+    let sub = formats::unpack(QuantType::Q6K, &block, 6, 1.0);
+    assert_eq!(sub.q[17], 9 | (2 << 4));
+    assert_eq!(sub.scale[1], -3.0);
+    assert_eq!(sub.min[1], 96.0);
+}
+
+/// Single-thread throughput (`cargo test --release --lib quant -- --ignored --nocapture`).
+#[test]
+#[ignore]
+fn timing() {
+    let mut rng = TestRng::new(1);
+    for kind in [QuantType::Q4_1, QuantType::Q8_0] {
+        for rows in [1, 4, 8] {
+            let shape = QuantShape {
+                kind,
+                rows,
+                inner: 576,
+                outs: 1536,
+            };
+            let x: Vec<f32> = (0..rows * 576)
+                .map(|_| rng.below(2001) as f32 / 1000.0 - 1.0)
+                .collect();
+            let w = random_weights(&mut rng, kind, shape.outs, shape.inner);
+            let mut y = vec![0.0; rows * shape.outs];
+            let n = 2000;
+            let start = std::time::Instant::now();
+            for _ in 0..n {
+                qmatmul(&shape, &x, &w, &[], &mut y).unwrap();
+            }
+            let per = start.elapsed().as_secs_f64() / n as f64;
+            let weights = (shape.outs * shape.inner) as f64;
+            println!("{kind:?} rows {rows}: {:.1} us, {:.2} Gweights/s, {:.1} cycles/32 weights at 3 GHz",
+                per * 1e6, weights / per / 1e9, per * 3e9 / (weights / 32.0));
+        }
+    }
+}

@@ -1,0 +1,110 @@
+//! XLA FFI handlers of the quantized linear layers ([`crate::kernels::quant`]).
+//!
+//! One C symbol per weight format, `kvpage_qmatmul_<name>` (`q8_0`, `q4_0`,
+//! `q4_1`, `q4_k`, `q6_k`, `int8`), so the format is part of the target and no
+//! attribute has to be parsed. Arguments: `x [T, K]` f32, `w [N, row_bytes]`
+//! (u8, or s8 for int8), and for int8 `row_scales [N]` f32; result `y [T, N]`
+//! f32. The inputs are prepared once on the calling thread (quantized for a
+//! single row, [`crate::kernels::quant::qmatmul`]), then tiles of weight rows
+//! run on XLA's intra-op pool.
+//!
+//! The invariants of [`crate::kernels::xla_ffi`] hold: nothing is read before
+//! count, dtype, rank and size are checked; no panic crosses the boundary.
+
+use std::ffi::c_void;
+
+use super::cpu_matmul::OutPtr;
+use super::parallel::Parallel;
+use super::quant::formats::QuantType;
+use super::quant::qmatmul::{self, Inputs, QuantShape};
+use super::xla_ffi::{buffers, handle, CallFrame, XlaPool, DTYPE_F32, DTYPE_S8, DTYPE_U8};
+
+unsafe fn run_qmatmul(frame: &CallFrame, kind: QuantType) -> Result<(), String> {
+    let want = if kind.row_scaled() { 3 } else { 2 };
+    let args = buffers(&frame.args, "arguments", want)?;
+    let mut rets = buffers(&frame.rets, "results", 1)?;
+    let (x, w) = (&args[0], &args[1]);
+    let y = &mut rets[0];
+    for (view, name) in [(x, "x"), (w, "w"), (&*y, "y")] {
+        if view.dims.len() != 2 {
+            return Err(format!("{name} has rank {}, expected 2", view.dims.len()));
+        }
+    }
+    if x.dtype != DTYPE_F32 || y.dtype != DTYPE_F32 {
+        return Err("x and y must be float32".into());
+    }
+    if w.dtype != DTYPE_U8 && w.dtype != DTYPE_S8 {
+        return Err(format!(
+            "w must be uint8 or int8 blocks, got dtype {}",
+            w.dtype
+        ));
+    }
+    let shape = QuantShape {
+        kind,
+        rows: x.dims[0],
+        inner: x.dims[1],
+        outs: w.dims[0],
+    };
+    let row_bytes = kind.row_bytes(shape.inner);
+    if row_bytes != Some(w.dims[1]) || y.dims != [shape.rows, shape.outs] {
+        return Err(format!(
+            "inconsistent shapes for {}: x {:?}, w {:?} (rows of {:?} bytes expected), y {:?}",
+            kind.name(),
+            x.dims,
+            w.dims,
+            row_bytes,
+            y.dims
+        ));
+    }
+    let row_scales: &[f32] = if kind.row_scaled() {
+        let scales = &args[2];
+        if scales.dtype != DTYPE_F32 || scales.dims != [shape.outs] {
+            return Err(format!("row_scales must be float32 [{}]", shape.outs));
+        }
+        std::slice::from_raw_parts(scales.data as *const f32, scales.len())
+    } else {
+        &[]
+    };
+    let x_s = std::slice::from_raw_parts(x.data as *const f32, x.len());
+    let w_s = std::slice::from_raw_parts(w.data as *const u8, w.len());
+    let y_s = std::slice::from_raw_parts_mut(y.data as *mut f32, y.len());
+    qmatmul::validate(&shape, x_s, w_s, row_scales, y_s)?;
+    let inputs = Inputs::prepare(&shape, x_s);
+    let out = OutPtr::new(y_s);
+    // SAFETY: validated; each tile is claimed by exactly one thread.
+    let tile =
+        |index: usize| unsafe { qmatmul::tile(&shape, &inputs, w_s, row_scales, out, index) };
+    XlaPool { frame }.run(qmatmul::tiles(&shape), &tile)
+}
+
+macro_rules! qmatmul_handler {
+    ($($symbol:ident => $kind:expr),* $(,)?) => {$(
+        /// XLA FFI handler: `y = x · dequant(w)ᵀ` for one weight format (module docs).
+        ///
+        /// # Safety
+        /// Called by XLA with a valid call frame.
+        #[no_mangle]
+        pub unsafe extern "C" fn $symbol(frame: *mut c_void) -> *mut c_void {
+            unsafe fn body(frame: &CallFrame) -> Result<(), String> {
+                run_qmatmul(frame, $kind)
+            }
+            handle(frame.cast(), stringify!($symbol), body)
+        }
+    )*};
+}
+
+qmatmul_handler! {
+    kvpage_qmatmul_q8_0 => QuantType::Q8_0,
+    kvpage_qmatmul_q4_0 => QuantType::Q4_0,
+    kvpage_qmatmul_q4_1 => QuantType::Q4_1,
+    kvpage_qmatmul_q4_k => QuantType::Q4K,
+    kvpage_qmatmul_q6_k => QuantType::Q6K,
+    kvpage_qmatmul_int8 => QuantType::Int8,
+}
+
+/// 1 when the quantized kernels run vectorized (AVX2 + FMA + F16C) here, 0 for
+/// the portable loop.
+#[no_mangle]
+pub extern "C" fn kvpage_qmatmul_vectorized() -> i32 {
+    i32::from(qmatmul::vectorized())
+}
