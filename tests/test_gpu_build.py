@@ -141,3 +141,65 @@ def test_occupancy_model() -> None:
     assert triton_build.blocks_per_sm(128, 72 * 1024, 4) == 3
     assert triton_build.blocks_per_sm(255, 0, 4) == 2
     assert triton_build.blocks_per_sm(32, 0, 4) == 16
+
+
+# ---- weight-only int8 matmul (issue #27) ----------------------------------------------
+
+INT8_SHAPES = {"llama3-8b-up": (4096, 14336), "llama3-8b-down": (14336, 4096)}
+
+
+@pytest.mark.parametrize("rows", [16, 256])
+def test_int8_matmul_exports_for_cuda(rows: int) -> None:
+    from pallas_kernels.int8_matmul import int8_matmul_nt
+
+    k, n = INT8_SHAPES["llama3-8b-up"]
+    sds = jax.ShapeDtypeStruct
+    args = (sds((rows, k), jnp.bfloat16), sds((n, k), jnp.int8), sds((n,), jnp.float32))
+    exp = _export_cuda(functools.partial(int8_matmul_nt, interpret=False), *args)
+    assert _triton_calls(exp) == 1
+    assert exp.out_avals[0].shape == (rows, n)
+
+
+def test_model_step_with_int8_weights_exports_for_cuda() -> None:
+    """A whole step whose linear weights are per-channel int8 exports for CUDA with the
+    Pallas int8 kernel in it (the runner traces steps with the kernel switch on)."""
+    from kvpage.model.linear_kernels import host_matmuls
+    from kvpage.quant import QuantizedWeight
+
+    fn, args, config = _model_step_args("llama3-8b", "decode")
+    params = args[0]
+
+    def int8(leaf: jax.ShapeDtypeStruct) -> QuantizedWeight:
+        sds = jax.ShapeDtypeStruct
+        return QuantizedWeight(sds(leaf.shape, jnp.int8), "int8", leaf.shape, jnp.bfloat16,
+                               row_scales=sds(leaf.shape[:1], jnp.float32))
+
+    for layer in params["layers"]:
+        for group in ("self_attn", "mlp"):
+            for module in layer[group].values():
+                module["weight"] = int8(module["weight"])
+    with compiled_kernels(), host_matmuls(True):
+        exp = _export_cuda(fn, *args)
+    text = exp.mlir_module()
+    assert text.count("int8_matmul") >= 1
+    assert "kvpage_qmatmul" not in text  # the CPU kernel is not in a CUDA program
+
+
+def test_int8_matmul_compiles_for_sm90a_without_spills() -> None:
+    from pallas_kernels.int8_matmul import int8_matmul_nt
+
+    reason = triton_build.triton_available()
+    if reason:
+        pytest.skip(f"cannot compile for sm_90a: {reason}")
+    k, n = INT8_SHAPES["llama3-8b-down"]
+    sds = jax.ShapeDtypeStruct
+    for rows in (16, 128):
+        args = (sds((rows, k), jnp.bfloat16), sds((n, k), jnp.int8), sds((n,), jnp.float32))
+        modules = triton_build.lower_for_cuda(
+            functools.partial(int8_matmul_nt, interpret=False), *args
+        )
+        assert len(modules) == 1
+        build = triton_build.compile_sm90a(modules[0])
+        print(f"\nint8_matmul rows {rows}: {build}")
+        assert build.spill_stores == 0 and build.spill_loads == 0, build
+        assert build.mma != "none", build  # the bf16 dot runs on tensor cores

@@ -33,6 +33,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         step_profile,
         throughput,
         vs_hf,
+        vs_llama_cpp,
     )
 
     bench = subparsers.add_parser(
@@ -51,4 +52,5 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     step_profile.add_parser(sub)
     roofline.add_parser(sub)
     startup.add_parser(sub)
+    vs_llama_cpp.add_parser(sub)
     return bench

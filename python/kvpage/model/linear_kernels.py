@@ -4,8 +4,9 @@ Owns :func:`matmul_nt` (``x . w^T`` with an HF-oriented ``[out, in]`` weight, th
 product behind every linear layer and the vocab projection), :func:`embedding_rows`
 and the switch :func:`host_matmuls`. A weight may be a
 :class:`~kvpage.quant.QuantizedWeight`: with the switch on, its products run in the Rust
-core from its blocks (``pallas_kernels/cpu_qmatmul.py``, every row count); otherwise, or
-on another platform, the step dequantizes it and uses XLA's dot. For float weights, with
+core from its blocks (``pallas_kernels/cpu_qmatmul.py``, every row count), and an int8
+one on a CUDA GPU in the Pallas kernel ``pallas_kernels/int8_matmul.py``; otherwise, or on
+another platform, the step dequantizes it and uses XLA's dot. For float weights, with
 the switch on, products of a few rows lowered for CPU go to kvpage's Rust kernel
 (``pallas_kernels/cpu_matmul.py``: policy and measurements); with it off, or on any other
 platform, they are XLA's ``dot_general``.
@@ -31,6 +32,7 @@ from jax import lax
 from kvpage.quant.weights import QuantizedWeight
 from pallas_kernels.cpu_matmul import cpu_matmul_nt
 from pallas_kernels.cpu_qmatmul import cpu_qmatmul_nt
+from pallas_kernels.int8_matmul import int8_matmul_nt
 
 _HOST_MATMULS = contextvars.ContextVar("kvpage_host_matmuls", default=False)
 
@@ -78,10 +80,22 @@ def _quantized_matmul_nt(
     if not _HOST_MATMULS.get():
         return xla()
     flat = x.reshape(-1, x.shape[-1])
-    y = cpu_qmatmul_nt(
-        flat, w.blocks, w.row_scales, w.kind,
-        otherwise=lambda: xla().reshape(flat.shape[0], -1).astype(jnp.float32),
-    )
+
+    def dequantized() -> jax.Array:
+        return xla().reshape(flat.shape[0], -1).astype(jnp.float32)
+
+    def elsewhere() -> jax.Array:
+        if w.kind != "int8":
+            return dequantized()
+        # int8 on a GPU: the Pallas kernel reads the int8 tile (never a float copy).
+        return lax.platform_dependent(
+            cuda=lambda: int8_matmul_nt(flat, w.blocks, w.row_scales, interpret=False).astype(
+                jnp.float32
+            ),
+            default=dequantized,
+        )
+
+    y = cpu_qmatmul_nt(flat, w.blocks, w.row_scales, w.kind, otherwise=elsewhere)
     return y.reshape(*x.shape[:-1], w.shape[0]).astype(out_dtype)
 
 

