@@ -2,12 +2,16 @@
 //! SmolLM2-135M's MLP shape (`[T, 576] x [1536, 576]ᵀ`), one thread, cycling
 //! through 30 weight matrices (one per layer, 106 MB) so weights come from
 //! memory as in a real step. Bytes and FLOPs per iteration are printed so the
-//! figures read as bandwidth and compute. Run: `cargo bench --bench cpu_matmul`.
+//! figures read as bandwidth and compute. The same products with quantized
+//! weights (`rust/kernels/quant/`, every format, the bytes each streams) follow.
+//! Run: `cargo bench --bench cpu_matmul` (`-- quant` for the quantized ones).
 
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use kvpage_core::kernels::cpu_matmul::{matmul_nt, MatmulShape};
+use kvpage_core::kernels::quant::formats::QuantType;
+use kvpage_core::kernels::quant::qmatmul::{qmatmul, QuantShape};
 
 const LAYERS: usize = 30;
 
@@ -44,5 +48,70 @@ fn mlp_projection(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, mlp_projection);
+/// Blocks of `kind` with pseudo-random integers and small, valid f16 scales.
+fn quantized_weights(kind: QuantType, outs: usize, inner: usize, seed: usize) -> Vec<u8> {
+    let row_bytes = kind.row_bytes(inner).expect("whole blocks");
+    let mut bytes: Vec<u8> = (0..outs * row_bytes)
+        .map(|i| ((i * 2654435761 + seed) >> 7) as u8)
+        .collect();
+    let scale_at: &[usize] = match kind {
+        QuantType::Q8_0 | QuantType::Q4_0 => &[0],
+        QuantType::Q4_1 | QuantType::Q4K => &[0, 2],
+        QuantType::Q6K => &[208],
+        QuantType::Int8 => &[],
+    };
+    for block in bytes.chunks_exact_mut(kind.block_bytes()) {
+        for &at in scale_at {
+            block[at..at + 2].copy_from_slice(&0x1800u16.to_le_bytes()); // 2^-9
+        }
+    }
+    bytes
+}
+
+fn quantized_projection(c: &mut Criterion) {
+    let mut group = c.benchmark_group("quant_qmatmul");
+    group.sample_size(20);
+    let (inner, outs) = (576usize, 1536usize);
+    for kind in QuantType::ALL {
+        let weights: Vec<Vec<u8>> = (0..LAYERS)
+            .map(|l| quantized_weights(kind, outs, inner, l))
+            .collect();
+        let scales: Vec<f32> = if kind.row_scaled() {
+            vec![1e-3; outs]
+        } else {
+            Vec::new()
+        };
+        for rows in [1usize, 4, 8] {
+            let shape = QuantShape {
+                kind,
+                rows,
+                inner,
+                outs,
+            };
+            let x: Vec<f32> = (0..rows * inner)
+                .map(|i| ((i % 13) as f32 - 6.0) / 13.0)
+                .collect();
+            let mut y = vec![0.0f32; rows * outs];
+            println!(
+                "{} rows {rows}: {:.1} MB of weights per iteration ({LAYERS} products)",
+                kind.name(),
+                (LAYERS * weights[0].len()) as f64 / 1e6
+            );
+            group.bench_function(
+                format!("{}_rows{rows}_576x1536_x{LAYERS}", kind.name()),
+                |b| {
+                    b.iter(|| {
+                        for w in &weights {
+                            qmatmul(&shape, &x, w, &scales, &mut y).unwrap();
+                            black_box(&y);
+                        }
+                    })
+                },
+            );
+        }
+    }
+    group.finish();
+}
+
+criterion_group!(benches, mlp_projection, quantized_projection);
 criterion_main!(benches);

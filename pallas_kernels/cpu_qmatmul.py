@@ -1,30 +1,35 @@
 """Linear layers with quantized weights on the host CPU, as XLA FFI custom calls.
 
-Owns :func:`cpu_qmatmul_nt`: ``x [T, K] . dequant(w) [N, K]^T`` read straight from the
-weight's stored blocks by the Rust core (``rust/kernels/quant``, exported by
-``rust/kernels/xla_ffi_quant.rs`` as ``kvpage_qmatmul_<kind>``). The inputs are quantized
-to 8 bits per block of 32 inside the call, as llama.cpp does, so the product is integer
-multiply-adds over the packed weights; every row count goes here (decode and prefill),
-so a sequence sees the same arithmetic in both.
+Owns :func:`qmatmul_call` and :func:`dequantize_call` (the Rust core's
+``rust/kernels/quant``, exported by ``rust/kernels/xla_ffi_quant.rs``) and the row count
+where one hands over to the other (:data:`DEQUANTIZE_ROWS`):
 
-Only the ``cpu`` platform has the targets: :func:`cpu_qmatmul_nt` takes the function to
-lower on any other platform (``lax.platform_dependent``), so one traced program still
-lowers for GPUs. The call has no derivative. ``KVPAGE_CPU_MATMUL_PORTABLE=1`` (read by
-the core) makes it use the portable loop instead of AVX2.
+* ``kvpage_qmatmul_<kind>``: ``x [T, K] . dequant(w) [N, K]^T`` read straight from the
+  stored blocks (one row: 16-bit inputs and integer multiply-adds; more rows: each
+  sub-block expanded to float once in registers and shared by the rows).
+* ``kvpage_dequantize_<kind>``: the float weight ``[N, K]``, which XLA's GEMM then
+  multiplies: for prefill-sized products, where that GEMM beats the kernel's register
+  blocking. 30 chained SmolLM2 layers' matmuls, Q4_1 kernel vs XLA float32 on the 2-core
+  AVX2 EPYC: 39.6 / 49.0 ms at T = 16, 139 / 98.5 ms at T = 64, 574 / 341 ms at T = 256;
+  expanding all 106 M weights costs ~25 ms, so products of 64 rows or more dequantize.
+
+Only the ``cpu`` platform has the targets; callers put these calls in the ``cpu`` branch
+of ``lax.platform_dependent`` (``kvpage/model/linear_kernels.py``), so one traced program
+still lowers for GPUs. The calls have no derivative. ``KVPAGE_CPU_MATMUL_PORTABLE=1``
+(read by the core) makes them use the portable loops instead of AVX2.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from pallas_kernels._host_ffi import core_library, register
 
 KINDS = ("q8_0", "q4_0", "q4_1", "q4_k", "q6_k", "int8")
+DEQUANTIZE_ROWS = 64
 
 
 def target(kind: str) -> str:
@@ -32,8 +37,28 @@ def target(kind: str) -> str:
 
 
 def available(kind: str) -> bool:
-    """Whether the core exports (and JAX now has registered) ``kind``'s kernel."""
-    return kind in KINDS and register(target(kind))
+    """Whether the core exports (and JAX now has registered) ``kind``'s kernels."""
+    return kind in KINDS and register(target(kind)) and register(f"kvpage_dequantize_{kind}")
+
+
+def qmatmul_call(
+    x: jax.Array, blocks: jax.Array, row_scales: jax.Array | None, kind: str
+) -> jax.Array:
+    """float32 ``x [T, K] . dequant(w)^T`` by the core (lower for ``cpu`` only)."""
+    call = jax.ffi.ffi_call(
+        target(kind), jax.ShapeDtypeStruct((x.shape[0], blocks.shape[0]), jnp.float32)
+    )
+    return call(x.astype(jnp.float32), blocks, *(() if row_scales is None else (row_scales,)))
+
+
+def dequantize_call(
+    blocks: jax.Array, row_scales: jax.Array | None, kind: str, inner: int
+) -> jax.Array:
+    """The float32 weight ``[N, inner]`` of stored ``blocks`` (lower for ``cpu`` only)."""
+    call = jax.ffi.ffi_call(
+        f"kvpage_dequantize_{kind}", jax.ShapeDtypeStruct((blocks.shape[0], inner), jnp.float32)
+    )
+    return call(blocks, *(() if row_scales is None else (row_scales,)))
 
 
 @functools.cache
@@ -41,23 +66,3 @@ def vectorized() -> bool:
     """Whether the core runs these products with AVX2 here (else its portable loop)."""
     probe = getattr(core_library(), "kvpage_qmatmul_vectorized", None)
     return bool(probe()) if probe is not None else False
-
-
-def cpu_qmatmul_nt(
-    x: jax.Array,
-    blocks: jax.Array,
-    row_scales: jax.Array | None,
-    kind: str,
-    *,
-    otherwise: Callable[[], jax.Array],
-) -> jax.Array:
-    """float32 ``x [T, K] . dequant(w)^T`` ``[T, N]`` for the stored ``blocks [N, bytes]``
-    (``row_scales [N]`` for int8) of format ``kind``: the Rust kernel when lowered for
-    CPU, ``otherwise()`` (the same product) everywhere else."""
-    if x.ndim != 2 or blocks.ndim != 2 or not available(kind):
-        return otherwise()
-    call = jax.ffi.ffi_call(
-        target(kind), jax.ShapeDtypeStruct((x.shape[0], blocks.shape[0]), jnp.float32)
-    )
-    args = (x.astype(jnp.float32), blocks) + (() if row_scales is None else (row_scales,))
-    return lax.platform_dependent(cpu=lambda: call(*args), default=otherwise)

@@ -8,6 +8,9 @@
 //! single row, [`crate::kernels::quant::qmatmul`]), then tiles of weight rows
 //! run on XLA's intra-op pool.
 //!
+//! `kvpage_dequantize_<name>` takes `w` (and `row_scales`) and returns the float
+//! weights `[N, K]`, for products of many rows, which XLA's GEMM runs.
+//!
 //! The invariants of [`crate::kernels::xla_ffi`] hold: nothing is read before
 //! count, dtype, rank and size are checked; no panic crosses the boundary.
 
@@ -75,6 +78,75 @@ unsafe fn run_qmatmul(frame: &CallFrame, kind: QuantType) -> Result<(), String> 
     let tile =
         |index: usize| unsafe { qmatmul::tile(&shape, &inputs, w_s, row_scales, out, index) };
     XlaPool { frame }.run(qmatmul::tiles(&shape), &tile)
+}
+
+unsafe fn run_dequantize(frame: &CallFrame, kind: QuantType) -> Result<(), String> {
+    let want = if kind.row_scaled() { 2 } else { 1 };
+    let args = buffers(&frame.args, "arguments", want)?;
+    let mut rets = buffers(&frame.rets, "results", 1)?;
+    let (w, out) = (&args[0], &mut rets[0]);
+    if w.dims.len() != 2 || out.dims.len() != 2 || out.dtype != DTYPE_F32 {
+        return Err("expected w [N, row_bytes] and a float32 result [N, K]".into());
+    }
+    if w.dtype != DTYPE_U8 && w.dtype != DTYPE_S8 {
+        return Err(format!(
+            "w must be uint8 or int8 blocks, got dtype {}",
+            w.dtype
+        ));
+    }
+    let (outs, inner) = (out.dims[0], out.dims[1]);
+    if w.dims[0] != outs || kind.row_bytes(inner) != Some(w.dims[1]) {
+        return Err(format!(
+            "inconsistent shapes for {}: w {:?}, result {:?}",
+            kind.name(),
+            w.dims,
+            out.dims
+        ));
+    }
+    let row_scales: &[f32] = if kind.row_scaled() {
+        let scales = &args[1];
+        if scales.dtype != DTYPE_F32 || scales.dims != [outs] {
+            return Err(format!("row_scales must be float32 [{outs}]"));
+        }
+        std::slice::from_raw_parts(scales.data as *const f32, scales.len())
+    } else {
+        &[]
+    };
+    let w_s = std::slice::from_raw_parts(w.data as *const u8, w.len());
+    let out_s = std::slice::from_raw_parts_mut(out.data as *mut f32, out.len());
+    qmatmul::validate_dequantize(kind, inner, w_s, row_scales, out_s)?;
+    let target = OutPtr::new(out_s);
+    // SAFETY: validated; each tile is claimed by exactly one thread.
+    let tile = |index: usize| unsafe {
+        qmatmul::dequantize_tile(kind, inner, w_s, row_scales, target, outs, index)
+    };
+    XlaPool { frame }.run(outs.div_ceil(qmatmul::OUTS_PER_TILE), &tile)
+}
+
+macro_rules! dequantize_handler {
+    ($($symbol:ident => $kind:expr),* $(,)?) => {$(
+        /// XLA FFI handler: the float weights `[N, K]` of one format's blocks
+        /// (module docs), for products of many rows.
+        ///
+        /// # Safety
+        /// Called by XLA with a valid call frame.
+        #[no_mangle]
+        pub unsafe extern "C" fn $symbol(frame: *mut c_void) -> *mut c_void {
+            unsafe fn body(frame: &CallFrame) -> Result<(), String> {
+                run_dequantize(frame, $kind)
+            }
+            handle(frame.cast(), stringify!($symbol), body)
+        }
+    )*};
+}
+
+dequantize_handler! {
+    kvpage_dequantize_q8_0 => QuantType::Q8_0,
+    kvpage_dequantize_q4_0 => QuantType::Q4_0,
+    kvpage_dequantize_q4_1 => QuantType::Q4_1,
+    kvpage_dequantize_q4_k => QuantType::Q4K,
+    kvpage_dequantize_q6_k => QuantType::Q6K,
+    kvpage_dequantize_int8 => QuantType::Int8,
 }
 
 macro_rules! qmatmul_handler {

@@ -4,7 +4,8 @@ Owns :func:`matmul_nt` (``x . w^T`` with an HF-oriented ``[out, in]`` weight, th
 product behind every linear layer and the vocab projection), :func:`embedding_rows`
 and the switch :func:`host_matmuls`. A weight may be a
 :class:`~kvpage.quant.QuantizedWeight`: with the switch on, its products run in the Rust
-core from its blocks (``pallas_kernels/cpu_qmatmul.py``, every row count), and an int8
+core from its blocks (``pallas_kernels/cpu_qmatmul.py``: the kernel for up to 63 rows, the
+core's dequantization + XLA's GEMM for more), and an int8
 one on a CUDA GPU in the Pallas kernel ``pallas_kernels/int8_matmul.py``; otherwise, or on
 another platform, the step dequantizes it and uses XLA's dot. For float weights, with
 the switch on, products of a few rows lowered for CPU go to kvpage's Rust kernel
@@ -24,14 +25,15 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from kvpage.quant.weights import QuantizedWeight
+from pallas_kernels import cpu_qmatmul
 from pallas_kernels.cpu_matmul import cpu_matmul_nt
-from pallas_kernels.cpu_qmatmul import cpu_qmatmul_nt
 from pallas_kernels.int8_matmul import int8_matmul_nt
 
 _HOST_MATMULS = contextvars.ContextVar("kvpage_host_matmuls", default=False)
@@ -70,9 +72,9 @@ def _quantized_matmul_nt(
     x: jax.Array, w: QuantizedWeight, preferred_element_type: jax.typing.DTypeLike | None
 ) -> jax.Array:
     out_dtype = preferred_element_type or x.dtype
+    dims = (((x.ndim - 1,), (1,)), ((), ()))
 
     def xla() -> jax.Array:
-        dims = (((x.ndim - 1,), (1,)), ((), ()))
         return lax.dot_general(
             x, w.dequantize(x.dtype), dims, preferred_element_type=preferred_element_type
         )
@@ -80,22 +82,29 @@ def _quantized_matmul_nt(
     if not _HOST_MATMULS.get():
         return xla()
     flat = x.reshape(-1, x.shape[-1])
+    rows = flat.shape[0]
 
     def dequantized() -> jax.Array:
-        return xla().reshape(flat.shape[0], -1).astype(jnp.float32)
+        return xla().reshape(rows, -1).astype(jnp.float32)
 
-    def elsewhere() -> jax.Array:
-        if w.kind != "int8":
-            return dequantized()
-        # int8 on a GPU: the Pallas kernel reads the int8 tile (never a float copy).
-        return lax.platform_dependent(
-            cuda=lambda: int8_matmul_nt(flat, w.blocks, w.row_scales, interpret=False).astype(
-                jnp.float32
-            ),
-            default=dequantized,
-        )
+    def on_cpu() -> jax.Array:
+        if rows < cpu_qmatmul.DEQUANTIZE_ROWS:
+            return cpu_qmatmul.qmatmul_call(flat, w.blocks, w.row_scales, w.kind)
+        weight = cpu_qmatmul.dequantize_call(w.blocks, w.row_scales, w.kind, w.shape[1])
+        return lax.dot_general(flat.astype(jnp.float32), weight, dims,
+                               preferred_element_type=jnp.float32)
 
-    y = cpu_qmatmul_nt(flat, w.blocks, w.row_scales, w.kind, otherwise=elsewhere)
+    def on_cuda() -> jax.Array:
+        # int8: the Pallas kernel reads the int8 tiles (never a float copy).
+        y = int8_matmul_nt(flat, w.blocks, w.row_scales, interpret=False)
+        return y.astype(jnp.float32)
+
+    branches: dict[str, Any] = {}
+    if cpu_qmatmul.available(w.kind):
+        branches["cpu"] = on_cpu
+    if w.kind == "int8":
+        branches["cuda"] = on_cuda
+    y = lax.platform_dependent(**branches, default=dequantized) if branches else dequantized()
     return y.reshape(*x.shape[:-1], w.shape[0]).astype(out_dtype)
 
 

@@ -269,33 +269,36 @@ fn q4_k_and_q6_k_unpack_as_their_layouts_say() {
     assert_eq!(sub.min[1], 96.0);
 }
 
-/// Single-thread throughput (`cargo test --release --lib quant -- --ignored --nocapture`).
 #[test]
-#[ignore]
-fn timing() {
-    let mut rng = TestRng::new(1);
-    for kind in [QuantType::Q4_1, QuantType::Q8_0] {
-        for rows in [1, 4, 8] {
-            let shape = QuantShape {
-                kind,
-                rows,
-                inner: 576,
-                outs: 1536,
-            };
-            let x: Vec<f32> = (0..rows * 576)
-                .map(|_| rng.below(2001) as f32 / 1000.0 - 1.0)
-                .collect();
-            let w = random_weights(&mut rng, kind, shape.outs, shape.inner);
-            let mut y = vec![0.0; rows * shape.outs];
-            let n = 2000;
-            let start = std::time::Instant::now();
-            for _ in 0..n {
-                qmatmul(&shape, &x, &w, &[], &mut y).unwrap();
+fn dequantize_tiles_equal_the_reference_unpacking() {
+    let mut rng = TestRng::new(31);
+    for kind in QuantType::ALL {
+        let (outs, inner) = (37, 2 * kind.block_elems());
+        let w = random_weights(&mut rng, kind, outs, inner);
+        let scales: Vec<f32> = if kind.row_scaled() {
+            vec![0.02; outs]
+        } else {
+            Vec::new()
+        };
+        let mut out = vec![f32::NAN; outs * inner];
+        qmatmul::validate_dequantize(kind, inner, &w, &scales, &out).unwrap();
+        let target = OutPtr::new(&mut out);
+        for index in 0..outs.div_ceil(qmatmul::OUTS_PER_TILE) {
+            // SAFETY: validated; one thread.
+            unsafe { qmatmul::dequantize_tile(kind, inner, &w, &scales, target, outs, index) };
+        }
+        let row_bytes = kind.row_bytes(inner).unwrap();
+        for o in 0..outs {
+            let scale = if kind.row_scaled() { 0.02 } else { 1.0 };
+            let want =
+                formats::dequantize_row(kind, &w[o * row_bytes..][..row_bytes], inner, scale);
+            for (i, (got, want)) in out[o * inner..][..inner].iter().zip(&want).enumerate() {
+                // One FMA here, a multiply then an add in the reference.
+                assert!(
+                    (got - want).abs() <= 1e-6 * want.abs().max(1e-3),
+                    "{kind:?} {o} {i}"
+                );
             }
-            let per = start.elapsed().as_secs_f64() / n as f64;
-            let weights = (shape.outs * shape.inner) as f64;
-            println!("{kind:?} rows {rows}: {:.1} us, {:.2} Gweights/s, {:.1} cycles/32 weights at 3 GHz",
-                per * 1e6, weights / per / 1e9, per * 3e9 / (weights / 32.0));
         }
     }
 }
