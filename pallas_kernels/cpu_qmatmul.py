@@ -9,9 +9,13 @@ where one hands over to the other (:data:`DEQUANTIZE_ROWS`):
   sub-block expanded to float once in registers and shared by the rows).
 * ``kvpage_dequantize_<kind>``: the float weight ``[N, K]``, which XLA's GEMM then
   multiplies: for prefill-sized products, where that GEMM beats the kernel's register
-  blocking. 30 chained SmolLM2 layers' matmuls, Q4_1 kernel vs XLA float32 on the 2-core
-  AVX2 EPYC: 39.6 / 49.0 ms at T = 16, 139 / 98.5 ms at T = 64, 574 / 341 ms at T = 256;
-  expanding all 106 M weights costs ~25 ms, so products of 64 rows or more dequantize.
+  blocking. 30 chained SmolLM2 layers' matmuls (7 weights, cache-resident), Q4_1 kernel
+  vs XLA float32 on the 2-core AVX2 EPYC: 35 / 45 ms at T = 16, 72 / 68 ms at T = 32,
+  574 / 341 ms at T = 256. In a real step the expansion writes every weight as float32
+  (540 MB for SmolLM2), which a decode step pays each time: 64 requests x 64 tokens
+  (64-row decode steps) ran at 134 tok/s dequantizing from 64 rows, 188 tok/s from 128
+  (float32 weights: 206). So products of 128 rows or more (prefill chunks, big decode
+  batches) dequantize.
 
 Only the ``cpu`` platform has the targets; callers put these calls in the ``cpu`` branch
 of ``lax.platform_dependent`` (``kvpage/model/linear_kernels.py``), so one traced program
@@ -29,7 +33,7 @@ import jax.numpy as jnp
 from pallas_kernels._host_ffi import core_library, register
 
 KINDS = ("q8_0", "q4_0", "q4_1", "q4_k", "q6_k", "int8")
-DEQUANTIZE_ROWS = 64
+DEQUANTIZE_ROWS = 128
 
 
 def target(kind: str) -> str:

@@ -285,7 +285,10 @@ def test_real_smollm2_greedy_matches_transformers() -> None:
         dtype=torch.float32,
     ).eval()
     reference.generation_config.eos_token_id = None  # 32 tokens, as ignore_eos below
-    llm = LLM(str(path), max_num_seqs=2, max_model_len=256, compilation_cache_dir=None)
+    # Float parity: the dequantized weights transformers runs too (the quantized default
+    # is checked against this float path in test_quant.py).
+    llm = LLM(str(path), max_num_seqs=2, max_model_len=256, compilation_cache_dir=None,
+              quantization="none")
     tokenizer = llm.engine.tokenizer
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],

@@ -172,6 +172,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--scenario", action="append", choices=list(TARGETS),
                    help="scenario(s) to run (default: all three)")
     p.add_argument("--hf-batch-size", type=int, default=16, help="HF static batch size")
+    p.add_argument("--quantization", default="auto",
+                   help="kvpage's --quantization (default auto: a GGUF file's blocks on CPU; "
+                   "none: the float32 weights HF runs)")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--num-requests", type=int, default=None,
                    help="override the scenario's request count (64x64, mix)")
@@ -193,6 +196,8 @@ def main(args: argparse.Namespace) -> int:
     results = []
     for name in args.scenario or list(TARGETS):
         spec = scenario(name, args.seed, args.num_requests)
+        if args.quantization != "auto":
+            spec["engine_args"] = {"quantization": args.quantization}
         spec.update(model=model, hf_batch_size=args.hf_batch_size)
         print(f"running {name}: {len(spec['prompt_lens'])} requests ...", flush=True)
         results.append(compare(spec, args.timeout))

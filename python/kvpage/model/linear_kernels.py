@@ -4,7 +4,7 @@ Owns :func:`matmul_nt` (``x . w^T`` with an HF-oriented ``[out, in]`` weight, th
 product behind every linear layer and the vocab projection), :func:`embedding_rows`
 and the switch :func:`host_matmuls`. A weight may be a
 :class:`~kvpage.quant.QuantizedWeight`: with the switch on, its products run in the Rust
-core from its blocks (``pallas_kernels/cpu_qmatmul.py``: the kernel for up to 63 rows, the
+core from its blocks (``pallas_kernels/cpu_qmatmul.py``: the kernel for up to 127 rows, the
 core's dequantization + XLA's GEMM for more), and an int8
 one on a CUDA GPU in the Pallas kernel ``pallas_kernels/int8_matmul.py``; otherwise, or on
 another platform, the step dequantizes it and uses XLA's dot. For float weights, with
