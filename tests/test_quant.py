@@ -299,3 +299,35 @@ def test_real_smollm2_quantized_agrees_with_its_float_path() -> None:
         print(f"SmolLM2 Q4_1, {name}: greedy agreement {share:.0%}, "
               f"mean |logprob diff| {logprob_diff:.2e}")
         assert share >= 0.9, name
+
+
+def test_vs_llama_cpp_bench_plans_the_same_requests_for_every_server(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from kvpage.bench.vs_llama_cpp import print_table, workloads
+
+    plan = workloads([1, 4, 32], input_len=128, output_len=64, vocab=1000, seed=0)
+    assert [len(plan[c]) for c in (1, 4, 32)] == [4, 8, 64]
+    assert {len(r.prompt_token_ids) for r in plan[1]} == {128}
+    assert plan == workloads([1, 4, 32], input_len=128, output_len=64, vocab=1000, seed=0)
+    level = {"completed": 4, "failed": 0, "tpot_ms": 10.0, "errors": []}
+    result = {
+        "model": "m.gguf", "concurrency": [1],
+        "servers": [
+            {"server": "kvpage (auto)", "levels": {1: dict(level, output_tok_s=60.0)},
+             "ready_s": 3.0, "rss_mib": 900.0},
+            {"server": "llama.cpp", "levels": {1: dict(level, output_tok_s=80.0)},
+             "ready_s": 1.0, "rss_mib": 100.0},
+        ],
+        "weights": {"resident_mib": 92.0, "file_mib": 92.0, "ratio": 1.0},
+    }
+    print_table(result)
+    out = capsys.readouterr().out
+    assert "0.75x" in out and "1.00x the file's 92.0 MiB" in out
+
+
+def test_vs_llama_cpp_bench_refuses_a_model_that_is_not_gguf(tmp_path: Path) -> None:
+    from kvpage.cli import main
+
+    with pytest.raises(SystemExit, match="compares on a GGUF file"):
+        main(["bench", "vs-llama-cpp", str(tmp_path)])

@@ -391,7 +391,7 @@ mod avx512 {
 /// x86-64 with AVX2 + FMA: the AVX-512 kernel's blocking in 8 lanes and 16
 /// registers (accumulators + weight vectors + one input vector <= 16).
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+pub(crate) mod avx2 {
     use super::{DotRows, MatmulShape, OutPtr};
     use std::arch::x86_64::*;
 
@@ -467,9 +467,10 @@ mod avx2 {
         sums
     }
 
+    /// The sum of a register's 8 lanes (also used by the quantized kernels).
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn horizontal_sum(v: __m256) -> f32 {
+    pub(crate) unsafe fn horizontal_sum(v: __m256) -> f32 {
         let halves = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
         let pairs = _mm_add_ps(halves, _mm_movehl_ps(halves, halves));
         let one = _mm_add_ss(pairs, _mm_movehdup_ps(pairs));

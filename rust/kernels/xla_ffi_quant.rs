@@ -123,55 +123,42 @@ unsafe fn run_dequantize(frame: &CallFrame, kind: QuantType) -> Result<(), Strin
     XlaPool { frame }.run(outs.div_ceil(qmatmul::OUTS_PER_TILE), &tile)
 }
 
-macro_rules! dequantize_handler {
-    ($($symbol:ident => $kind:expr),* $(,)?) => {$(
+macro_rules! handlers {
+    ($($kind:expr => $qmatmul:ident, $dequantize:ident;)*) => {$(
+        /// XLA FFI handler: `y = x · dequant(w)ᵀ` for one weight format (module docs).
+        ///
+        /// # Safety
+        /// Called by XLA with a valid call frame.
+        #[no_mangle]
+        pub unsafe extern "C" fn $qmatmul(frame: *mut c_void) -> *mut c_void {
+            unsafe fn body(frame: &CallFrame) -> Result<(), String> {
+                run_qmatmul(frame, $kind)
+            }
+            handle(frame.cast(), stringify!($qmatmul), body)
+        }
+
         /// XLA FFI handler: the float weights `[N, K]` of one format's blocks
         /// (module docs), for products of many rows.
         ///
         /// # Safety
         /// Called by XLA with a valid call frame.
         #[no_mangle]
-        pub unsafe extern "C" fn $symbol(frame: *mut c_void) -> *mut c_void {
+        pub unsafe extern "C" fn $dequantize(frame: *mut c_void) -> *mut c_void {
             unsafe fn body(frame: &CallFrame) -> Result<(), String> {
                 run_dequantize(frame, $kind)
             }
-            handle(frame.cast(), stringify!($symbol), body)
+            handle(frame.cast(), stringify!($dequantize), body)
         }
     )*};
 }
 
-dequantize_handler! {
-    kvpage_dequantize_q8_0 => QuantType::Q8_0,
-    kvpage_dequantize_q4_0 => QuantType::Q4_0,
-    kvpage_dequantize_q4_1 => QuantType::Q4_1,
-    kvpage_dequantize_q4_k => QuantType::Q4K,
-    kvpage_dequantize_q6_k => QuantType::Q6K,
-    kvpage_dequantize_int8 => QuantType::Int8,
-}
-
-macro_rules! qmatmul_handler {
-    ($($symbol:ident => $kind:expr),* $(,)?) => {$(
-        /// XLA FFI handler: `y = x · dequant(w)ᵀ` for one weight format (module docs).
-        ///
-        /// # Safety
-        /// Called by XLA with a valid call frame.
-        #[no_mangle]
-        pub unsafe extern "C" fn $symbol(frame: *mut c_void) -> *mut c_void {
-            unsafe fn body(frame: &CallFrame) -> Result<(), String> {
-                run_qmatmul(frame, $kind)
-            }
-            handle(frame.cast(), stringify!($symbol), body)
-        }
-    )*};
-}
-
-qmatmul_handler! {
-    kvpage_qmatmul_q8_0 => QuantType::Q8_0,
-    kvpage_qmatmul_q4_0 => QuantType::Q4_0,
-    kvpage_qmatmul_q4_1 => QuantType::Q4_1,
-    kvpage_qmatmul_q4_k => QuantType::Q4K,
-    kvpage_qmatmul_q6_k => QuantType::Q6K,
-    kvpage_qmatmul_int8 => QuantType::Int8,
+handlers! {
+    QuantType::Q8_0 => kvpage_qmatmul_q8_0, kvpage_dequantize_q8_0;
+    QuantType::Q4_0 => kvpage_qmatmul_q4_0, kvpage_dequantize_q4_0;
+    QuantType::Q4_1 => kvpage_qmatmul_q4_1, kvpage_dequantize_q4_1;
+    QuantType::Q4K => kvpage_qmatmul_q4_k, kvpage_dequantize_q4_k;
+    QuantType::Q6K => kvpage_qmatmul_q6_k, kvpage_dequantize_q6_k;
+    QuantType::Int8 => kvpage_qmatmul_int8, kvpage_dequantize_int8;
 }
 
 /// 1 when the quantized kernels run vectorized (AVX2 + FMA + F16C) here, 0 for

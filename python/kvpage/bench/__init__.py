@@ -9,6 +9,7 @@
     kvpage bench step-profile [MODEL]                               where a step's time goes
     kvpage bench roofline                                           predicted H100/H200 tok/s
     kvpage bench startup [MODEL]                                    time to ready, cold and warm
+    kvpage bench vs-llama-cpp [MODEL.gguf]                          vs llama.cpp's server, same file
 
 ``compare`` runs the two lessons of continuous batching and PagedAttention
 on the same model and workload, only the scheduling policy changed, and can

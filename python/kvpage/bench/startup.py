@@ -115,7 +115,7 @@ def time_serve(model: str, cache_home: Path, workdir: Path) -> dict[str, Any]:
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     try:
-        health_s = _wait_health(url, proc, start)
+        health_s = wait_health(url, proc, start)
         response = httpx.post(
             url + "/v1/completions",
             json={"model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
@@ -145,13 +145,13 @@ def time_llama_server(binary: str, model: str) -> dict[str, Any]:
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
     try:
-        return {"health_s": _wait_health(f"http://127.0.0.1:{port}", proc, start)}
+        return {"health_s": wait_health(f"http://127.0.0.1:{port}", proc, start)}
     finally:
         proc.terminate()
         proc.wait(30)
 
 
-def _wait_health(url: str, proc: subprocess.Popen[Any], start: float) -> float:
+def wait_health(url: str, proc: subprocess.Popen[Any], start: float) -> float:
     import httpx
 
     while True:

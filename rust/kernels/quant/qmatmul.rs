@@ -348,6 +348,7 @@ mod avx2 {
     /// registers (measured against 5 rows with two chains each: 8 rows 21.8 ->
     /// 17.0 ms, 16 rows 44 -> 35 ms for 30 layers of SmolLM2's matmuls).
     const FLOAT_ROW_GROUP: usize = 10;
+    use crate::kernels::cpu_matmul::avx2::horizontal_sum;
     use crate::kernels::cpu_matmul::OutPtr;
     use crate::kernels::quant::activations::Q16Rows;
     use crate::kernels::quant::formats::{q4k_scale_min, QuantType, SUB};
@@ -703,15 +704,6 @@ mod avx2 {
             }
         }
         sums
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn horizontal_sum(v: __m256) -> f32 {
-        let halves = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-        let pairs = _mm_add_ps(halves, _mm_movehl_ps(halves, halves));
-        let one = _mm_add_ss(pairs, _mm_movehdup_ps(pairs));
-        _mm_cvtss_f32(one)
     }
 
     /// The halves at `at` and `at + 2` as floats (lanes 0 and 1).
