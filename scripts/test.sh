@@ -10,3 +10,8 @@ echo "== pytest (bindings, scheduler, kernels, model)"
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=8"
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
 python -m pytest -q -p no:cacheprovider "$@"
+if [ -x .venv-tunix/bin/python ]; then
+    echo "== pytest (tunix adapter, in .venv-tunix)"
+    .venv-tunix/bin/python -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
+        tests/test_tunix_rollout.py
+fi

@@ -114,6 +114,18 @@ def test_warmup_flags() -> None:
     assert mode("--no-warmup") == "none"
     args = parser.parse_args(["generate", "--prompt", "x", "--compilation-cache-dir", "none"])
     assert engine_config_from_args(args, "m").compilation_cache_dir is None
+    # the Python API reads the CLI's words too, never as a directory named "none"
+    import jax
+    from kvpage.compilation_cache import enable_compilation_cache
+
+    configured = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", None)
+    try:
+        assert enable_compilation_cache("none") is None
+        assert enable_compilation_cache("Off") is None
+        assert jax.config.jax_compilation_cache_dir is None
+    finally:
+        jax.config.update("jax_compilation_cache_dir", configured)
     with pytest.raises(ValueError, match="warmup must be one of"):
         LLM("unused", warmup="sometimes")
 

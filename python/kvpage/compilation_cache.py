@@ -37,12 +37,13 @@ def default_cache_dir() -> Path:
 
 def enable_compilation_cache(path: str | None) -> Path | None:
     """Turn JAX's persistent cache on at ``path`` (``"auto"``: :func:`default_cache_dir`)
-    unless the process already configured one; returns the directory in use (None: off).
+    unless the process already configured one; returns the directory in use (None: off;
+    ``None``, ``""``, ``"none"`` and ``"off"`` turn it off, as the CLI flag does).
     Also stores executables of any compile time (JAX's default threshold is 1 s)."""
     configured = jax.config.jax_compilation_cache_dir
     if configured:
         directory: Path | None = Path(configured)
-    elif not path:
+    elif not path or path.lower() in ("none", "off"):
         return None
     else:
         directory = default_cache_dir() if path == "auto" else Path(path).expanduser()

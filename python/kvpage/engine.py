@@ -35,6 +35,7 @@ Ids: the engine maps ``request_id`` (str) to the scheduler's ``handle``; a sampl
 
 from __future__ import annotations
 
+import array
 import logging
 import threading
 import time
@@ -117,11 +118,15 @@ class _Request:
     """Per sample index, each output token's logprob dict (with ``params.logprobs``)."""
     logprobs_sent: dict[int, int] = field(default_factory=dict)
     """Per sample index, logprob dicts already handed out (delta outputs)."""
+    logprob_arrays: dict[int, array.array] | None = None
+    """Instead of ``logprobs`` (``logprobs_as_arrays``): per sample index, the sampled
+    tokens' logprobs as float32 values, no Python object per token."""
     finished: bool = False
     error: str | None = None
     num_cached_tokens: int = 0
     prompt_scores: PromptLogprobsRecord | None = None
     prompt_logprobs_sent: bool = False
+    score_from: int | None = None
 
 
 def _merge_eos_ids(config: ModelConfig, model_dir: Path | None, tokenizer: Any) -> list[int]:
@@ -334,9 +339,17 @@ class LLMEngine:
         delta: bool = False,
         final_only: bool = False,
         arrival_time: float | None = None,
+        score_from: int | None = None,
+        logprobs_as_arrays: bool = False,
     ) -> None:
         """Queue a request. Raises ValueError naming what is wrong with it,
-        or QueueFullError when the waiting queue is at its bound."""
+        or QueueFullError when the waiting queue is at its bound.
+
+        ``score_from`` (with ``params.prompt_logprobs``): score only the prompt tokens
+        from that index on; the prefix cache may still supply the positions before it
+        (a shared prompt is computed once for all the completions scored after it).
+        ``logprobs_as_arrays`` (with ``params.logprobs == 0``): each sample's sampled
+        logprobs come back as one float32 array, ``CompletionOutput.logprob_array``."""
         params = params or SamplingParams()
         if not -(2**63) <= priority < 2**63:
             raise ValueError(f"priority must fit in a signed 64-bit integer, got {priority}")
@@ -366,7 +379,21 @@ class LLMEngine:
         grammar = None
         if params.structured_outputs is not None:  # compile errors: ValueError, nothing queued
             grammar = self.grammar_compiler.compile(params.structured_outputs)
-        if params.prompt_logprobs is not None and self.config.enable_prefix_caching:
+        max_cached_tokens = None
+        if score_from is not None:
+            if params.prompt_logprobs is None or not 1 <= score_from < len(ids):
+                raise ValueError(
+                    f"score_from must index a prompt token after the first (1 <= score_from "
+                    f"< {len(ids)}) and needs prompt_logprobs, got {score_from}"
+                )
+            max_cached_tokens = score_from - 1  # position score_from - 1 is computed
+        if logprobs_as_arrays and params.logprobs != 0:
+            raise ValueError("logprobs_as_arrays needs SamplingParams(logprobs=0)")
+        if (
+            params.prompt_logprobs is not None
+            and self.config.enable_prefix_caching
+            and score_from is None
+        ):
             # Bypass the prefix cache (see kvpage.prompt_logprobs): a private salt no
             # other request shares, so every prompt position is computed and scored.
             self._private_salts += 1
@@ -380,6 +407,7 @@ class LLMEngine:
             stop_token_ids=params.stop_token_ids,
             priority=priority,
             cache_salt=cache_salt,
+            max_cached_tokens=max_cached_tokens,
         )
         if grammar is not None:
             self.scheduler.set_grammar(handle, grammar)
@@ -387,13 +415,19 @@ class LLMEngine:
         metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic())
         streams = self._add_streams(handle, ids, params, delta=delta, final_only=final_only)
         request = _Request(request_id, handle, text, ids, params, metrics, streams, delta)
-        if params.logprobs is not None:
+        if logprobs_as_arrays:
+            request.logprob_arrays = {}
+            self._logprob_handles.add(handle)
+        elif params.logprobs is not None:
             request.logprobs = {}
             self._logprob_handles.add(handle)
         self._requests[request_id] = request
         self._by_handle[handle] = request
         if params.prompt_logprobs is not None:
-            request.prompt_scores = PromptLogprobsRecord(ids, params.prompt_logprobs)
+            request.prompt_scores = PromptLogprobsRecord(
+                ids, params.prompt_logprobs, score_from or 1
+            )
+            request.score_from = score_from
             if not request.prompt_scores.complete:
                 self._scoring[handle] = request
         self.counters["prompt_tokens"] += len(ids)
@@ -524,6 +558,13 @@ class LLMEngine:
         wanted = accepted & np.isin(handles, np.fromiter(self._logprob_handles, np.uint64))
         for e in np.flatnonzero(wanted).tolist():
             request = self._by_handle[int(handles[e])]
+            if request.logprob_arrays is not None:
+                sample = int(samples[e])
+                values = request.logprob_arrays.get(sample)
+                if values is None:
+                    values = request.logprob_arrays[sample] = array.array("f")
+                values.append(out.logprobs[rows[e]])
+                continue
             row, token = int(rows[e]), int(tokens[e])
             entry = {token: Logprob(float(out.logprobs[row]), int(out.ranks[row]))}
             k = request.params.logprobs or 0
@@ -674,17 +715,23 @@ class LLMEngine:
         metrics.last_token_time = last_token_time
         if request.logprobs is not None:
             self._attach_logprobs(request, completions)
+        elif request.logprob_arrays is not None:
+            for completion in completions:
+                values = request.logprob_arrays.get(completion.index, array.array("f"))
+                completion.logprob_array = np.frombuffer(values, np.float32).copy()
         if done:
             self._retire(request, completions)
-        prompt_logprobs = None
+        prompt_logprobs = scored = None
         scores = request.prompt_scores
         if scores is not None and scores.complete:
-            if not (request.delta and request.prompt_logprobs_sent):
+            if request.score_from is not None:
+                scored = scores.logprobs_from(request.score_from)
+            elif not (request.delta and request.prompt_logprobs_sent):
                 prompt_logprobs = scores.build()
             request.prompt_logprobs_sent = True
         return RequestOutput(
             request.request_id, request.prompt, request.prompt_token_ids, completions, done,
-            metrics, request.num_cached_tokens, request.error, prompt_logprobs,
+            metrics, request.num_cached_tokens, request.error, prompt_logprobs, scored,
         )
 
     @staticmethod

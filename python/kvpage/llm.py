@@ -11,10 +11,18 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from kvpage.engine import LLMEngine, PromptType
 from kvpage.engine_config import EngineConfig
 from kvpage.model.config import ModelConfig
 from kvpage.outputs import RequestOutput
+from kvpage.rollout import (
+    SCORE_PARAMS,
+    RolloutBatch,
+    build_rollout_batch,
+    rollout_sampling_params,
+)
 from kvpage.sampling.params import SamplingParams
 
 Message = dict[str, str]
@@ -128,6 +136,97 @@ class LLM:
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def rollout(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        pad_id: int | None = None,
+    ) -> RolloutBatch:
+        """Sample like :meth:`generate` (one ``sampling_params`` or one per prompt),
+        returning arrays for an RL loop: per sample (``n`` per prompt, rows in input
+        order) the token ids without the stop token, each token's logprob in
+        ``logprobs_mode`` and the lengths, as one :class:`~kvpage.rollout.RolloutBatch`.
+        No Python object is made per token. Padding is ``pad_id`` (default: the
+        tokenizer's pad token, else the first EOS id, else 0)."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} sampling_params for {len(prompts)} prompts"
+                )
+        ids = []
+        try:
+            for prompt, params in zip(prompts, params_list, strict=True):
+                request_id = f"rollout-{next(self._ids)}"
+                self.engine.add_request(
+                    request_id, prompt, rollout_sampling_params(params), final_only=True,
+                    logprobs_as_arrays=True,
+                )
+                ids.append(request_id)
+            version = self.engine.params_version
+            outputs = self._run(ids, use_tqdm)
+        except BaseException:
+            self.engine.abort_request(ids)
+            raise
+        return build_rollout_batch(outputs, self._pad_id() if pad_id is None else pad_id,
+                                   version)
+
+    def _pad_id(self) -> int:
+        pad = getattr(self.engine.tokenizer, "pad_token_id", None)
+        if pad is not None:
+            return int(pad)
+        return int(min(self.engine.eos_token_ids)) if self.engine.eos_token_ids else 0
+
+    def score(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        completion_token_ids: Sequence[Sequence[int]],
+        use_tqdm: bool = False,
+    ) -> list[np.ndarray]:
+        """``log p(completion[j] | prompt + completion[:j])`` for every token of each
+        ``(prompt, completion)`` pair: one float32 array per pair, from the raw logits
+        of the current weights (a teacher-forced pass on the engine's compiled prefill).
+        A prompt shared by several completions is computed once (with prefix caching
+        on), and only completion positions are scored."""
+        if len(prompt_token_ids) != len(completion_token_ids):
+            raise ValueError(
+                f"score: got {len(prompt_token_ids)} prompts and "
+                f"{len(completion_token_ids)} completions"
+            )
+        results: list[np.ndarray | None] = [None] * len(prompt_token_ids)
+        ids, rows = [], []
+        try:
+            for i, (prompt, completion) in enumerate(
+                zip(prompt_token_ids, completion_token_ids, strict=True)
+            ):
+                prompt, completion = list(map(int, prompt)), list(map(int, completion))
+                if not prompt:
+                    raise ValueError(f"score: prompt {i} is empty")
+                if not completion:
+                    results[i] = np.zeros(0, np.float32)
+                    continue
+                request_id = f"score-{next(self._ids)}"
+                self.engine.add_request(
+                    request_id, {"prompt_token_ids": prompt + completion}, SCORE_PARAMS,
+                    final_only=True, score_from=len(prompt),
+                )
+                ids.append(request_id)
+                rows.append(i)
+            for i, out in zip(rows, self._run(ids, use_tqdm), strict=True):
+                if out.error is not None or out.prompt_logprob_array is None:
+                    raise RuntimeError(f"score: pair {i} failed: {out.error}")
+                results[i] = out.prompt_logprob_array
+        except BaseException:
+            self.engine.abort_request(ids)
+            raise
+        return [r for r in results if r is not None]
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass(slots=True)
 class Logprob:
@@ -31,6 +33,9 @@ class CompletionOutput:
     """The stop string or stop token id that ended the sample, if any."""
     params_versions: list[tuple[int, int]] = field(default_factory=list)
     """(start token index, params version) ranges: which weights produced which tokens."""
+    logprob_array: np.ndarray | None = None
+    """float32 ``[len(token_ids)]``: each token's logprob, for requests that asked for
+    arrays instead of dicts (``LLM.rollout``); in the ``logprobs_mode`` of the request."""
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -81,3 +86,6 @@ class RequestOutput:
     """With ``SamplingParams.prompt_logprobs``: None for the first prompt token, then
     per prompt token a dict token id -> Logprob (the prompt token and the top-k). In
     streaming deltas it comes once, with the first output."""
+    prompt_logprob_array: np.ndarray | None = None
+    """For a request added with ``score_from``: float32 logprobs of prompt tokens
+    ``score_from:`` (``LLM.score``), instead of ``prompt_logprobs``."""

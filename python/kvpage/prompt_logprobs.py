@@ -39,7 +39,7 @@ class PromptLogprobsRecord:
     __slots__ = ("prompt", "k", "_logprobs", "_ranks", "_top_ids", "_top_lps", "_missing",
                  "_built")
 
-    def __init__(self, prompt_token_ids: Sequence[int], k: int) -> None:
+    def __init__(self, prompt_token_ids: Sequence[int], k: int, score_from: int = 1) -> None:
         n = len(prompt_token_ids)
         self.prompt = np.asarray(prompt_token_ids, np.int64)
         self.k = k
@@ -48,7 +48,7 @@ class PromptLogprobsRecord:
         self._top_ids = np.zeros((n, k), np.int32)
         self._top_lps = np.zeros((n, k), np.float32)
         self._missing = np.ones(n, bool)
-        self._missing[0] = False  # the first prompt token is never scored
+        self._missing[:score_from] = False  # the first prompt token is never scored
         self._built: PromptLogprobs | None = None
 
     @property
@@ -73,6 +73,12 @@ class PromptLogprobsRecord:
             self._top_ids[scored] = out.prompt_top_token_ids[rows, : self.k]
             self._top_lps[scored] = out.prompt_top_logprobs[rows, : self.k]
         self._missing[scored] = False
+
+    def logprobs_from(self, start: int) -> np.ndarray:
+        """float32 logprobs of prompt tokens ``start:`` (a copy; once complete)."""
+        if not self.complete:
+            raise RuntimeError("prompt logprobs are not complete yet")
+        return self._logprobs[start:].copy()
 
     def build(self) -> PromptLogprobs:
         """The vLLM-shaped list (built once, when complete)."""

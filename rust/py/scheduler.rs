@@ -63,11 +63,13 @@ impl Scheduler {
     /// the problem for an empty prompt, one that leaves no room to generate,
     /// or limits that cannot be met. `max_tokens=None` generates until
     /// `max_model_len`; any value is clamped to the room the prompt leaves.
+    /// `max_cached_tokens`: the prefix cache supplies at most that many
+    /// leading prompt tokens (later positions are computed, e.g. to score them).
     /// Only scheduling facts come here: sampling knobs belong to the runner.
     #[pyo3(signature = (
         prompt_token_ids, *, n = 1, max_tokens = Some(DEFAULT_MAX_TOKENS), min_tokens = 0,
         ignore_eos = false,
-        stop_token_ids = None, priority = 0, cache_salt = None,
+        stop_token_ids = None, priority = 0, cache_salt = None, max_cached_tokens = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
@@ -80,6 +82,7 @@ impl Scheduler {
         stop_token_ids: Option<Vec<u32>>,
         priority: i64,
         cache_salt: Option<&str>,
+        max_cached_tokens: Option<usize>,
     ) -> PyResult<u64> {
         let prompt = extract_tokens(prompt_token_ids)?;
         let params = RequestParams {
@@ -89,9 +92,13 @@ impl Scheduler {
             ignore_eos,
             stop_token_ids: stop_token_ids.unwrap_or_default(),
         };
-        Ok(self
+        let handle = self
             .inner
-            .add_request(&prompt, params, priority, cache_salt)?)
+            .add_request(&prompt, params, priority, cache_salt)?;
+        if let Some(limit) = max_cached_tokens {
+            self.inner.limit_prefix_reuse(handle, limit)?;
+        }
+        Ok(handle)
     }
 
     /// Plan the next step (an empty plan when there is nothing to run).

@@ -138,6 +138,10 @@ pub struct Request {
     pub arrival: u64,
     pub params: RequestParams,
     pub salt: Option<String>,
+    /// The prefix cache may supply at most this many leading tokens
+    /// (`usize::MAX`: no limit); scoring requests need their later positions
+    /// computed, not reused.
+    pub reuse_limit: usize,
     pub prompt_len: usize,
     pub seqs: Vec<u32>,
     pub num_unfinished: u32,

@@ -261,6 +261,27 @@ fn long_prefill_threshold_caps_one_prompt_per_step() {
 }
 
 #[test]
+fn limited_prefix_reuse_computes_the_positions_past_the_limit() {
+    let mut sched = Scheduler::new(config(128, 4)).unwrap();
+    let long = prompt(20, 0);
+    sched.add_request(&long, params(1), 0, None).unwrap();
+    run(&mut sched, |_, _| 7);
+    // 16 of 20 tokens (4 full blocks) are cached; a limit of 10 reuses 2 blocks.
+    let h = sched.add_request(&long, params(1), 0, None).unwrap();
+    sched.limit_prefix_reuse(h, 10).unwrap();
+    let positions = sched.schedule().unwrap().positions.clone();
+    assert_eq!(positions, (8..20).collect::<Vec<_>>());
+    assert_eq!(sched.num_cached_tokens(h), Some(8));
+    let mut events = Vec::new();
+    sched.update(&[7], &mut events).unwrap();
+    sched.check_invariants().unwrap();
+    // Not after scheduling, nor for an unknown handle.
+    assert!(sched.limit_prefix_reuse(h, 4).is_err());
+    assert!(sched.limit_prefix_reuse(h + (1 << 40), 4).is_err());
+    run(&mut sched, |_, _| 7);
+}
+
+#[test]
 fn prefix_cache_hit_prefills_only_the_suffix() {
     let mut sched = Scheduler::new(config(128, 4)).unwrap();
     let shared = prompt(16, 0);

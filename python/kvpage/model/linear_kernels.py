@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kvpage.model.transposed_weight import TransposedWeight
 from kvpage.quant.weights import QuantizedWeight
 from pallas_kernels import cpu_qmatmul
 from pallas_kernels.cpu_matmul import cpu_matmul_nt
@@ -51,13 +52,18 @@ def host_matmuls(enabled: bool = True) -> Iterator[None]:
 
 def matmul_nt(
     x: jax.Array,
-    w: jax.Array | QuantizedWeight,
+    w: jax.Array | QuantizedWeight | TransposedWeight,
     preferred_element_type: jax.typing.DTypeLike | None = None,
 ) -> jax.Array:
     """``x [..., in] . w [out, in]^T`` (``lax.dot_general`` contracting ``x``'s last axis
-    with ``w``'s axis 1)."""
+    with ``w``'s axis 1; a transposed weight's kernel ``[in, out]`` on its axis 0)."""
     if isinstance(w, QuantizedWeight):
         return _quantized_matmul_nt(x, w, preferred_element_type)
+    if isinstance(w, TransposedWeight):
+        dims = (((x.ndim - 1,), (0,)), ((), ()))
+        return lax.dot_general(
+            x, w.as_in_out(), dims, preferred_element_type=preferred_element_type
+        )
 
     def xla() -> jax.Array:
         dims = (((x.ndim - 1,), (1,)), ((), ()))

@@ -49,6 +49,7 @@ import numpy as np
 
 from kvpage.model.config import ModelConfig
 from kvpage.model.errors import CheckpointError
+from kvpage.model.transposed_weight import is_transposed
 from kvpage.quant.weights import is_quantized
 
 Params = dict[str, Any]
@@ -170,9 +171,16 @@ def _lookup(tree: Any, path: Path_) -> Any:
     return node
 
 
+def is_weight_node(leaf: Any) -> bool:
+    """Whether a params-tree node is one tensor made of several children or of a
+    reshaped one (:class:`~kvpage.quant.QuantizedWeight`,
+    :class:`~kvpage.model.transposed_weight.TransposedWeight`)."""
+    return is_quantized(leaf) or is_transposed(leaf)
+
+
 def _count_leaves(params: Params) -> int:
-    """Tensors in the tree (a :class:`~kvpage.quant.QuantizedWeight` is one)."""
-    return len(jax.tree_util.tree_leaves(params, is_leaf=is_quantized))
+    """Tensors in the tree (a quantized or transposed weight is one)."""
+    return len(jax.tree_util.tree_leaves(params, is_leaf=is_weight_node))
 
 
 def validate_params(config: ModelConfig, params: Params) -> None:
@@ -203,7 +211,7 @@ def validate_params(config: ModelConfig, params: Params) -> None:
         extra = [
             jax.tree_util.keystr(path)
             for path, leaf in jax.tree_util.tree_flatten_with_path(
-                params, is_leaf=is_quantized
+                params, is_leaf=is_weight_node
             )[0]
             if id(leaf) not in known
         ]
@@ -214,15 +222,18 @@ def validate_params(config: ModelConfig, params: Params) -> None:
 
 def cast_params(params: Params, dtype: str | None, device: jax.Device | None = None) -> Params:
     """Put every leaf on ``device`` as a jax array of ``dtype`` (None keeps each leaf's
-    dtype). A :class:`~kvpage.quant.QuantizedWeight` keeps its stored arrays."""
+    dtype). A :class:`~kvpage.quant.QuantizedWeight` keeps its stored arrays; a
+    :class:`~kvpage.model.transposed_weight.TransposedWeight` casts its kernel."""
     target = None if dtype is None else jnp_dtype(dtype)
 
     def convert(x: Any) -> Any:
         if is_quantized(x):
             return jax.device_put(x, device) if device is not None else x
+        if is_transposed(x):
+            return type(x)(convert(x.kernel), x.in_axes)
         arr = jnp.asarray(x) if not isinstance(x, jax.Array) else x
         if target is not None and arr.dtype != target:
             arr = arr.astype(target)
         return jax.device_put(arr, device) if device is not None else arr
 
-    return jax.tree_util.tree_map(convert, params, is_leaf=is_quantized)
+    return jax.tree_util.tree_map(convert, params, is_leaf=is_weight_node)

@@ -13,9 +13,10 @@ impl Scheduler {
             return Ok(());
         }
         let salt = self.request_of(seq).salt.clone();
+        let limit = self.request_of(seq).reuse_limit;
         let kv = self.kv.create_sequence(salt.as_deref());
         let tokens = &self.seqs[seq as usize].as_ref().expect("live").tokens;
-        let reusable = &tokens[..tokens.len() - 1];
+        let reusable = &tokens[..(tokens.len() - 1).min(limit)];
         let matched = if self.config.enable_prefix_caching {
             self.kv.match_prefix(kv, reusable)?
         } else {
@@ -41,8 +42,9 @@ impl Scheduler {
     /// cached blocks that prefix would pin. Changes nothing.
     pub(super) fn admission_blocks(&self, seq: u32) -> usize {
         let s = self.seq(seq);
-        let salt = self.request_of(seq).salt.as_deref();
-        let reusable = &s.tokens[..s.tokens.len() - 1];
+        let request = self.request_of(seq);
+        let salt = request.salt.as_deref();
+        let reusable = &s.tokens[..(s.tokens.len() - 1).min(request.reuse_limit)];
         let (matched, pinned_evictable) = if self.config.enable_prefix_caching {
             self.kv.peek_prefix(salt, reusable)
         } else {

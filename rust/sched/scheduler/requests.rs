@@ -55,6 +55,7 @@ impl Scheduler {
             priority,
             arrival,
             salt: salt.map(str::to_owned),
+            reuse_limit: usize::MAX,
             prompt_len: prompt.len(),
             seqs: vec![seq],
             num_unfinished: params.n,
@@ -64,6 +65,28 @@ impl Scheduler {
         self.by_handle.insert(handle, index);
         self.waiting.insert((priority, arrival, seq));
         Ok(handle)
+    }
+
+    /// Let the prefix cache supply at most the first `tokens` tokens of
+    /// request `handle` (its later positions are computed even when cached).
+    /// Only before the request is first scheduled: an admitted sequence keeps
+    /// the hit it got.
+    pub fn limit_prefix_reuse(&mut self, handle: u64, tokens: usize) -> KvResult<()> {
+        let Some(&index) = self.by_handle.get(&handle) else {
+            return Err(KvError::InvalidArgument(format!(
+                "request {handle} is not live"
+            )));
+        };
+        let request = self.requests[index as usize]
+            .as_mut()
+            .expect("live request");
+        if request.scheduled {
+            return Err(KvError::InvalidArgument(format!(
+                "request {handle} is already scheduled; limit its prefix reuse when adding it"
+            )));
+        }
+        request.reuse_limit = tokens;
+        Ok(())
     }
 
     fn validate_request(&self, prompt: &[u32], params: &mut RequestParams) -> KvResult<()> {

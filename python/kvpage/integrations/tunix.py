@@ -1,0 +1,202 @@
+"""kvpage as the rollout engine of tunix (Google's JAX RL library): :class:`KvpageRollout`.
+
+Plug it into tunix's RL cluster as ``ClusterConfig(rollout_engine=KvpageRollout, ...)``
+(or ``functools.partial(KvpageRollout, **engine_args)`` to pass kvpage engine
+arguments). It implements tunix 0.1.7's ``BaseRollout``:
+
+* ``generate(prompts, rollout_config)`` samples with continuous batching, paged KV and
+  prefix sharing (GRPO's repeated prompts are prefilled once), and returns tunix's
+  ``RolloutOutput``: completion ids without EOS, left-padded prompt ids, and with
+  ``return_logprobs`` the logprob of each token under the distribution it was sampled
+  from (``processed_logprobs``: after temperature and top-k/top-p, as vLLM's default
+  for tunix).
+* ``get_per_token_logps(prompt, completion)`` scores given completions with the current
+  weights (``LLM.score``: raw logits, as tunix's own).
+* ``update_params(state)`` reads the trainer's NNX state in tunix's layout
+  (:mod:`kvpage.integrations.tunix_layout`): no copy, no transpose, no recompile.
+
+Only tunix's dense Llama 3 / Qwen 2 / Qwen 3 modules are mapped, on one device; LoRA
+syncs are refused with a message. Requires ``pip install kvpage[tunix]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+try:
+    from flax import nnx
+    from tunix.rl.rollout import base_rollout
+except ImportError as e:  # pragma: no cover - exercised without the extra
+    raise ImportError(
+        "kvpage.integrations.tunix needs tunix and flax: pip install 'kvpage[tunix]'"
+    ) from e
+
+from kvpage.integrations.tunix_layout import (
+    config_from_tunix,
+    params_from_tunix,
+    tunix_architecture,
+)
+from kvpage.llm import LLM
+from kvpage.sampling.params import SamplingParams
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class KvpageRollout(base_rollout.BaseRollout):
+    """A tunix rollout worker backed by a kvpage engine over the actor's own weights."""
+
+    def __init__(
+        self,
+        rollout_actor: Any,
+        tokenizer: Any,
+        mesh: Any = None,
+        rollout_config: base_rollout.RolloutConfig | None = None,
+        *,
+        rope_theta: float | None = None,
+        **engine_args: Any,
+    ) -> None:
+        """``rope_theta`` overrides the RoPE base the tunix module applies (see
+        :data:`~kvpage.integrations.tunix_layout.TUNIX_FIXED_ROPE_THETA`);
+        ``engine_args`` go to :class:`kvpage.LLM` (``max_num_seqs``, ...)."""
+        if mesh is not None and mesh.devices.size > 1:
+            raise ValueError(
+                "KvpageRollout runs on one device for now; got a mesh of "
+                f"{mesh.devices.size} devices"
+            )
+        self._actor = rollout_actor
+        self._tokenizer = tokenizer
+        self.mesh = None
+        self._config = rollout_config or base_rollout.RolloutConfig()
+        arch = tunix_architecture(rollout_actor)
+        eos = self._eos_ids(self._config)
+        self.model_config = config_from_tunix(
+            rollout_actor.config, architecture=arch, rope_theta=rope_theta,
+            eos_token_ids=tuple(eos),
+            max_position_embeddings=max(4096, self._max_len(self._config)),
+        )
+        params = params_from_tunix(nnx.state(rollout_actor, nnx.Param), self.model_config)
+        engine_args.setdefault("max_model_len", self._max_len(self._config))
+        self.llm = LLM.from_params(self.model_config, params, **engine_args)
+
+    # ---- BaseRollout
+    def generate(
+        self, prompts: list[str], rollout_config: base_rollout.RolloutConfig, **kwargs: Any
+    ) -> base_rollout.RolloutOutput:
+        """Sample one completion per prompt (tunix repeats a prompt for GRPO's group)."""
+        ids = [self._tokenize(p) for p in prompts]
+        longest = max((len(x) for x in ids), default=1)
+        width = rollout_config.max_prompt_length
+        if width is None or width < longest:
+            width = _next_power_of_2(longest)
+        pad = self.pad_id()
+        left_padded = np.full((len(ids), width), pad, np.int32)
+        for r, x in enumerate(ids):
+            left_padded[r, width - len(x):] = x
+        seed = rollout_config.seed
+        base_seed = None if seed is None else int(np.asarray(seed).reshape(-1)[0])
+        params = [
+            SamplingParams(
+                max_tokens=rollout_config.max_tokens_to_generate,
+                temperature=float(rollout_config.temperature),
+                top_p=1.0 if rollout_config.top_p is None else float(rollout_config.top_p),
+                top_k=0 if rollout_config.top_k is None else int(rollout_config.top_k),
+                seed=None if base_seed is None else base_seed + i,
+                stop_token_ids=self._eos_ids(rollout_config),
+                logprobs_mode="processed_logprobs",
+            )
+            for i in range(len(ids))
+        ]
+        batch = self.llm.rollout(
+            [{"prompt_token_ids": x.tolist()} for x in ids], params, pad_id=pad
+        )
+        tokens = batch.completions()
+        return base_rollout.RolloutOutput(
+            text=[self._tokenizer.decode(t.tolist()) for t in tokens],
+            logits=None,
+            tokens=tokens,
+            left_padded_prompt_tokens=left_padded,
+            logprobs=(
+                [batch.logprobs[r, :n] for r, n in enumerate(batch.lengths.tolist())]
+                if rollout_config.return_logprobs
+                else None
+            ),
+        )
+
+    def get_per_token_logps(
+        self, prompt_tokens: jax.Array, completion_tokens: jax.Array
+    ) -> jax.Array:
+        """``[B, C]`` logprobs of right-padded completions after left-padded prompts
+        (0 at padded completion positions)."""
+        prompts = np.asarray(prompt_tokens)
+        completions = np.asarray(completion_tokens)
+        pad = self.pad_id()
+        prompt_rows = [row[np.argmax(row != pad):] if (row != pad).any() else row[-1:]
+                       for row in prompts]
+        lengths = [int(np.argmin(np.append(row != pad, False))) for row in completions]
+        scores = self.llm.score(
+            [p.tolist() for p in prompt_rows],
+            [row[:n].tolist() for row, n in zip(completions, lengths, strict=True)],
+        )
+        out = np.zeros(completions.shape, np.float32)
+        for r, s in enumerate(scores):
+            out[r, : len(s)] = s
+        return jnp.asarray(out)
+
+    def update_params(self, params: Any, filter_types: tuple[Any, ...] | None = None) -> None:
+        """Generate with the trainer's weights ``params`` (an NNX state of the actor's
+        ``nnx.Param``s) from now on: kvpage reads them where they are."""
+        lora = getattr(nnx, "LoRAParam", None)
+        if filter_types and lora is not None and any(
+            isinstance(f, type) and issubclass(f, lora) for f in filter_types
+        ):
+            raise NotImplementedError(
+                "KvpageRollout cannot apply a LoRA-only sync yet: merge the adapters "
+                "and sync nnx.Param state"
+            )
+        self.llm.update_params(params_from_tunix(params, self.model_config))
+
+    def pad_id(self) -> int:
+        return int(self._tokenizer_call("pad_id"))
+
+    def eos_id(self) -> int:
+        return int(self._tokenizer_call("eos_id"))
+
+    def model(self) -> Any:
+        return self._actor
+
+    # ---- helpers
+    def _tokenizer_call(self, name: str) -> Any:
+        attr = getattr(self._tokenizer, name, None)
+        if callable(attr):
+            return attr()
+        hf = getattr(self._tokenizer, f"{name.removesuffix('_id')}_token_id", None)
+        if name == "pad_id" and hf is None:
+            hf = getattr(self._tokenizer, "eos_token_id", None)
+        if hf is None:
+            raise ValueError(f"the tokenizer has no {name}")
+        return hf
+
+    def _tokenize(self, text: str) -> np.ndarray:
+        """As tunix's sampler: encode, BOS prepended when the tokenizer has one."""
+        ids = list(self._tokenizer.encode(text))
+        bos = getattr(self._tokenizer, "bos_id", None)
+        bos_id = bos() if callable(bos) else getattr(self._tokenizer, "bos_token_id", None)
+        if bos_id:
+            ids = [bos_id] + ids
+            while len(ids) > 1 and ids[0] == ids[1] == bos_id:
+                ids = ids[1:]
+        return np.asarray(ids, np.int32)
+
+    def _eos_ids(self, config: base_rollout.RolloutConfig) -> list[int]:
+        return list(config.eos_tokens or [self.eos_id()])
+
+    @staticmethod
+    def _max_len(config: base_rollout.RolloutConfig) -> int:
+        prompt = config.max_prompt_length or 64
+        return _next_power_of_2(prompt) + config.max_tokens_to_generate + 1
