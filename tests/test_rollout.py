@@ -13,7 +13,7 @@ import model_fixtures  # noqa: F401  (sys.path / import setup, before kvpage)
 import numpy as np
 import pytest
 from kvpage import LLM, SamplingParams
-from kvpage.integrations.tunix_layout import params_from_tunix
+from kvpage.integrations.tunix_layout import params_from_tunix, tunix_arrays_from_params
 from kvpage.model import ModelConfig, load_model
 from kvpage.model.dense import dense_logits
 from kvpage.model.params import validate_params
@@ -29,36 +29,7 @@ PROMPTS = [[5, 17, 99, 3, 42, 7, 250, 11, 64], [8, 9], list(range(20, 45))]
 
 def tunix_state(config: ModelConfig, params: Any) -> dict[str, Any]:
     """``params`` (HF layout) rearranged as tunix's Llama keeps them (new arrays)."""
-    h, n, k, d = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
-
-    def t(w: Any, *shape: int) -> jax.Array:
-        return jnp.asarray(np.ascontiguousarray(np.asarray(w).T).reshape(shape))
-
-    layers = {}
-    for i, layer in enumerate(params["layers"]):
-        a, m = layer["self_attn"], layer["mlp"]
-        layers[i] = {
-            "input_layernorm": {"w": layer["input_layernorm"]["weight"]},
-            "post_attention_layernorm": {"w": layer["post_attention_layernorm"]["weight"]},
-            "attn": {
-                "q_proj": {"w": t(a["q_proj"]["weight"], h, n, d)},
-                "k_proj": {"w": t(a["k_proj"]["weight"], h, k, d)},
-                "v_proj": {"w": t(a["v_proj"]["weight"], h, k, d)},
-                "o_proj": {"w": t(a["o_proj"]["weight"], n, d, h)},
-            },
-            "mlp": {
-                name: {"kernel": t(m[name]["weight"], *np.shape(m[name]["weight"])[::-1])}
-                for name in ("gate_proj", "up_proj", "down_proj")
-            },
-        }
-    state = {
-        "embedder": {"input_embedding": params["embed_tokens"]["weight"]},
-        "layers": layers,
-        "final_norm": {"w": params["norm"]["weight"]},
-    }
-    if not config.tie_word_embeddings:
-        state["lm_head"] = {"w": t(params["lm_head"]["weight"], h, config.vocab_size)}
-    return state
+    return tunix_arrays_from_params(config, params)
 
 
 @pytest.fixture(scope="module")

@@ -122,3 +122,25 @@ def test_update_params_then_regenerate_uses_the_new_weights(engines: Any) -> Non
     mine = np.asarray(ours.get_per_token_logps(prompts, padded(a.tokens, 8)))
     vanilla = np.asarray(theirs.get_per_token_logps(prompts, padded(a.tokens, 8)))
     assert np.abs(mine - vanilla).max() <= 1e-4
+
+
+def test_an_actor_updated_in_place_is_followed(engines: Any) -> None:
+    """tunix calls no sync when the rollout's model() is the actor (shared weights):
+    the next generate must still sample from the trainer's new arrays."""
+    model, ours, theirs = engines
+    version = ours.llm.engine.params_version
+    randomize(model, 11)  # what an optimizer step does to the actor's variables
+    greedy = base_rollout.RolloutConfig(
+        max_tokens_to_generate=8, temperature=1e-6, max_prompt_length=16, kv_cache_size=64,
+    )
+    fresh = vanilla_rollout.VanillaRollout(
+        model, ByteTokenizer(),
+        base_rollout.CacheConfig(cache_size=64, num_layers=2, num_kv_heads=2, head_dim=16),
+    )
+    a = ours.generate(PROMPTS[:2], greedy)
+    assert ours.llm.engine.params_version == version + 1
+    assert [t.tolist() for t in a.tokens] == [t.tolist() for t in
+                                              fresh.generate(PROMPTS[:2], greedy).tokens]
+    ours.generate(PROMPTS[:2], greedy)  # nothing changed: no sync
+    assert ours.llm.engine.params_version == version + 1
+    del theirs

@@ -10,6 +10,7 @@
     kvpage bench roofline                                           predicted H100/H200 tok/s
     kvpage bench startup [MODEL]                                    time to ready, cold and warm
     kvpage bench vs-llama-cpp [MODEL.gguf]                          vs llama.cpp's server, same file
+    kvpage bench rollout [MODEL]                                    vs tunix's rollout (GRPO)
 
 ``compare`` runs the two lessons of continuous batching and PagedAttention
 on the same model and workload, only the scheduling policy changed, and can
@@ -27,6 +28,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     from kvpage.bench import (
         compare,
         host,
+        rollout,
         roofline,
         scheduler,
         serve,
@@ -54,4 +56,5 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     roofline.add_parser(sub)
     startup.add_parser(sub)
     vs_llama_cpp.add_parser(sub)
+    rollout.add_parser(sub)
     return bench

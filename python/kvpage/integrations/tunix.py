@@ -14,6 +14,8 @@ arguments). It implements tunix 0.1.7's ``BaseRollout``:
   weights (``LLM.score``: raw logits, as tunix's own).
 * ``update_params(state)`` reads the trainer's NNX state in tunix's layout
   (:mod:`kvpage.integrations.tunix_layout`): no copy, no transpose, no recompile.
+  When the trainer updates the actor module in place (tunix then calls no sync:
+  ``model()`` is the actor), each ``generate`` notices the new arrays and takes them.
 
 Only tunix's dense Llama 3 / Qwen 2 / Qwen 3 modules are mapped, on one device; LoRA
 syncs are refused with a message. Requires ``pip install kvpage[tunix]``.
@@ -42,6 +44,14 @@ from kvpage.integrations.tunix_layout import (
 )
 from kvpage.llm import LLM
 from kvpage.sampling.params import SamplingParams
+
+
+def params_leaves(state: Any) -> Any:
+    """The arrays of an NNX state (variables unwrapped)."""
+    return jax.tree.map(
+        lambda v: v.get_value() if hasattr(v, "get_value") else v, state,
+        is_leaf=lambda v: hasattr(v, "get_value"),
+    )
 
 
 def _next_power_of_2(n: int) -> int:
@@ -80,7 +90,9 @@ class KvpageRollout(base_rollout.BaseRollout):
             eos_token_ids=tuple(eos),
             max_position_embeddings=max(4096, self._max_len(self._config)),
         )
-        params = params_from_tunix(nnx.state(rollout_actor, nnx.Param), self.model_config)
+        state = nnx.state(rollout_actor, nnx.Param)
+        self._actor_leaves = self._leaf_ids(state)
+        params = params_from_tunix(state, self.model_config)
         engine_args.setdefault("max_model_len", self._max_len(self._config))
         self.llm = LLM.from_params(self.model_config, params, **engine_args)
 
@@ -89,6 +101,7 @@ class KvpageRollout(base_rollout.BaseRollout):
         self, prompts: list[str], rollout_config: base_rollout.RolloutConfig, **kwargs: Any
     ) -> base_rollout.RolloutOutput:
         """Sample one completion per prompt (tunix repeats a prompt for GRPO's group)."""
+        self._follow_actor()
         ids = [self._tokenize(p) for p in prompts]
         longest = max((len(x) for x in ids), default=1)
         width = rollout_config.max_prompt_length
@@ -133,6 +146,7 @@ class KvpageRollout(base_rollout.BaseRollout):
     ) -> jax.Array:
         """``[B, C]`` logprobs of right-padded completions after left-padded prompts
         (0 at padded completion positions)."""
+        self._follow_actor()
         prompts = np.asarray(prompt_tokens)
         completions = np.asarray(completion_tokens)
         pad = self.pad_id()
@@ -171,6 +185,20 @@ class KvpageRollout(base_rollout.BaseRollout):
         return self._actor
 
     # ---- helpers
+    @staticmethod
+    def _leaf_ids(state: Any) -> list[int]:
+        return [id(x) for x in jax.tree.leaves(params_leaves(state))]
+
+    def _follow_actor(self) -> None:
+        """When the trainer updated the actor module itself (tunix then skips
+        ``update_params``: the rollout's ``model()`` *is* the actor, so it counts as
+        sharing weights), take its new arrays before sampling: never stale weights."""
+        state = nnx.state(self._actor, nnx.Param)
+        leaves = self._leaf_ids(state)
+        if leaves != self._actor_leaves:
+            self._actor_leaves = leaves
+            self.llm.update_params(params_from_tunix(state, self.model_config))
+
     def _tokenizer_call(self, name: str) -> Any:
         attr = getattr(self._tokenizer, name, None)
         if callable(attr):

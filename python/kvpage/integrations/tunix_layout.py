@@ -167,3 +167,51 @@ def tunix_architecture(model: Any) -> str:
     raise ValueError(f"no kvpage mapping for tunix model class {type(model).__qualname__} "
                      f"({module}); known: llama3, qwen2, qwen3")
 
+
+
+def tunix_arrays_from_params(config: ModelConfig, params: Params) -> dict[str, Any]:
+    """The inverse direction, for loading: kvpage's HF-layout ``params`` rearranged as
+    tunix's modules keep them (a nested dict of new arrays for ``nnx.update``; plain
+    ``[out, in]`` arrays only). Used to put a checkpoint kvpage can read (a GGUF file,
+    say) into a tunix model."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    def kernel(weight: Any, in_axes: int, shape: tuple[int, ...]) -> Any:
+        return jnp.asarray(np.ascontiguousarray(np.asarray(weight).T).reshape(shape))
+
+    h, n, k, d = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+    f = config.intermediate_size
+    shapes = {
+        ("self_attn", "q_proj", "weight"): (h, n, d),
+        ("self_attn", "k_proj", "weight"): (h, k, d),
+        ("self_attn", "v_proj", "weight"): (h, k, d),
+        ("self_attn", "o_proj", "weight"): (n, d, h),
+        ("mlp", "gate_proj", "weight"): (h, f),
+        ("mlp", "up_proj", "weight"): (h, f),
+        ("mlp", "down_proj", "weight"): (f, h),
+    }
+    extra = {**(QKV_BIAS_MAP if config.qkv_bias else {}), **(QK_NORM_MAP if config.qk_norm else {})}
+    layers: dict[int, Any] = {}
+    for i, layer in enumerate(params["layers"]):
+        out: dict[str, Any] = {}
+        for src, (path, in_axes) in LAYER_MAP.items():
+            value = layer
+            for key in src:
+                value = value[key]
+            _set(out, path, value if in_axes is None else kernel(value, in_axes, shapes[src]))
+        for src, path in extra.items():
+            value = layer
+            for key in src:
+                value = value[key]
+            _set(out, path, value)
+        layers[i] = out
+    state: dict[str, Any] = {
+        "embedder": {"input_embedding": params["embed_tokens"]["weight"]},
+        "layers": layers,
+        "final_norm": {"w": params["norm"]["weight"]},
+    }
+    if not config.tie_word_embeddings:
+        state["lm_head"] = {"w": kernel(params["lm_head"]["weight"], 1,
+                                        (h, config.vocab_size))}
+    return state

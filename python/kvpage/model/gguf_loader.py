@@ -484,7 +484,13 @@ def _tokenizer_from_metadata(reader: Any) -> Any:
     try:
         from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
     except ImportError:
-        return None
+        try:  # transformers < 5.13 (what kvpage[tunix] resolves to) keeps them here
+            from transformers.integrations.ggml import (
+                GGUF_TOKENIZER_MAPPING,
+                convert_gguf_tokenizer,
+            )
+        except ImportError:
+            return None
     from transformers import PreTrainedTokenizerFast
 
     groups = {
@@ -502,7 +508,7 @@ def _tokenizer_from_metadata(reader: Any) -> Any:
         token_id = _field(reader, f"tokenizer.ggml.{key}")
         init[name] = vocabulary["tokens"][token_id] if token_id is not None else None
     backend, extra = convert_gguf_tokenizer(_field(reader, "general.architecture"), vocabulary)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, **init, **extra)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **{**init, **extra})
 
 
 def _tokenizer_through_auto(path: Path) -> Any:

@@ -1,0 +1,252 @@
+"""``kvpage bench rollout``: kvpage against tunix's own ``VanillaRollout`` as the rollout
+engine of a GRPO step, on the same weights, in one run.
+
+Both engines serve one tunix ``Llama3`` module holding the model's weights (SmolLM2-135M
+from its GGUF file by default): tunix samples with its JAX sampler, kvpage through
+:class:`kvpage.integrations.tunix.KvpageRollout`, which reads the module's parameters in
+place. The workload is GRPO's: ``--prompts`` prompts, each repeated ``--samples`` times
+as separate requests (as tunix's GRPO learner does), ``--max-tokens`` tokens each, at
+temperature 1, the prefix cache reset between steps. Each engine is warmed up on the
+same batch first, then timed over ``--steps`` steps.
+
+Printed: generated tokens/s and the ratio, compiles during the timed steps, the weight
+sync (``update_params`` from the trainer's state: time, compiles, arrays copied), peak
+RSS, each engine's KV memory, and the agreement of kvpage's sampled logprobs
+(``processed_logprobs`` at ``--logprob-temperature``) with a teacher-forced forward of
+tunix's own module at that temperature.
+
+tunix 0.1.7's Llama applies RoPE base 1e6 whatever the config says; the bench patches
+its ``apply_rope`` to the model's base (SmolLM2: 1e5) so both engines run the trained
+model, and passes the same base to kvpage.
+
+Needs ``pip install kvpage[tunix]`` (its own environment: ``scripts/tunix_env.sh``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import resource
+import time
+from typing import Any
+
+import numpy as np
+
+PROMPTS = [
+    "Solve step by step: a farmer has 17 sheep and buys 3 times as many. How many now?",
+    "Write a haiku about the sea at night.",
+    "What is the capital of Australia, and why is it not Sydney?",
+    "Explain recursion to a ten year old in two sentences.",
+    "List three prime numbers greater than 50 and explain how you checked them.",
+    "Translate 'the cat sleeps on the warm roof' into French.",
+    "If a train leaves at 3 pm going 60 km/h, how far has it gone by 5:30 pm?",
+    "Give a short argument for and against remote work.",
+    "What does the Python expression sorted([3, 1, 2])[::-1] return?",
+    "Name two differences between a virus and a bacterium.",
+    "Summarise the plot of Romeo and Juliet in one sentence.",
+    "How many minutes are there in a week? Show the arithmetic.",
+    "Suggest a name for a bakery that only sells bread made with rye.",
+    "Why is the sky blue? Answer briefly.",
+    "Write a function signature in Rust that sums a slice of i64.",
+    "What is 12 squared minus 7 squared?",
+]
+
+
+def _peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def _count_tokens(output: Any) -> int:
+    return int(sum(len(t) for t in output.tokens))
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "rollout",
+        help="kvpage vs tunix's VanillaRollout as a GRPO rollout engine (needs kvpage[tunix])",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model", nargs="?", default=None,
+                   help="a .gguf file or HF directory of a Llama model (default: SmolLM2-135M)")
+    p.add_argument("--prompts", type=int, default=16, help="distinct prompts per step")
+    p.add_argument("--samples", type=int, default=8, help="samples per prompt (GRPO group)")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per sample")
+    p.add_argument("--max-prompt-length", type=int, default=64)
+    p.add_argument("--steps", type=int, default=1, help="timed rollout steps per engine")
+    p.add_argument("--logprob-temperature", type=float, default=0.7)
+    p.add_argument("--skip-tunix", action="store_true", help="time kvpage only")
+    p.add_argument("--json", default=None, help="write the figures to this JSON file")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        from flax import nnx
+        from tunix.generate.tokenizer_adapter import TokenizerAdapter
+        from tunix.models.llama3 import model as tunix_llama
+        from tunix.rl import common
+        from tunix.rl.rollout import base_rollout, vanilla_rollout
+    except ImportError:
+        print("kvpage bench rollout needs tunix: pip install 'kvpage[tunix]' "
+              "(or bash scripts/tunix_env.sh), then run it with that environment's python")
+        return 2
+    import jax
+    import jax.numpy as jnp
+
+    from kvpage.compilation_cache import compile_counts
+    from kvpage.engine import load_model_and_tokenizer
+    from kvpage.integrations.tunix import KvpageRollout
+    from kvpage.integrations.tunix_layout import tunix_arrays_from_params
+    from kvpage.model.real_models import model_or_smollm2
+
+    path = model_or_smollm2(args.model)
+    config, params, tokenizer, _ = load_model_and_tokenizer(
+        path, dtype="float32", quantization="none"
+    )
+    if config.architecture != "LlamaForCausalLM":
+        print(f"kvpage bench rollout maps tunix's Llama 3 module; {path} is "
+              f"{config.architecture}")
+        return 2
+    theta = config.rope.theta
+    original_rope = tunix_llama.apply_rope
+    tunix_llama.apply_rope = functools.partial(original_rope, rope_theta=theta)
+    model = tunix_llama.Llama3(
+        tunix_llama.ModelConfig(
+            num_layers=config.num_layers, vocab_size=config.vocab_size,
+            embed_dim=config.hidden_size, hidden_dim=config.intermediate_size,
+            num_heads=config.num_heads, head_dim=config.head_dim,
+            num_kv_heads=config.num_kv_heads, rope_theta=int(theta),
+            norm_eps=config.rms_norm_eps, weight_tying=config.tie_word_embeddings,
+        ),
+        rngs=nnx.Rngs(0),
+    )
+    nnx.update(model, nnx.State(tunix_arrays_from_params(config, params)))
+    del params
+    tok = TokenizerAdapter(tokenizer)
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.prompts)]
+    batch = [p for p in prompts for _ in range(args.samples)]
+    rows = len(batch)
+    cache_size = args.max_prompt_length + args.max_tokens
+    rollout_config = base_rollout.RolloutConfig(
+        max_tokens_to_generate=args.max_tokens, temperature=1.0, top_p=1.0,
+        max_prompt_length=args.max_prompt_length, kv_cache_size=cache_size,
+        return_logprobs=True, eos_tokens=list(config.eos_token_ids) or None,
+    )
+    figures: dict[str, Any] = {"rows": rows, "max_tokens": args.max_tokens,
+                               "model": str(path)}
+
+    # ---- kvpage
+    # enough KV for every row's prompt + completion (16-token blocks), not the 4 GiB default
+    blocks = rows * (-(-cache_size // 16) + 1) + 64
+    start = time.perf_counter()
+    ours = KvpageRollout(model, tok, None, rollout_config, rope_theta=theta,
+                         max_num_seqs=max(rows, 8), num_gpu_blocks=blocks, warmup="full")
+    figures["kvpage_kv_gib"] = ours.llm.engine.runner.kv_cache_decision.total_bytes / 2**30
+    ours.generate(batch, rollout_config)  # warm-up (the engine compiled every bucket)
+    figures["kvpage_warmup_s"] = time.perf_counter() - start
+    ours.llm.reset_prefix_cache()
+    tokens, elapsed, compiles = 0, 0.0, 0
+    output = None
+    for _ in range(args.steps):
+        before = compile_counts()
+        t0 = time.perf_counter()
+        output = ours.generate(batch, rollout_config)
+        elapsed += time.perf_counter() - t0
+        compiles += (compile_counts() - before).compiled
+        tokens += _count_tokens(output)
+        ours.llm.reset_prefix_cache()
+    figures["kvpage_tok_s"] = tokens / elapsed
+    figures["kvpage_compiles_timed"] = compiles
+    figures["peak_rss_after_kvpage_gib"] = _peak_rss_gib()
+
+    # weight sync from the trainer's state (the module's own Params)
+    state = nnx.state(model, nnx.Param)
+    before_compiles = ours.llm.engine.runner.num_compilations
+    t0 = time.perf_counter()
+    ours.update_params(state)
+    figures["kvpage_sync_ms"] = (time.perf_counter() - t0) * 1e3
+    figures["kvpage_sync_arrays_copied"] = ours.llm.engine.runner.last_update_copies
+    figures["kvpage_sync_compiles"] = ours.llm.engine.runner.num_compilations - before_compiles
+
+    # logprob agreement: kvpage's processed logprobs vs tunix's teacher-forced forward
+    temp = args.logprob_temperature
+    check = base_rollout.RolloutConfig(
+        max_tokens_to_generate=min(32, args.max_tokens), temperature=temp, top_p=1.0,
+        max_prompt_length=args.max_prompt_length, kv_cache_size=cache_size,
+        return_logprobs=True, eos_tokens=rollout_config.eos_tokens,
+    )
+    sample = ours.generate(prompts[:4], check)
+    width = max(len(t) for t in sample.tokens)
+    completions = np.zeros((len(sample.tokens), width), np.int32)
+    for r, t in enumerate(sample.tokens):
+        completions[r, : len(t)] = t
+    graphdef, graph_state = nnx.split(model)
+    forward = np.asarray(common.compute_per_token_logps(
+        graphdef, graph_state, jnp.asarray(sample.left_padded_prompt_tokens),
+        jnp.asarray(completions), pad_id=ours.pad_id(), eos_id=ours.eos_id(),
+        temperature=temp,
+    ))
+    diffs = [np.abs(lp - forward[r, : len(lp)]).max() for r, lp in enumerate(sample.logprobs)
+             if len(lp)]
+    figures["logprob_max_abs_diff"] = float(max(diffs))
+    figures["logprob_temperature"] = temp
+    del ours, output
+
+    # ---- tunix
+    if not args.skip_tunix:
+        cache = base_rollout.CacheConfig(cache_size=cache_size, num_layers=config.num_layers,
+                                         num_kv_heads=config.num_kv_heads,
+                                         head_dim=config.head_dim)
+        theirs = vanilla_rollout.VanillaRollout(model, tok, cache)
+        t0 = time.perf_counter()
+        theirs.generate(batch, rollout_config)
+        figures["tunix_warmup_s"] = time.perf_counter() - t0
+        tokens, elapsed, compiles = 0, 0.0, 0
+        for _ in range(args.steps):
+            before = compile_counts()
+            t0 = time.perf_counter()
+            out = theirs.generate(batch, rollout_config)
+            jax.block_until_ready(out.tokens)
+            elapsed += time.perf_counter() - t0
+            compiles += (compile_counts() - before).compiled
+            tokens += _count_tokens(out)
+        figures["tunix_tok_s"] = tokens / elapsed
+        figures["tunix_compiles_timed"] = compiles
+        t0 = time.perf_counter()
+        theirs.update_params(state)
+        figures["tunix_sync_ms"] = (time.perf_counter() - t0) * 1e3
+        figures["tunix_kv_gib"] = (2 * config.num_layers * rows * cache_size
+                                   * config.num_kv_heads * config.head_dim * 4 / 2**30)
+        figures["ratio_tok_s"] = figures["kvpage_tok_s"] / figures["tunix_tok_s"]
+    figures["peak_rss_gib"] = _peak_rss_gib()
+    tunix_llama.apply_rope = original_rope
+
+    _print(figures)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=2)
+    return 0
+
+
+def _print(f: dict[str, Any]) -> None:
+    print(f"GRPO rollout: {f['rows']} samples x {f['max_tokens']} tokens, temperature 1, "
+          f"{f['model']}")
+    line = f"  kvpage {f['kvpage_tok_s']:.1f} tok/s"
+    if "tunix_tok_s" in f:
+        line += (f" | tunix VanillaRollout {f['tunix_tok_s']:.1f} tok/s | "
+                 f"ratio {f['ratio_tok_s']:.2f}x")
+    print(line)
+    print(f"  compiles during the timed steps: kvpage {f['kvpage_compiles_timed']}"
+          + (f", tunix {f['tunix_compiles_timed']}" if "tunix_compiles_timed" in f else ""))
+    print(f"  weight sync: kvpage {f['kvpage_sync_ms']:.2f} ms, "
+          f"{f['kvpage_sync_arrays_copied']} arrays copied, {f['kvpage_sync_compiles']} "
+          "compiles" + (f" | tunix {f['tunix_sync_ms']:.1f} ms" if "tunix_sync_ms" in f
+                        else ""))
+    print(f"  logprobs (processed, T={f['logprob_temperature']}) vs tunix's teacher-forced "
+          f"forward: max |diff| {f['logprob_max_abs_diff']:.2e}")
+    print(f"  peak RSS {f['peak_rss_gib']:.2f} GiB (after kvpage's part: "
+          f"{f['peak_rss_after_kvpage_gib']:.2f} GiB); KV memory: kvpage "
+          f"{f['kvpage_kv_gib']:.2f} GiB"
+          + (f", tunix {f['tunix_kv_gib']:.2f} GiB" if "tunix_kv_gib" in f else ""))
