@@ -162,3 +162,23 @@ def test_scoring_reuses_the_prompt_but_computes_the_completion(llm: LLM) -> None
     with pytest.raises(ValueError, match="score_from"):
         llm.engine.add_request("bad", {"prompt_token_ids": prompt}, SCORE_PARAMS,
                                score_from=len(prompt))
+
+
+def test_a_trainers_mesh_is_used_as_it_is(model: tuple[ModelConfig, Any], llm: LLM) -> None:
+    """``mesh=``: a trainer's 2-axis mesh; weights split over its "tp" axis, in the
+    trainer's kernel layout too, give the single-device tokens."""
+    from jax.sharding import Mesh
+
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices (XLA_FLAGS=--xla_force_host_platform_device_count=2)")
+    config, params = model
+    mesh = Mesh(np.asarray(jax.devices()[:2]).reshape(1, 2), ("fsdp", "tp"))
+    mapped = params_from_tunix(tunix_state(config, params), config)
+    sharded = LLM.from_params(config, mapped, mesh=mesh, **ENGINE_ARGS)
+    assert sharded.engine.runner.tensor_parallel_size == 2
+    q = sharded.engine.runner.params["layers"][0]["self_attn"]["q_proj"]["weight"]
+    assert q.kernel.sharding.spec == jax.sharding.PartitionSpec(None, "tp", None)
+    assert greedy(sharded) == greedy(llm)
+    with pytest.raises(ValueError, match="no 'tp' axis"):
+        LLM.from_params(config, params, mesh=Mesh(np.asarray(jax.devices()[:2]), ("dp",)),
+                        **ENGINE_ARGS)

@@ -195,9 +195,13 @@ class LLMEngine:
         model_dir: Path | None = None,
         *,
         runner: Any = None,
+        mesh: Any = None,
     ) -> None:
         """``runner`` replaces the JAX ``ModelRunner`` with any object of its
-        interface (``kvpage.bench.host`` passes an instant token source)."""
+        interface (``kvpage.bench.host`` passes an instant token source). ``mesh``: a
+        ``jax.sharding.Mesh`` with a ``"tp"`` axis to run on (a trainer's own mesh:
+        weights and KV heads split over ``"tp"``, replicated over its other axes)
+        instead of ``tensor_parallel_size`` devices."""
         self.config = config
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -225,6 +229,7 @@ class LLMEngine:
             max_logprobs=config.max_logprobs,
             seed=config.seed,
             tensor_parallel_size=config.tensor_parallel_size,
+            mesh=mesh,
             kv_memory_fraction=config.gpu_memory_utilization,
             kv_cache_memory=config.kv_cache_memory,
         )

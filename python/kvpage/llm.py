@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpage.engine import LLMEngine, PromptType
+from kvpage.engine import LLMEngine, PromptType, load_model_and_tokenizer
 from kvpage.engine_config import EngineConfig
 from kvpage.model.config import ModelConfig
 from kvpage.outputs import RequestOutput
@@ -31,9 +31,22 @@ Message = dict[str, str]
 class LLM:
     """Generate for many prompts at once with continuous batching."""
 
-    def __init__(self, model: str | None = None, *, tokenizer: Any = None, **engine_args: Any):
+    def __init__(
+        self, model: str | None = None, *, tokenizer: Any = None, mesh: Any = None,
+        **engine_args: Any,
+    ):
+        """``mesh``: run on this ``jax.sharding.Mesh`` (see :meth:`from_params`)."""
         config = EngineConfig(model=model, **engine_args)
-        self.engine = LLMEngine.from_config(config)
+        if mesh is None:
+            self.engine = LLMEngine.from_config(config)
+        else:
+            from kvpage.parallel import mesh_size
+
+            model_config, params, tok, model_dir = load_model_and_tokenizer(
+                config.model or "", dtype=config.dtype, quantization=config.quantization,
+                tensor_parallel_size=mesh_size(mesh),
+            )
+            self.engine = LLMEngine(config, model_config, params, tok, model_dir, mesh=mesh)
         if tokenizer is not None:
             self.engine.tokenizer = tokenizer
         self._ids = itertools.count()
@@ -47,15 +60,21 @@ class LLM:
 
     @classmethod
     def from_params(
-        cls, config: ModelConfig, params: Any, tokenizer: Any = None, **engine_args: Any
+        cls, config: ModelConfig, params: Any, tokenizer: Any = None, *, mesh: Any = None,
+        **engine_args: Any,
     ) -> LLM:
         """Generate straight from a parameter pytree already in memory.
 
         ``params`` follows :mod:`kvpage.model.params` (e.g. a JAX training run's
         pytree). Leaves that already are device arrays in the engine's layout (one
         device, or :func:`kvpage.parallel.shard_params` for ``tensor_parallel_size``
-        > 1) are used as they are, without a copy; others are moved there once."""
-        engine = LLMEngine(EngineConfig(**engine_args), config, params, tokenizer)
+        > 1) are used as they are, without a copy; others are moved there once.
+
+        ``mesh``: a trainer's ``jax.sharding.Mesh`` with a ``"tp"`` axis, used as it
+        is: weights, KV heads and vocab split over ``"tp"`` (replicated over the mesh's
+        other axes), so leaves the trainer already holds sharded that way are not
+        moved. It replaces ``tensor_parallel_size``."""
+        engine = LLMEngine(EngineConfig(**engine_args), config, params, tokenizer, mesh=mesh)
         return cls.from_engine(engine)
 
     def update_params(self, params: Any) -> int:

@@ -34,6 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 from kvpage.model.attention import AttentionBackend
 from kvpage.model.config import ModelConfig
 from kvpage.model.params import Params
+from kvpage.model.transposed_weight import TransposedWeight, is_transposed
 
 TP_AXIS = "tp"
 
@@ -109,13 +110,31 @@ def param_partition_specs(
     layers = params.get("layers") if isinstance(params, Mapping) else None
     stacked = isinstance(layers, Mapping)
 
-    def spec(path: tuple[Any, ...], leaf: Any) -> PartitionSpec:
+    def spec(path: tuple[Any, ...], leaf: Any) -> Any:
         names = tuple(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
         in_stack = stacked and names[:1] == ("layers",)
+        if is_transposed(leaf):
+            return _kernel_spec(names, leaf, vocab_split, axis)
         base = _leaf_spec(names, np.ndim(leaf) - int(in_stack), vocab_split, axis)
         return PartitionSpec(None, *base) if in_stack else base
 
-    return jax.tree_util.tree_map_with_path(spec, params)
+    return jax.tree_util.tree_map_with_path(spec, params, is_leaf=is_transposed)
+
+
+def _kernel_spec(
+    names: tuple[str, ...], weight: TransposedWeight, vocab_split: bool, axis: str
+) -> TransposedWeight:
+    """The spec of a trainer-layout kernel ``[in..., out...]``, as a node of the same
+    kind: the ``[out, in]`` rule of :func:`_leaf_spec` applied to the first output axis
+    (column-parallel, vocab) or the first input axis (row-parallel); splitting a leading
+    axis of a row-major merge is splitting the merged axis into equal runs."""
+    base = _leaf_spec(names, 2, vocab_split, axis)
+    dims: list[Any] = [None] * len(weight.kernel.shape)
+    if base[0] == axis:  # output rows split
+        dims[weight.in_axes] = axis
+    elif base[1] == axis:  # input columns split
+        dims[0] = axis
+    return TransposedWeight(PartitionSpec(*dims), weight.in_axes)
 
 
 def param_shardings(config: ModelConfig, params: Params, mesh: Mesh, axis: str = TP_AXIS) -> Any:

@@ -6,7 +6,10 @@ from its GGUF file by default): tunix samples with its JAX sampler, kvpage throu
 :class:`kvpage.integrations.tunix.KvpageRollout`, which reads the module's parameters in
 place. The workload is GRPO's: ``--prompts`` prompts, each repeated ``--samples`` times
 as separate requests (as tunix's GRPO learner does), ``--max-tokens`` tokens each, at
-temperature 1, the prefix cache reset between steps. Each engine is warmed up on the
+temperature 1, the prefix cache reset between steps; ``--fixed-length`` makes every sample
+run ``--max-tokens`` tokens (equal work for both; with EOS, tok/s also depends on how
+early the samples happen to stop, and kvpage's steps shrink as rows finish while
+tunix's padded batch does not). Each engine is warmed up on the
 same batch first, then timed over ``--steps`` steps.
 
 Printed: generated tokens/s and the ratio, compiles during the timed steps, the weight
@@ -76,6 +79,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-prompt-length", type=int, default=64)
     p.add_argument("--steps", type=int, default=1, help="timed rollout steps per engine")
     p.add_argument("--logprob-temperature", type=float, default=0.7)
+    p.add_argument("--fixed-length", action="store_true",
+                   help="every sample runs --max-tokens tokens (EOS set to an id the model "
+                        "never samples in practice): equal work for both engines")
     p.add_argument("--skip-tunix", action="store_true", help="time kvpage only")
     p.add_argument("--json", default=None, help="write the figures to this JSON file")
     p.set_defaults(func=main)
@@ -132,10 +138,12 @@ def main(args: argparse.Namespace) -> int:
     rollout_config = base_rollout.RolloutConfig(
         max_tokens_to_generate=args.max_tokens, temperature=1.0, top_p=1.0,
         max_prompt_length=args.max_prompt_length, kv_cache_size=cache_size,
-        return_logprobs=True, eos_tokens=list(config.eos_token_ids) or None,
+        return_logprobs=True,
+        eos_tokens=[config.vocab_size - 1] if args.fixed_length
+        else list(config.eos_token_ids) or None,
     )
     figures: dict[str, Any] = {"rows": rows, "max_tokens": args.max_tokens,
-                               "model": str(path)}
+                               "model": str(path), "fixed_length": args.fixed_length}
 
     # ---- kvpage
     # enough KV for every row's prompt + completion (16-token blocks), not the 4 GiB default
@@ -175,7 +183,8 @@ def main(args: argparse.Namespace) -> int:
     check = base_rollout.RolloutConfig(
         max_tokens_to_generate=min(32, args.max_tokens), temperature=temp, top_p=1.0,
         max_prompt_length=args.max_prompt_length, kv_cache_size=cache_size,
-        return_logprobs=True, eos_tokens=rollout_config.eos_tokens,
+        # the model's own EOS: tunix's teacher-forced pass treats tokens after it as padding
+        return_logprobs=True, eos_tokens=list(config.eos_token_ids) or None,
     )
     sample = ours.generate(prompts[:4], check)
     width = max(len(t) for t in sample.tokens)
@@ -231,8 +240,9 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _print(f: dict[str, Any]) -> None:
-    print(f"GRPO rollout: {f['rows']} samples x {f['max_tokens']} tokens, temperature 1, "
-          f"{f['model']}")
+    length = "exactly" if f["fixed_length"] else "at most"
+    print(f"GRPO rollout: {f['rows']} samples x {length} {f['max_tokens']} tokens, "
+          f"temperature 1, {f['model']}")
     line = f"  kvpage {f['kvpage_tok_s']:.1f} tok/s"
     if "tunix_tok_s" in f:
         line += (f" | tunix VanillaRollout {f['tunix_tok_s']:.1f} tok/s | "

@@ -210,6 +210,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--context", type=int, default=256, help="KV tokens per sequence")
     p.add_argument("--steps", type=int, default=10, help="engine decode steps to time")
     p.add_argument("--repeats", type=int, default=7, help="runs per component")
+    p.add_argument("--quantization", default="auto",
+                   help="weights as stored (auto) or 'none' (float32, as an RL trainer's)")
     p.add_argument("--json", default=None, help="write the figures to this JSON file")
     p.set_defaults(func=main)
 
@@ -219,7 +221,7 @@ def main(args: argparse.Namespace) -> int:
     from kvpage.model.real_models import model_or_smollm2
 
     model = model_or_smollm2(args.model)
-    llm = LLM(model)
+    llm = LLM(model, quantization=args.quantization)
     engine = engine_decode_step(llm, args.rows, args.context, args.steps)
     parts = component_times(llm, args.rows, args.context, args.repeats)
     in_step = {k: v for k, v in parts.items() if "not in this step" not in k}

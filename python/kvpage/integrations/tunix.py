@@ -120,6 +120,9 @@ class KvpageRollout(base_rollout.BaseRollout):
                 top_p=1.0 if rollout_config.top_p is None else float(rollout_config.top_p),
                 top_k=0 if rollout_config.top_k is None else int(rollout_config.top_k),
                 seed=None if base_seed is None else base_seed + i,
+                # tunix's eos_tokens are the whole stop set (the model's EOS included
+                # only when listed), as in its own sampler
+                ignore_eos=bool(rollout_config.eos_tokens),
                 stop_token_ids=self._eos_ids(rollout_config),
                 logprobs_mode="processed_logprobs",
             )

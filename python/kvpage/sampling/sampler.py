@@ -32,6 +32,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from kvpage.sampling.categorical import draw_categorical
 from kvpage.sampling.device_params import GREEDY_EPSILON
 from kvpage.sampling.token_bitmask import apply_token_bitmask
 
@@ -209,9 +210,7 @@ def _random_tokens(
         scaled,
     )
     keys = row_keys(inputs.seed, inputs.has_seed, inputs.step, unseeded_key)
-    vocab = logits.shape[-1]
-    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(keys)
-    return jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32), scaled
+    return draw_categorical(scaled, keys), scaled
 
 
 def _logprobs_in_mode(
