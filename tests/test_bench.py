@@ -99,7 +99,7 @@ def test_every_bench_flag_has_help(capsys: pytest.CaptureFixture) -> None:
     bench_sub = next(a for a in bench._actions if a.dest == "bench_command")
     assert set(bench_sub.choices) == {
         "throughput", "serve", "scheduler", "host", "compare", "vs-hf", "step-profile",
-        "roofline", "startup", "vs-llama-cpp",
+        "roofline", "startup", "vs-llama-cpp", "rollout",
     }
     for name, p in bench_sub.choices.items():
         for action in p._actions:
@@ -108,6 +108,18 @@ def test_every_bench_flag_has_help(capsys: pytest.CaptureFixture) -> None:
             main(["bench", name, "--help"])
         assert exit_info.value.code == 0
     assert "--random-weights" in capsys.readouterr().out
+
+
+def test_bench_rollout_without_tunix_says_what_to_install(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    try:
+        import tunix  # noqa: F401
+    except ImportError:
+        assert main(["bench", "rollout"]) == 2
+        assert "pip install 'kvpage[tunix]'" in capsys.readouterr().out
+    else:
+        pytest.skip("tunix is installed here")
 
 
 def test_workload_and_table_helpers() -> None:

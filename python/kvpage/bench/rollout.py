@@ -76,9 +76,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--prompts", type=int, default=16, help="distinct prompts per step")
     p.add_argument("--samples", type=int, default=8, help="samples per prompt (GRPO group)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per sample")
-    p.add_argument("--max-prompt-length", type=int, default=64)
+    p.add_argument("--max-prompt-length", type=int, default=64,
+                   help="tunix's left-padded prompt width")
     p.add_argument("--steps", type=int, default=1, help="timed rollout steps per engine")
-    p.add_argument("--logprob-temperature", type=float, default=0.7)
+    p.add_argument("--logprob-temperature", type=float, default=0.7,
+                   help="temperature of the logprob agreement check")
     p.add_argument("--fixed-length", action="store_true",
                    help="every sample runs --max-tokens tokens (EOS set to an id the model "
                         "never samples in practice): equal work for both engines")

@@ -17,8 +17,9 @@ arguments). It implements tunix 0.1.7's ``BaseRollout``:
   When the trainer updates the actor module in place (tunix then calls no sync:
   ``model()`` is the actor), each ``generate`` notices the new arrays and takes them.
 
-Only tunix's dense Llama 3 / Qwen 2 / Qwen 3 modules are mapped, on one device; LoRA
-syncs are refused with a message. Requires ``pip install kvpage[tunix]``.
+Only tunix's dense Llama 3 / Qwen 2 / Qwen 3 modules are mapped. A rollout mesh of
+several devices is used as it is (it needs a ``"tp"`` axis). LoRA syncs are refused
+with a message. Requires ``pip install kvpage[tunix]``.
 """
 
 from __future__ import annotations
@@ -74,11 +75,6 @@ class KvpageRollout(base_rollout.BaseRollout):
         """``rope_theta`` overrides the RoPE base the tunix module applies (see
         :data:`~kvpage.integrations.tunix_layout.TUNIX_FIXED_ROPE_THETA`);
         ``engine_args`` go to :class:`kvpage.LLM` (``max_num_seqs``, ...)."""
-        if mesh is not None and mesh.devices.size > 1:
-            raise ValueError(
-                "KvpageRollout runs on one device for now; got a mesh of "
-                f"{mesh.devices.size} devices"
-            )
         self._actor = rollout_actor
         self._tokenizer = tokenizer
         self.mesh = None
@@ -94,7 +90,9 @@ class KvpageRollout(base_rollout.BaseRollout):
         self._actor_leaves = self._leaf_ids(state)
         params = params_from_tunix(state, self.model_config)
         engine_args.setdefault("max_model_len", self._max_len(self._config))
-        self.llm = LLM.from_params(self.model_config, params, **engine_args)
+        # tunix's rollout mesh as it is (weights split over its "tp" axis), or one device
+        use_mesh = mesh if mesh is not None and mesh.devices.size > 1 else None
+        self.llm = LLM.from_params(self.model_config, params, mesh=use_mesh, **engine_args)
 
     # ---- BaseRollout
     def generate(
