@@ -42,8 +42,7 @@ import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh
-from kvpage.integrations.tunix import KvpageRollout
-from kvpage.integrations.tunix_layout import tunix_arrays_from_params
+from kvpage.integrations.tunix import KvpageRollout, tunix_llama_from_checkpoint
 from tunix.models.llama3 import model as tunix_llama
 from tunix.rl import rl_cluster as rl_cluster_lib
 from tunix.rl.grpo import grpo_learner
@@ -88,28 +87,11 @@ def tiny_policy() -> tuple[Any, Any, float]:
 
 
 def smollm2_policy() -> tuple[Any, Any, float]:
-    from kvpage.engine import load_model_and_tokenizer
     from kvpage.model.real_models import find_or_fetch_smollm2
-    from tunix.generate.tokenizer_adapter import TokenizerAdapter
 
-    config, params, tokenizer, _ = load_model_and_tokenizer(
-        find_or_fetch_smollm2(), dtype="float32", quantization="none"
-    )
-    theta = config.rope.theta
-    # tunix 0.1.7's Llama ignores its config's rope_theta: give it SmolLM2's base.
-    tunix_llama.apply_rope = functools.partial(tunix_llama.apply_rope, rope_theta=theta)
-    model = tunix_llama.Llama3(
-        tunix_llama.ModelConfig(
-            num_layers=config.num_layers, vocab_size=config.vocab_size,
-            embed_dim=config.hidden_size, hidden_dim=config.intermediate_size,
-            num_heads=config.num_heads, head_dim=config.head_dim,
-            num_kv_heads=config.num_kv_heads, rope_theta=int(theta),
-            norm_eps=config.rms_norm_eps, weight_tying=config.tie_word_embeddings,
-        ),
-        rngs=nnx.Rngs(0),
-    )
-    nnx.update(model, nnx.State(tunix_arrays_from_params(config, params)))
-    return model, TokenizerAdapter(tokenizer), theta
+    # loads the GGUF into tunix's Llama, patching tunix's RoPE base to SmolLM2's 1e5
+    model, tokenizer, config = tunix_llama_from_checkpoint(find_or_fetch_smollm2())
+    return model, tokenizer, config.rope.theta
 
 
 def letter_e_reward(prompts: list[str], completions: list[str], **_: Any) -> list[float]:

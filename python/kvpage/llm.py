@@ -101,17 +101,7 @@ class LLM:
         A prompt is a string or ``{"prompt_token_ids": [...]}``;
         ``sampling_params`` is one for all prompts or one per prompt.
         """
-        if isinstance(prompts, str | dict):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompts)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(
-                    f"got {len(params_list)} sampling_params for {len(prompts)} prompts"
-                )
+        prompts, params_list = _pair_params(prompts, sampling_params)
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         ids = []
@@ -169,17 +159,7 @@ class LLM:
         ``logprobs_mode`` and the lengths, as one :class:`~kvpage.rollout.RolloutBatch`.
         No Python object is made per token. Padding is ``pad_id`` (default: the
         tokenizer's pad token, else the first EOS id, else 0)."""
-        if isinstance(prompts, str | dict):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompts)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(
-                    f"got {len(params_list)} sampling_params for {len(prompts)} prompts"
-                )
+        prompts, params_list = _pair_params(prompts, sampling_params)
         ids = []
         try:
             for prompt, params in zip(prompts, params_list, strict=True):
@@ -264,3 +244,20 @@ class LLM:
         if bar is not None:
             bar.close()
         return [finished[i] for i in ids]
+
+
+def _pair_params(
+    prompts: PromptType | Sequence[PromptType],
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+) -> tuple[list[PromptType], list[SamplingParams]]:
+    """The prompts as a list, each with its ``SamplingParams`` (one for all, or one per
+    prompt: ValueError when the counts differ)."""
+    if isinstance(prompts, str | dict):
+        prompts = [prompts]
+    prompts = list(prompts)
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        return prompts, [sampling_params or SamplingParams()] * len(prompts)
+    params_list = list(sampling_params)
+    if len(params_list) != len(prompts):
+        raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts")
+    return prompts, params_list

@@ -28,7 +28,6 @@ Needs ``pip install kvpage[tunix]`` (its own environment: ``scripts/tunix_env.sh
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import resource
 import time
@@ -92,7 +91,6 @@ def add_parser(sub: Any) -> None:
 def main(args: argparse.Namespace) -> int:
     try:
         from flax import nnx
-        from tunix.generate.tokenizer_adapter import TokenizerAdapter
         from tunix.models.llama3 import model as tunix_llama
         from tunix.rl import common
         from tunix.rl.rollout import base_rollout, vanilla_rollout
@@ -104,35 +102,17 @@ def main(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
     from kvpage.compilation_cache import compile_counts
-    from kvpage.engine import load_model_and_tokenizer
-    from kvpage.integrations.tunix import KvpageRollout
-    from kvpage.integrations.tunix_layout import tunix_arrays_from_params
+    from kvpage.integrations.tunix import KvpageRollout, tunix_llama_from_checkpoint
     from kvpage.model.real_models import model_or_smollm2
 
     path = model_or_smollm2(args.model)
-    config, params, tokenizer, _ = load_model_and_tokenizer(
-        path, dtype="float32", quantization="none"
-    )
-    if config.architecture != "LlamaForCausalLM":
-        print(f"kvpage bench rollout maps tunix's Llama 3 module; {path} is "
-              f"{config.architecture}")
+    original_rope = tunix_llama.apply_rope
+    try:
+        model, tok, config = tunix_llama_from_checkpoint(path)
+    except ValueError as err:
+        print(f"kvpage bench rollout: {err}")
         return 2
     theta = config.rope.theta
-    original_rope = tunix_llama.apply_rope
-    tunix_llama.apply_rope = functools.partial(original_rope, rope_theta=theta)
-    model = tunix_llama.Llama3(
-        tunix_llama.ModelConfig(
-            num_layers=config.num_layers, vocab_size=config.vocab_size,
-            embed_dim=config.hidden_size, hidden_dim=config.intermediate_size,
-            num_heads=config.num_heads, head_dim=config.head_dim,
-            num_kv_heads=config.num_kv_heads, rope_theta=int(theta),
-            norm_eps=config.rms_norm_eps, weight_tying=config.tie_word_embeddings,
-        ),
-        rngs=nnx.Rngs(0),
-    )
-    nnx.update(model, nnx.State(tunix_arrays_from_params(config, params)))
-    del params
-    tok = TokenizerAdapter(tokenizer)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.prompts)]
     batch = [p for p in prompts for _ in range(args.samples)]
     rows = len(batch)

@@ -229,3 +229,44 @@ class KvpageRollout(base_rollout.BaseRollout):
     def _max_len(config: base_rollout.RolloutConfig) -> int:
         prompt = config.max_prompt_length or 64
         return _next_power_of_2(prompt) + config.max_tokens_to_generate + 1
+
+
+def tunix_llama_from_checkpoint(path: Any) -> tuple[Any, Any, Any]:
+    """A tunix ``Llama3`` module holding a checkpoint kvpage reads (an HF directory or a
+    GGUF file, float32), for trying kvpage and tunix on the same weights: returns
+    ``(model, tokenizer, kvpage ModelConfig)``, the tokenizer wrapped in tunix's
+    ``TokenizerAdapter``.
+
+    tunix 0.1.7's Llama applies RoPE base 1e6 whatever its config says: this patches
+    ``tunix.models.llama3.model.apply_rope`` (process-wide) to the checkpoint's base, so
+    tunix runs the model as trained; pass the same base to ``KvpageRollout(rope_theta=
+    config.rope.theta)``."""
+    import functools
+
+    from tunix.generate.tokenizer_adapter import TokenizerAdapter
+    from tunix.models.llama3 import model as tunix_llama
+
+    from kvpage.engine import load_model_and_tokenizer
+    from kvpage.integrations.tunix_layout import tunix_arrays_from_params
+
+    config, params, tokenizer, _ = load_model_and_tokenizer(
+        path, dtype="float32", quantization="none"
+    )
+    if config.architecture != "LlamaForCausalLM":
+        raise ValueError(f"{path} is a {config.architecture}; this loads Llama checkpoints")
+    theta = config.rope.theta
+    rope = getattr(tunix_llama.apply_rope, "func", tunix_llama.apply_rope)
+    tunix_llama.apply_rope = functools.partial(rope, rope_theta=theta)
+    model = tunix_llama.Llama3(
+        tunix_llama.ModelConfig(
+            num_layers=config.num_layers, vocab_size=config.vocab_size,
+            embed_dim=config.hidden_size, hidden_dim=config.intermediate_size,
+            num_heads=config.num_heads, head_dim=config.head_dim,
+            num_kv_heads=config.num_kv_heads, rope_theta=int(theta),
+            norm_eps=config.rms_norm_eps, weight_tying=config.tie_word_embeddings,
+        ),
+        rngs=nnx.Rngs(0),
+    )
+    nnx.update(model, nnx.State(tunix_arrays_from_params(config, params)))
+    return model, TokenizerAdapter(tokenizer), config
+
