@@ -164,7 +164,9 @@ def test_scoring_reuses_the_prompt_but_computes_the_completion(llm: LLM) -> None
                                score_from=len(prompt))
 
 
-def test_a_trainers_mesh_is_used_as_it_is(model: tuple[ModelConfig, Any], llm: LLM) -> None:
+def test_a_trainers_mesh_is_used_as_it_is(
+    model: tuple[ModelConfig, Any], llm: LLM, tiny_model_dir: Path
+) -> None:
     """``mesh=``: a trainer's 2-axis mesh; weights split over its "tp" axis, in the
     trainer's kernel layout too, give the single-device tokens."""
     from jax.sharding import Mesh
@@ -179,6 +181,9 @@ def test_a_trainers_mesh_is_used_as_it_is(model: tuple[ModelConfig, Any], llm: L
     q = sharded.engine.runner.params["layers"][0]["self_attn"]["q_proj"]["weight"]
     assert q.kernel.sharding.spec == jax.sharding.PartitionSpec(None, "tp", None)
     assert greedy(sharded) == greedy(llm)
+    loaded = LLM(str(tiny_model_dir), mesh=mesh, **ENGINE_ARGS)  # from a checkpoint too
+    assert loaded.engine.runner.tensor_parallel_size == 2
+    assert greedy(loaded) == greedy(llm)
     with pytest.raises(ValueError, match="no 'tp' axis"):
         LLM.from_params(config, params, mesh=Mesh(np.asarray(jax.devices()[:2]), ("dp",)),
                         **ENGINE_ARGS)

@@ -286,14 +286,21 @@ class LLMEngine:
     # ---- construction ---------------------------------------------------
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> LLMEngine:
+    def from_config(cls, config: EngineConfig, mesh: Any = None) -> LLMEngine:
+        """Load ``config.model`` and build the engine (on ``mesh``: see ``__init__``)."""
         if config.model is None:
             raise ValueError("EngineConfig.model must name an HF model directory or a .gguf file")
+        if mesh is not None:
+            from kvpage.parallel import mesh_size
+
+            tensor_parallel_size = mesh_size(mesh)
+        else:
+            tensor_parallel_size = config.tensor_parallel_size
         model_config, params, tokenizer, model_dir = load_model_and_tokenizer(
             config.model, dtype=config.dtype, quantization=config.quantization,
-            tensor_parallel_size=config.tensor_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
         )
-        return cls(config, model_config, params, tokenizer, model_dir)
+        return cls(config, model_config, params, tokenizer, model_dir, mesh=mesh)
 
     # ---- structured outputs ---------------------------------------------
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpage.engine import LLMEngine, PromptType, load_model_and_tokenizer
+from kvpage.engine import LLMEngine, PromptType
 from kvpage.engine_config import EngineConfig
 from kvpage.model.config import ModelConfig
 from kvpage.outputs import RequestOutput
@@ -36,17 +36,7 @@ class LLM:
         **engine_args: Any,
     ):
         """``mesh``: run on this ``jax.sharding.Mesh`` (see :meth:`from_params`)."""
-        config = EngineConfig(model=model, **engine_args)
-        if mesh is None:
-            self.engine = LLMEngine.from_config(config)
-        else:
-            from kvpage.parallel import mesh_size
-
-            model_config, params, tok, model_dir = load_model_and_tokenizer(
-                config.model or "", dtype=config.dtype, quantization=config.quantization,
-                tensor_parallel_size=mesh_size(mesh),
-            )
-            self.engine = LLMEngine(config, model_config, params, tok, model_dir, mesh=mesh)
+        self.engine = LLMEngine.from_config(EngineConfig(model=model, **engine_args), mesh)
         if tokenizer is not None:
             self.engine.tokenizer = tokenizer
         self._ids = itertools.count()
