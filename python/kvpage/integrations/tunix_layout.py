@@ -177,8 +177,13 @@ def tunix_arrays_from_params(config: ModelConfig, params: Params) -> dict[str, A
     import jax.numpy as jnp
     import numpy as np
 
-    def kernel(weight: Any, in_axes: int, shape: tuple[int, ...]) -> Any:
+    def kernel(weight: Any, shape: tuple[int, ...]) -> Any:
         return jnp.asarray(np.ascontiguousarray(np.asarray(weight).T).reshape(shape))
+
+    def walk(tree: Any, path: tuple[str, ...]) -> Any:
+        for key in path:
+            tree = tree[key]
+        return tree
 
     h, n, k, d = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
     f = config.intermediate_size
@@ -196,15 +201,10 @@ def tunix_arrays_from_params(config: ModelConfig, params: Params) -> dict[str, A
     for i, layer in enumerate(params["layers"]):
         out: dict[str, Any] = {}
         for src, (path, in_axes) in LAYER_MAP.items():
-            value = layer
-            for key in src:
-                value = value[key]
-            _set(out, path, value if in_axes is None else kernel(value, in_axes, shapes[src]))
+            value = walk(layer, src)
+            _set(out, path, value if in_axes is None else kernel(value, shapes[src]))
         for src, path in extra.items():
-            value = layer
-            for key in src:
-                value = value[key]
-            _set(out, path, value)
+            _set(out, path, walk(layer, src))
         layers[i] = out
     state: dict[str, Any] = {
         "embedder": {"input_embedding": params["embed_tokens"]["weight"]},
@@ -212,6 +212,5 @@ def tunix_arrays_from_params(config: ModelConfig, params: Params) -> dict[str, A
         "final_norm": {"w": params["norm"]["weight"]},
     }
     if not config.tie_word_embeddings:
-        state["lm_head"] = {"w": kernel(params["lm_head"]["weight"], 1,
-                                        (h, config.vocab_size))}
+        state["lm_head"] = {"w": kernel(params["lm_head"]["weight"], (h, config.vocab_size))}
     return state
