@@ -5,6 +5,9 @@
 //! - [`cpu_matmul`]: linear layers of few rows (decode steps): `y = x · wᵀ`.
 //! - [`quant`]: linear layers with quantized weights (GGUF blocks, int8),
 //!   read as they are stored: `y = x · dequant(w)ᵀ`.
+//! - [`decoder_layer`]: a whole Llama-family decoder layer of a decode step
+//!   (norms, products, RoPE, K/V write, attention, MLP) in one call, so XLA:CPU
+//!   runs one op per layer instead of ~30.
 //! - [`parallel`]: where those kernels' parallel work runs (XLA's intra-op
 //!   pool when XLA calls them, scoped threads in tests and benches); kernels
 //!   never spawn threads themselves.
@@ -22,7 +25,9 @@
 
 pub mod cpu_attention;
 pub mod cpu_matmul;
+pub mod decoder_layer;
 pub mod parallel;
 pub mod quant;
 pub mod xla_ffi;
+pub mod xla_ffi_layer;
 pub mod xla_ffi_quant;

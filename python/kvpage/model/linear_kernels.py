@@ -50,6 +50,11 @@ def host_matmuls(enabled: bool = True) -> Iterator[None]:
         _HOST_MATMULS.reset(token)
 
 
+def host_kernels_enabled() -> bool:
+    """Whether a function traced now may use the host kernels (see :func:`host_matmuls`)."""
+    return _HOST_MATMULS.get()
+
+
 def matmul_nt(
     x: jax.Array,
     w: jax.Array | QuantizedWeight | TransposedWeight,

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 
 from kvpage.model.attention import AttentionBackend
 from kvpage.model.config import ModelConfig
-from kvpage.model.linear_kernels import embedding_rows, matmul_nt
+from kvpage.model import host_decode_layer
+from kvpage.model.linear_kernels import embedding_rows, host_kernels_enabled, matmul_nt
 from kvpage.model.params import Params
 from kvpage.model.rope import apply_rope, config_inverse_frequencies, rope_cos_sin
 
@@ -124,16 +125,29 @@ def decoder_layer(
 ) -> tuple[jax.Array, KVPool]:
     """One decoder layer: attention (writing this step's K/V into ``pool``) then the MLP,
     each with its residual. Every layer of a model has the same shapes, so the model
-    runner compiles this once and calls it per layer (compile time independent of depth)."""
+    runner compiles this once and calls it per layer (compile time independent of depth).
+
+    In a decode step on the host CPU, with the host kernels on, a layer that
+    :mod:`kvpage.model.host_decode_layer` supports is one custom call."""
     eps = config.rms_norm_eps
     cos, sin = rope_cos_sin(positions, config_inverse_frequencies(config))
-    normed = rms_norm(hidden, layer["input_layernorm"]["weight"], eps)
-    attn_out, pool = _attention_block(
-        config, layer["self_attn"], normed, cos, sin, pool, meta, backend, decode_only
-    )
-    hidden = hidden + attn_out
-    normed = rms_norm(hidden, layer["post_attention_layernorm"]["weight"], eps)
-    return hidden + _mlp(layer["mlp"], normed), pool
+
+    def traced() -> tuple[jax.Array, KVPool]:
+        normed = rms_norm(hidden, layer["input_layernorm"]["weight"], eps)
+        attn_out, new_pool = _attention_block(
+            config, layer["self_attn"], normed, cos, sin, pool, meta, backend, decode_only
+        )
+        residual = hidden + attn_out
+        normed = rms_norm(residual, layer["post_attention_layernorm"]["weight"], eps)
+        return residual + _mlp(layer["mlp"], normed), new_pool
+
+    if decode_only and host_kernels_enabled() and host_decode_layer.applies(
+        config, layer, hidden, pool, meta
+    ):
+        return host_decode_layer.decode_layer(
+            config, layer, hidden, cos, sin, pool, meta, otherwise=traced
+        )
+    return traced()
 
 
 def decoder_hidden_states(

@@ -44,6 +44,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from kvpage.model.attention import get_attention_backend
 from kvpage.model.config import ModelConfig
+from kvpage.model import host_decode_layer
 from kvpage.model.linear_kernels import host_matmuls
 from kvpage.model.llama import compute_logits
 from kvpage.model.params import Params, validate_params
@@ -269,6 +270,13 @@ class ModelRunner:
         self._num_compilations = 0
         self._stacked = is_stacked(self.params)
         self._layer_groups = layer_groups(config.num_layers)
+        self._host_decode_rows = (
+            host_decode_layer.max_rows(config, self.params["layers"][0], kv_dtype)
+            if mesh is None and platform == "cpu" and not self._stacked
+            else 0
+        )
+        """Decode steps of up to this many rows run each layer as one host call
+        (:mod:`kvpage.model.host_decode_layer`), in pure-decode buckets of their own."""
         self._layer_indices = [
             jax.device_put(np.int32(i), self._replicated) for i in range(config.num_layers)
         ] if self._stacked else []
@@ -321,8 +329,9 @@ class ModelRunner:
 
         Each (token bucket t, seq bucket) pair a step can land in (a step has at most as
         many sequences as tokens, so only seq buckets reachable with S <= t) and, when
-        the attention backend has a decode kernel, the pure-decode variant of each pair
-        a decode-only step (T == S) can land in.
+        the attention backend has a decode kernel or the layers run as one host call
+        (:meth:`_has_decode_variant`), the pure-decode variant of each pair a decode-only
+        step (T == S) can land in.
         """
         max_seqs = self.seq_buckets[-1]
         mixed = {
@@ -331,10 +340,14 @@ class ModelRunner:
             for s in range(1, min(t, max_seqs) + 1)
         }
         keys = sorted(mixed)
-        if self.backend.decode_specialized:
-            limit = min(self.token_buckets[-1], max_seqs)
-            keys += sorted({(*self.padded_sizes(n, n), True) for n in range(1, limit + 1)})
-        return keys
+        limit = min(self.token_buckets[-1], max_seqs)
+        decode = {(*self.padded_sizes(n, n), True) for n in range(1, limit + 1)}
+        return keys + sorted(k for k in decode if self._has_decode_variant(k[1]))
+
+    def _has_decode_variant(self, padded_seqs: int) -> bool:
+        """Whether pure-decode steps of this sequence bucket get executables of their own:
+        the attention backend has a decode kernel, or the layers run as one host call."""
+        return self.backend.decode_specialized or padded_seqs <= self._host_decode_rows
 
     def padded_sizes(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
         """The (token, sequence) buckets a step of this size runs in."""
@@ -820,7 +833,7 @@ class ModelRunner:
         # Sampled rows share the sequence bucket; with n > 1 there are more
         # sampled rows (one per forked sample) than sequence rows.
         t_pad, s_pad = self.padded_sizes(num_tokens, max(num_seqs, num_sampled))
-        decode_only = self.backend.decode_specialized and bool(plan.decode_only)
+        decode_only = bool(plan.decode_only) and self._has_decode_variant(s_pad)
         (t_pad, s_pad, _), bucket = self._bucket_for((t_pad, s_pad, decode_only))
         fuse_copies = len(plan.copy_src) <= self.max_fused_copies
         if not fuse_copies:
