@@ -20,9 +20,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from kvpage.model import host_decode_layer
 from kvpage.model.attention import AttentionBackend
 from kvpage.model.config import ModelConfig
-from kvpage.model import host_decode_layer
 from kvpage.model.linear_kernels import embedding_rows, host_kernels_enabled, matmul_nt
 from kvpage.model.params import Params
 from kvpage.model.rope import apply_rope, config_inverse_frequencies, rope_cos_sin

@@ -42,9 +42,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from kvpage.model import host_decode_layer
 from kvpage.model.attention import get_attention_backend
 from kvpage.model.config import ModelConfig
-from kvpage.model import host_decode_layer
 from kvpage.model.linear_kernels import host_matmuls
 from kvpage.model.llama import compute_logits
 from kvpage.model.params import Params, validate_params
