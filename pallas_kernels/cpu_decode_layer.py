@@ -13,7 +13,12 @@ Each linear weight is float32 ``[out, in]`` or a :class:`~kvpage.quant.Quantized
 (its blocks, and its row scales for int8), passed with its format's code: -1 for float,
 else the index in :data:`pallas_kernels.cpu_qmatmul.KINDS`. Only the ``cpu`` platform has
 the target: callers put the call in the ``cpu`` branch of ``lax.platform_dependent``.
-The call has no derivative. ``KVPAGE_CPU_DECODE_LAYER=0`` turns it off.
+The call has no derivative.
+
+It is opt-in (``KVPAGE_CPU_DECODE_LAYER=1``): on the 2-core machine of
+``benches/RESULTS.md`` a decode step ran no faster with it than with the traced layers,
+whose products are the per-product host kernels (SmolLM2 Q4_1, one sequence: ~30 tok/s
+with it, ~37 without, same hour).
 """
 
 from __future__ import annotations
@@ -34,7 +39,12 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 def available() -> bool:
     """Whether the Rust layer is registered for the ``cpu`` platform (registers it once)."""
-    return os.environ.get("KVPAGE_CPU_DECODE_LAYER", "1") != "0" and register(TARGET)
+    return register(TARGET)
+
+
+def enabled() -> bool:
+    """Whether decode steps use it: ``KVPAGE_CPU_DECODE_LAYER=1`` and :func:`available`."""
+    return os.environ.get("KVPAGE_CPU_DECODE_LAYER", "0") == "1" and available()
 
 
 def weight_operands(weight: Any) -> tuple[int, jax.Array, jax.Array]:

@@ -45,6 +45,12 @@ QUANT = {
 BLOCK = 4
 
 
+@pytest.fixture(autouse=True)
+def _host_layer_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host layer is opt-in; these tests turn it on (the engine test sets both)."""
+    monkeypatch.setenv("KVPAGE_CPU_DECODE_LAYER", "1")
+
+
 @pytest.fixture(scope="module")
 def gguf_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model = build_hf_model("llama", seed=3, vocab_size=TOKENIZER_VOCAB, intermediate_size=256,

@@ -2,7 +2,9 @@
 
 Owns :func:`max_rows` (the policy) and :func:`decode_layer` (the traced call). On the
 host CPU a decode step's layer runs as ``pallas_kernels/cpu_decode_layer.py``'s single
-custom call instead of ~30 XLA ops when every piece of it has a host kernel:
+custom call instead of ~30 XLA ops when it is turned on (``KVPAGE_CPU_DECODE_LAYER=1``;
+off by default: it measured no faster, see ``pallas_kernels/cpu_decode_layer.py``) and
+every piece of it has a host kernel:
 
 * the model is a plain Llama-family decoder: no q/k norms, no biases, float32 norms and
   activations, a float32 KV pool;
@@ -63,7 +65,7 @@ def max_rows(config: ModelConfig, layer: dict[str, Any], kv_dtype: Any) -> int:
         weights is None
         or config.qk_norm
         or jnp.dtype(kv_dtype) != jnp.float32
-        or not cpu_decode_layer.available()
+        or not cpu_decode_layer.enabled()
     ):
         return 0
     norms = (layer["input_layernorm"]["weight"], layer["post_attention_layernorm"]["weight"])
