@@ -105,9 +105,14 @@ fn random_case(rng: &mut TestRng, rows: usize, padding: usize) -> Case {
 }
 
 fn float_weights<'a>(case: &'a Case, stored: &'a [Vec<f32>]) -> LayerWeights<'a> {
+    layer_weights(case, |j| Weight::Float(&stored[j]))
+}
+
+/// The layer's weights, linear `j` (q, k, v, o, gate, up, down) stored as `weight(j)`.
+fn layer_weights<'a>(case: &'a Case, weight: impl Fn(usize) -> Weight<'a>) -> LayerWeights<'a> {
     let sizes = linear_sizes(&case.shape);
     let l = |j: usize| Linear {
-        weight: Weight::Float(&stored[j]),
+        weight: weight(j),
         outs: sizes[j].0,
         inner: sizes[j].1,
     };
@@ -354,26 +359,11 @@ fn quantized_layers_match_the_layer_of_their_float_values() {
             .unzip();
         case.weights = floats;
         let (want, _, _) = naive(&case);
-        let l = |j: usize| Linear {
-            weight: Weight::Quant {
-                kind: QuantType::Q8_0,
-                blocks: &blocks[j],
-                row_scales: &[],
-            },
-            outs: sizes[j].0,
-            inner: sizes[j].1,
-        };
-        let weights = LayerWeights {
-            input_norm: &case.norms[0],
-            q: l(0),
-            k: l(1),
-            v: l(2),
-            o: l(3),
-            post_norm: &case.norms[1],
-            gate: l(4),
-            up: l(5),
-            down: l(6),
-        };
+        let weights = layer_weights(&case, |j| Weight::Quant {
+            kind: QuantType::Q8_0,
+            blocks: &blocks[j],
+            row_scales: &[],
+        });
         let (out, _, _) = run(&ScopedThreads, &case, &weights).unwrap();
         // One row takes the 16-bit input path (relative rounding ~1.5e-5 per input).
         assert_close(

@@ -30,14 +30,7 @@ use super::xla_ffi::{
 };
 
 /// Weight formats by their code in `kinds` (`pallas_kernels/cpu_qmatmul.py`'s `KINDS`).
-pub const KIND_CODES: [QuantType; 6] = [
-    QuantType::Q8_0,
-    QuantType::Q4_0,
-    QuantType::Q4_1,
-    QuantType::Q4K,
-    QuantType::Q6K,
-    QuantType::Int8,
-];
+pub const KIND_CODES: [QuantType; 6] = QuantType::ALL;
 
 const LINEARS: [&str; 7] = [
     "q_proj",
