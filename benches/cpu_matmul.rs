@@ -4,14 +4,19 @@
 //! memory as in a real step. Bytes and FLOPs per iteration are printed so the
 //! figures read as bandwidth and compute. The same products with quantized
 //! weights (`rust/kernels/quant/`, every format, the bytes each streams) follow.
-//! Run: `cargo bench --bench cpu_matmul` (`-- quant` for the quantized ones).
+//! Two threads sharing one-row Q4_1 products follow: each taking alternate
+//! 16-row tiles against each taking a contiguous half (how the host kernels'
+//! fork-join hands out units, `rust/kernels/xla_ffi.rs`).
+//! Run: `cargo bench --bench cpu_matmul` (`-- quant` for the quantized ones,
+//! `-- split` for the two-thread split).
 
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion};
+use kvpage_core::kernels::cpu_matmul::OutPtr;
 use kvpage_core::kernels::cpu_matmul::{matmul_nt, MatmulShape};
 use kvpage_core::kernels::quant::formats::QuantType;
-use kvpage_core::kernels::quant::qmatmul::{qmatmul, QuantShape};
+use kvpage_core::kernels::quant::qmatmul::{qmatmul, tile, tiles, Inputs, QuantShape};
 
 const LAYERS: usize = 30;
 
@@ -113,5 +118,66 @@ fn quantized_projection(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, mlp_projection, quantized_projection);
+/// Which tiles of `tiles` thread `t` of `threads` runs.
+fn mine(split: &str, tile: usize, tiles: usize, t: usize, threads: usize) -> bool {
+    match split {
+        "alternate" => tile % threads == t,
+        _ => tile * threads / tiles == t,
+    }
+}
+
+fn two_thread_split(c: &mut Criterion) {
+    let mut group = c.benchmark_group("quant_split");
+    group.sample_size(20);
+    let kind = QuantType::Q4_1;
+    let shape = QuantShape {
+        kind,
+        rows: 1,
+        inner: 576,
+        outs: 1536,
+    };
+    let weights: Vec<Vec<u8>> = (0..LAYERS)
+        .map(|l| quantized_weights(kind, shape.outs, shape.inner, l))
+        .collect();
+    let x: Vec<f32> = (0..shape.inner)
+        .map(|i| ((i % 13) as f32 - 6.0) / 13.0)
+        .collect();
+    let inputs = Inputs::prepare(&shape, &x);
+    let count = tiles(&shape);
+    let mut ys = vec![vec![0.0f32; shape.outs]; LAYERS];
+    let outs: Vec<OutPtr> = ys.iter_mut().map(|y| OutPtr::new(y)).collect();
+    for (threads, split) in [(1usize, "contiguous"), (2, "alternate"), (2, "contiguous")] {
+        group.bench_function(
+            format!("q4_1_rows1_x{LAYERS}_{threads}threads_{split}"),
+            |b| {
+                b.iter(|| {
+                    std::thread::scope(|scope| {
+                        for t in 0..threads {
+                            let (weights, outs, inputs, shape) = (&weights, &outs, &inputs, &shape);
+                            scope.spawn(move || {
+                                for (w, y) in weights.iter().zip(outs) {
+                                    for index in
+                                        (0..count).filter(|&i| mine(split, i, count, t, threads))
+                                    {
+                                        // SAFETY: shapes as built above; each tile has one writer.
+                                        unsafe { tile(shape, inputs, w, &[], *y, index) };
+                                    }
+                                }
+                            });
+                        }
+                    });
+                })
+            },
+        );
+    }
+    group.finish();
+    black_box(&ys);
+}
+
+criterion_group!(
+    benches,
+    mlp_projection,
+    quantized_projection,
+    two_thread_split
+);
 criterion_main!(benches);
