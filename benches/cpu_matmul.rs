@@ -76,8 +76,13 @@ fn quantized_weights(kind: QuantType, outs: usize, inner: usize, seed: usize) ->
 fn quantized_projection(c: &mut Criterion) {
     let mut group = c.benchmark_group("quant_qmatmul");
     group.sample_size(20);
-    let (inner, outs) = (576usize, 1536usize);
     for kind in QuantType::ALL {
+        // K-quant rows hold blocks of 256: those take the down projection's shape.
+        let (inner, outs) = if 576 % kind.block_elems() == 0 {
+            (576usize, 1536usize)
+        } else {
+            (1536, 576)
+        };
         let weights: Vec<Vec<u8>> = (0..LAYERS)
             .map(|l| quantized_weights(kind, outs, inner, l))
             .collect();
@@ -103,7 +108,7 @@ fn quantized_projection(c: &mut Criterion) {
                 (LAYERS * weights[0].len()) as f64 / 1e6
             );
             group.bench_function(
-                format!("{}_rows{rows}_576x1536_x{LAYERS}", kind.name()),
+                format!("{}_rows{rows}_{inner}x{outs}_x{LAYERS}", kind.name()),
                 |b| {
                     b.iter(|| {
                         for w in &weights {
