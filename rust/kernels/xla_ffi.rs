@@ -246,9 +246,9 @@ unsafe fn error(frame: &CallFrame, code: i32, message: &str) -> *mut c_void {
 /// on the first, each pool task on the next one, and a thread whose segment is
 /// used up claims what is left of the others'. Contiguous ranges matter: a
 /// product's units are adjacent weight rows, and two threads taking alternate
-/// 16-row tiles ran no faster than one (120 SmolLM2-shaped Q4_1 products, one
-/// row, 2-core VM: one thread 14.8 ms, two on alternate tiles 15.4 ms, two on
-/// halves 8.3 ms; benches/RESULTS.md).
+/// 16-row tiles ran no faster than one (`cargo bench --bench cpu_matmul --
+/// split`, 30 one-row Q4_1 products, 2-core VM: one thread 4.09 ms, two on
+/// alternate tiles 4.33 ms, two on halves 2.49 ms; benches/RESULTS.md).
 ///
 /// A unit is claimed by exactly one thread (its segment's `next`); the caller
 /// returns only after every unit is `finished`. A task that starts late claims
