@@ -291,7 +291,7 @@ def test_real_smollm2_quantized_agrees_with_its_float_path() -> None:
         for q in questions
     ]
     batched = greedy(kept, prompts, 32)  # 8-row decode steps: the float-expansion path
-    alone = [greedy(kept, [p], 32)[0] for p in prompts]  # 1-row steps: 8-bit inputs
+    alone = [greedy(kept, [p], 32)[0] for p in prompts]  # 1-row steps: 16-bit inputs
     del kept
     dense = greedy(LLM(str(path), quantization="none", **kwargs), prompts, 32)
     for name, quantized in (("8 rows", batched), ("1 row", alone)):

@@ -3,19 +3,25 @@
 //!
 //! Owns [`qmatmul`] (one thread, for tests and benches), [`validate`],
 //! [`Inputs`] and the per-tile entry [`tile`] that the XLA FFI handler runs on
-//! XLA's thread pool. Each weight row's sub-blocks are unpacked once and
-//! multiplied against a group of up to [`ROW_GROUP`] input rows while they are
-//! in registers. Two paths, by the rows of the call:
+//! XLA's thread pool. Each weight row's sub-blocks are unpacked in registers
+//! and multiplied there. Two paths, by the rows of the call:
 //!
 //! - **one row** (a decode step of one sequence; up to [`INTEGER_ROWS`]): the
 //!   row is quantized to 16 bits per block ([`Q16Rows`]) and the products are
 //!   integer multiply-adds (`pmaddwd`); per sub-block `s` of 32 weights the
 //!   kernel adds
 //!   `Σ_h scale[h] · d_x[s] · Σ_{i in half h} q[i] · q_x[i] + Σ_h min[h] · half_sum_x[s, h]`.
-//!   Fewest instructions per weight, where weight streaming is the limit.
-//! - **more rows**: each sub-block is expanded to float in registers
-//!   (`scale · q + min`, one FMA per 8 weights) and multiplied against the float
-//!   inputs, as the float kernel does ([`crate::kernels::cpu_matmul`]): the
+//!   A one-row product on these formats is bound by instructions more than by
+//!   streaming the weights, so each format widens its integers straight to 16
+//!   bits (`pmovzxbw`/`pmovsxbw` from memory, then a mask and a shift for
+//!   nibbles), and the kernel reads one weight row at a time, front to back:
+//!   four rows interleaved ran up to 2x slower from DRAM (`benches/RESULTS.md`,
+//!   "one row at a time"). 8-bit inputs with `pmaddubsw` (llama.cpp's choice
+//!   for 4-bit weights) ran ~1.1x faster still but flipped SmolLM2's greedy
+//!   tokens (64 % agreement with the float path, against 91 % with 16 bits).
+//! - **more rows**: each sub-block is expanded to float in registers once for
+//!   a group of input rows (`scale · q + min`, one FMA per 8 weights) and
+//!   multiplied against the float inputs, as the float kernel does ([`crate::kernels::cpu_matmul`]): the
 //!   expansion is shared by every row, so the cost per row is the float kernel's
 //!   and no input precision is lost.
 //!
@@ -42,10 +48,6 @@ pub struct QuantShape {
     pub outs: usize,
 }
 
-/// Input rows multiplied against one unpacking of a weight row (the AVX2
-/// kernel's register budget: 8 accumulators of 16 registers).
-pub const ROW_GROUP: usize = 8;
-
 /// Weight rows per unit of parallel work.
 pub const OUTS_PER_TILE: usize = 16;
 
@@ -56,15 +58,15 @@ pub const INTEGER_ROWS: usize = 1;
 /// the integer path their 16-bit form.
 pub struct Inputs<'a> {
     pub x: &'a [f32],
-    pub q8: Option<Q16Rows>,
+    pub integer: Option<Q16Rows>,
 }
 
 impl<'a> Inputs<'a> {
     /// Prepare `x` (validated for `shape`) for the path its row count takes.
     pub fn prepare(shape: &QuantShape, x: &'a [f32]) -> Self {
-        let q8 =
+        let integer =
             (shape.rows <= INTEGER_ROWS).then(|| Q16Rows::quantize(x, shape.rows, shape.inner));
-        Inputs { x, q8 }
+        Inputs { x, integer }
     }
 }
 
@@ -229,12 +231,28 @@ pub unsafe fn tile(
     }
     #[cfg(target_arch = "x86_64")]
     if vectorized() {
-        return match &inputs.q8 {
+        return match &inputs.integer {
             Some(xq) => avx2::integer_tile(shape, xq, w, row_scales, y, start, end),
             None => avx2::float_tile(shape, inputs.x, w, row_scales, y, start, end),
         };
     }
-    match &inputs.q8 {
+    portable_tile(shape, inputs, w, row_scales, y, start, end)
+}
+
+/// Rows `start..end` of the weights through the portable loops.
+///
+/// # Safety
+/// As [`tile`].
+unsafe fn portable_tile(
+    shape: &QuantShape,
+    inputs: &Inputs,
+    w: &[u8],
+    row_scales: &[f32],
+    y: OutPtr,
+    start: usize,
+    end: usize,
+) {
+    match &inputs.integer {
         Some(xq) => portable_integer_tile(shape, xq, w, row_scales, y, start, end),
         None => portable_float_tile(shape, inputs.x, w, row_scales, y, start, end),
     }
@@ -261,10 +279,7 @@ pub(super) unsafe fn portable_for_tests(
     row_scales: &[f32],
     y: OutPtr,
 ) {
-    match &inputs.q8 {
-        Some(xq) => portable_integer_tile(shape, xq, w, row_scales, y, 0, shape.outs),
-        None => portable_float_tile(shape, inputs.x, w, row_scales, y, 0, shape.outs),
-    }
+    portable_tile(shape, inputs, w, row_scales, y, 0, shape.outs)
 }
 
 /// Any CPU, several rows: each weight row expanded to float once, float sums.
@@ -341,7 +356,7 @@ unsafe fn portable_integer_tile(
 /// x86-64 with AVX2 + FMA + F16C: integer multiply-adds over 32 weights at once.
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{row_scale, QuantShape, ROW_GROUP};
+    use super::{row_scale, QuantShape};
 
     /// Input rows per expansion of a weight row on the float path: one
     /// accumulator per row, four weight vectors and one input within 16
@@ -363,6 +378,15 @@ mod avx2 {
         min: [f32; 2],
     }
 
+    /// One sub-block as the integer path reads it: weights `0..16` and `16..32`
+    /// as 16-bit integers, the scale and offset of each half.
+    #[derive(Clone, Copy)]
+    struct WideSub {
+        q: [__m256i; 2],
+        scale: [f32; 2],
+        min: [f32; 2],
+    }
+
     /// A weight format's unpacking in registers (the layouts of
     /// [`crate::kernels::quant::formats`]); a type per format so every call inlines.
     trait Format {
@@ -373,6 +397,22 @@ mod avx2 {
         const HALVES_DIFFER: bool = false;
         /// Sub-block `j` of the block at `block`.
         unsafe fn sub(block: *const u8, j: usize, row_scale: f32) -> Sub;
+
+        /// [`Format::sub`] with 16-bit integers; formats whose bytes widen
+        /// straight to 16 bits override it (fewer instructions than widening `q`).
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn wide_sub(block: *const u8, j: usize, row_scale: f32) -> WideSub {
+            let sub = Self::sub(block, j, row_scale);
+            WideSub {
+                q: [
+                    _mm256_cvtepi8_epi16(_mm256_castsi256_si128(sub.q)),
+                    _mm256_cvtepi8_epi16(_mm256_extracti128_si256::<1>(sub.q)),
+                ],
+                scale: sub.scale,
+                min: sub.min,
+            }
+        }
     }
 
     macro_rules! by_format {
@@ -399,7 +439,7 @@ mod avx2 {
     ) {
         by_format!(
             shape.kind,
-            tile_of,
+            integer_tile_of,
             (shape, xq, w, row_scales, y, start, end)
         )
     }
@@ -575,135 +615,71 @@ mod avx2 {
         }
     }
 
-    unsafe fn tile_of<F: Format>(
-        shape: &QuantShape,
-        xq: &Q16Rows,
-        w: &[u8],
-        row_scales: &[f32],
-        y: OutPtr,
-        start: usize,
-        end: usize,
-    ) {
-        for first_row in (0..shape.rows).step_by(ROW_GROUP) {
-            let rows = (shape.rows - first_row).min(ROW_GROUP);
-            // (input rows, weight rows per pass): W independent accumulator chains
-            // for few rows, within 16 registers for many.
-            macro_rules! dispatch {
-                ($($r:literal $w:literal),*) => {
-                    match rows {
-                        $($r => group::<F, $r, $w>(shape, xq, w, row_scales, y, first_row, start, end),)*
-                        _ => unreachable!("row groups hold 1..={} rows", ROW_GROUP),
-                    }
-                };
-            }
-            dispatch!(1 4, 2 2, 3 2, 4 2, 5 1, 6 1, 7 1, 8 1);
-        }
-    }
-
-    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn group<F: Format, const R: usize, const W: usize>(
+    unsafe fn integer_tile_of<F: Format>(
         shape: &QuantShape,
         xq: &Q16Rows,
         w: &[u8],
         row_scales: &[f32],
         y: OutPtr,
-        first_row: usize,
         start: usize,
         end: usize,
     ) {
         let row_bytes = F::KIND.row_bytes(shape.inner).expect("validated");
-        let store = |out: usize, sums: &[f32; R]| {
-            for (r, value) in sums.iter().enumerate() {
-                *y.at((first_row + r) * shape.outs + out) = *value;
+        for r in 0..shape.rows {
+            for out in start..end {
+                let row = w.as_ptr().add(out * row_bytes);
+                let scale = row_scale(shape, row_scales, out);
+                *y.at(r * shape.outs + out) = integer_row_dot::<F>(row, scale, xq, r);
             }
-        };
-        let mut out = start;
-        while out + W <= end {
-            let mut rows = [std::ptr::null::<u8>(); W];
-            let mut scales = [1.0f32; W];
-            for j in 0..W {
-                rows[j] = w.as_ptr().add((out + j) * row_bytes);
-                scales[j] = row_scale(shape, row_scales, out + j);
-            }
-            let sums = row_dots::<F, R, W>(rows, scales, xq, first_row);
-            for (j, row_sums) in sums.iter().enumerate() {
-                store(out + j, row_sums);
-            }
-            out += W;
-        }
-        while out < end {
-            let row = [w.as_ptr().add(out * row_bytes)];
-            let scale = [row_scale(shape, row_scales, out)];
-            let [sums] = row_dots::<F, R, 1>(row, scale, xq, first_row);
-            store(out, &sums);
-            out += 1;
         }
     }
 
-    /// `x[first_row + r] · w_rows[j]` for `R` input rows and `W` weight rows.
+    /// `x[r] · w_row` with 16-bit inputs: two `pmaddwd` per 32 weights.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    #[allow(clippy::needless_range_loop)] // index loops name the register blocking
-    unsafe fn row_dots<F: Format, const R: usize, const W: usize>(
-        w_rows: [*const u8; W],
-        row_scales: [f32; W],
+    unsafe fn integer_row_dot<F: Format>(
+        row: *const u8,
+        row_scale: f32,
         xq: &Q16Rows,
-        first_row: usize,
-    ) -> [[f32; R]; W] {
+        r: usize,
+    ) -> f32 {
         let subs_per_block = F::KIND.block_elems() / SUB;
-        let blocks = xq.inner / F::KIND.block_elems();
         let subs = xq.inner / SUB;
-        let mut acc = [[_mm256_setzero_ps(); R]; W];
-        let mut offsets = [[0.0f32; R]; W];
-        let x_q = xq.q.as_ptr();
-        let (x_d, x_half) = (xq.d.as_ptr(), xq.half_sums.as_ptr());
-        for b in 0..blocks {
+        let mut acc = _mm256_setzero_ps();
+        let mut offset = 0.0f32;
+        let x_q = xq.q.as_ptr().add(r * xq.inner);
+        let (x_d, x_half) = (
+            xq.d.as_ptr().add(r * subs),
+            xq.half_sums.as_ptr().add(2 * r * subs),
+        );
+        for b in 0..xq.inner / F::KIND.block_elems() {
             for j in 0..subs_per_block {
                 let s = b * subs_per_block + j;
-                let mut sub = [F::sub(w_rows[0], 0, 0.0); W];
-                let mut wide = [[_mm256_setzero_si256(); 2]; W];
-                for k in 0..W {
-                    sub[k] = F::sub(w_rows[k].add(b * F::KIND.block_bytes()), j, row_scales[k]);
-                    wide[k] = [
-                        _mm256_cvtepi8_epi16(_mm256_castsi256_si128(sub[k].q)),
-                        _mm256_cvtepi8_epi16(_mm256_extracti128_si256::<1>(sub[k].q)),
-                    ];
-                }
-                for r in 0..R {
-                    let at = (first_row + r) * subs + s;
-                    let x0 = _mm256_loadu_si256(x_q.add(at * SUB) as *const __m256i);
-                    let x1 = _mm256_loadu_si256(x_q.add(at * SUB + 16) as *const __m256i);
-                    let dx = *x_d.add(at);
-                    let (h0, h1) = (*x_half.add(2 * at), *x_half.add(2 * at + 1));
-                    for k in 0..W {
-                        let low = _mm256_madd_epi16(wide[k][0], x0);
-                        let high = _mm256_madd_epi16(wide[k][1], x1);
-                        if F::HALVES_DIFFER {
-                            let s0 = _mm256_set1_ps(sub[k].scale[0] * dx);
-                            let s1 = _mm256_set1_ps(sub[k].scale[1] * dx);
-                            acc[k][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(low), s0, acc[k][r]);
-                            acc[k][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(high), s1, acc[k][r]);
-                            offsets[k][r] += sub[k].min[0] * h0 + sub[k].min[1] * h1;
-                        } else {
-                            let sum = _mm256_cvtepi32_ps(_mm256_add_epi32(low, high));
-                            let scale = _mm256_set1_ps(sub[k].scale[0] * dx);
-                            acc[k][r] = _mm256_fmadd_ps(sum, scale, acc[k][r]);
-                            if !F::SIGNED {
-                                offsets[k][r] += sub[k].min[0] * (h0 + h1);
-                            }
-                        }
+                let sub = F::wide_sub(row.add(b * F::KIND.block_bytes()), j, row_scale);
+                let [low, high] = sub.q;
+                let x0 = _mm256_loadu_si256(x_q.add(s * SUB) as *const __m256i);
+                let x1 = _mm256_loadu_si256(x_q.add(s * SUB + 16) as *const __m256i);
+                let low = _mm256_madd_epi16(low, x0);
+                let high = _mm256_madd_epi16(high, x1);
+                let dx = *x_d.add(s);
+                let (h0, h1) = (*x_half.add(2 * s), *x_half.add(2 * s + 1));
+                if F::HALVES_DIFFER {
+                    let s0 = _mm256_set1_ps(sub.scale[0] * dx);
+                    let s1 = _mm256_set1_ps(sub.scale[1] * dx);
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(low), s0, acc);
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(high), s1, acc);
+                    offset += sub.min[0] * h0 + sub.min[1] * h1;
+                } else {
+                    let sum = _mm256_cvtepi32_ps(_mm256_add_epi32(low, high));
+                    acc = _mm256_fmadd_ps(sum, _mm256_set1_ps(sub.scale[0] * dx), acc);
+                    if !F::SIGNED {
+                        offset += sub.min[0] * (h0 + h1);
                     }
                 }
             }
         }
-        let mut sums = [[0.0f32; R]; W];
-        for k in 0..W {
-            for r in 0..R {
-                sums[k][r] = horizontal_sum(acc[k][r]) + offsets[k][r];
-            }
-        }
-        sums
+        horizontal_sum(acc) + offset
     }
 
     /// The halves at `at` and `at + 2` as floats (lanes 0 and 1).
@@ -732,6 +708,25 @@ mod avx2 {
         _mm256_set_m128i(high, low)
     }
 
+    /// 16 bytes of signed integers at `at`, widened to 16 bits.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn signed_16(at: *const u8) -> __m256i {
+        _mm256_cvtepi8_epi16(_mm_loadu_si128(at as *const __m128i))
+    }
+
+    /// 16 bytes of nibbles at `at` widened to 16 bits: `[low nibbles, high
+    /// nibbles]` (weights 0..16 and 16..32 of Q4_0 and Q4_1).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn nibbles_wide(at: *const u8) -> [__m256i; 2] {
+        let bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(at as *const __m128i));
+        [
+            _mm256_and_si256(bytes, _mm256_set1_epi16(15)),
+            _mm256_srli_epi16::<4>(bytes),
+        ]
+    }
+
     struct Q8_0;
     impl Format for Q8_0 {
         const KIND: QuantType = QuantType::Q8_0;
@@ -746,6 +741,15 @@ mod avx2 {
                 min: [0.0; 2],
             }
         }
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn wide_sub(block: *const u8, _j: usize, _row_scale: f32) -> WideSub {
+            WideSub {
+                q: [signed_16(block.add(2)), signed_16(block.add(18))],
+                scale: [_mm_cvtss_f32(two_f16(block)); 2],
+                min: [0.0; 2],
+            }
+        }
     }
 
     struct Int8;
@@ -757,6 +761,15 @@ mod avx2 {
         unsafe fn sub(block: *const u8, _j: usize, row_scale: f32) -> Sub {
             Sub {
                 q: _mm256_loadu_si256(block as *const __m256i),
+                scale: [row_scale; 2],
+                min: [0.0; 2],
+            }
+        }
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn wide_sub(block: *const u8, _j: usize, row_scale: f32) -> WideSub {
+            WideSub {
+                q: [signed_16(block), signed_16(block.add(16))],
                 scale: [row_scale; 2],
                 min: [0.0; 2],
             }
@@ -778,6 +791,16 @@ mod avx2 {
                 min: [min; 2],
             }
         }
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn wide_sub(block: *const u8, _j: usize, _row_scale: f32) -> WideSub {
+            let d = _mm_cvtss_f32(two_f16(block));
+            WideSub {
+                q: nibbles_wide(block.add(2)),
+                scale: [d; 2],
+                min: [-8.0 * d; 2],
+            }
+        }
     }
 
     struct Q4_1;
@@ -795,6 +818,16 @@ mod avx2 {
                 min: [m; 2],
             }
         }
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn wide_sub(block: *const u8, _j: usize, _row_scale: f32) -> WideSub {
+            let dm = two_f16(block);
+            WideSub {
+                q: nibbles_wide(block.add(4)),
+                scale: [_mm_cvtss_f32(dm); 2],
+                min: [lane1(dm); 2],
+            }
+        }
     }
 
     struct Q4K;
@@ -804,11 +837,7 @@ mod avx2 {
         #[inline]
         #[target_feature(enable = "avx2,fma,f16c")]
         unsafe fn sub(block: *const u8, j: usize, _row_scale: f32) -> Sub {
-            let dm = two_f16(block);
-            let scales = std::slice::from_raw_parts(block.add(4), 12);
-            let (sc, m) = q4k_scale_min(scales, j);
-            let scale = _mm_cvtss_f32(dm) * f32::from(sc);
-            let min = -(lane1(dm) * f32::from(m));
+            let (scale, min) = Q4K::scale_min(block, j);
             let packed = _mm256_loadu_si256(block.add(16 + 32 * (j / 2)) as *const __m256i);
             let packed = if j % 2 == 1 {
                 _mm256_srli_epi16::<4>(packed)
@@ -820,6 +849,39 @@ mod avx2 {
                 scale: [scale; 2],
                 min: [min; 2],
             }
+        }
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn wide_sub(block: *const u8, j: usize, _row_scale: f32) -> WideSub {
+            let (scale, min) = Q4K::scale_min(block, j);
+            let at = block.add(16 + 32 * (j / 2));
+            let mut low = _mm256_cvtepu8_epi16(_mm_loadu_si128(at as *const __m128i));
+            let mut high = _mm256_cvtepu8_epi16(_mm_loadu_si128(at.add(16) as *const __m128i));
+            if j % 2 == 1 {
+                low = _mm256_srli_epi16::<4>(low);
+                high = _mm256_srli_epi16::<4>(high);
+            }
+            let mask = _mm256_set1_epi16(15);
+            WideSub {
+                q: [_mm256_and_si256(low, mask), _mm256_and_si256(high, mask)],
+                scale: [scale; 2],
+                min: [min; 2],
+            }
+        }
+    }
+
+    impl Q4K {
+        /// Sub-block `j`'s float scale and offset.
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn scale_min(block: *const u8, j: usize) -> (f32, f32) {
+            let dm = two_f16(block);
+            let scales = std::slice::from_raw_parts(block.add(4), 12);
+            let (sc, m) = q4k_scale_min(scales, j);
+            (
+                _mm_cvtss_f32(dm) * f32::from(sc),
+                -(lane1(dm) * f32::from(m)),
+            )
         }
     }
 
