@@ -7,8 +7,12 @@
 //! Two threads sharing one-row Q4_1 products follow: each taking alternate
 //! 16-row tiles against each taking a contiguous half (how the host kernels'
 //! fork-join hands out units, `rust/kernels/xla_ffi.rs`).
+//! One-row products of the model's two formats over 160 MB of weights follow:
+//! past the 32 MB L3 of the machine in `benches/RESULTS.md`, as a decode step
+//! streams SmolLM2's 96 MB (the 30-product sets above fit in L3 for the 4-bit
+//! formats).
 //! Run: `cargo bench --bench cpu_matmul` (`-- quant` for the quantized ones,
-//! `-- split` for the two-thread split).
+//! `-- split` for the two-thread split, `-- from_dram` for the 160 MB one).
 
 use std::hint::black_box;
 
@@ -179,10 +183,47 @@ fn two_thread_split(c: &mut Criterion) {
     black_box(&ys);
 }
 
+/// One-row products cycling through 160 MB of weights, one thread.
+fn one_row_from_dram(c: &mut Criterion) {
+    let mut group = c.benchmark_group("quant_one_row");
+    group.sample_size(10);
+    let (inner, outs) = (576usize, 1536usize);
+    for kind in [QuantType::Q4_1, QuantType::Q8_0] {
+        let bytes = kind.row_bytes(inner).expect("whole blocks") * outs;
+        let count = 160_000_000usize.div_ceil(bytes);
+        let weights: Vec<Vec<u8>> = (0..count)
+            .map(|l| quantized_weights(kind, outs, inner, l))
+            .collect();
+        let shape = QuantShape {
+            kind,
+            rows: 1,
+            inner,
+            outs,
+        };
+        let x: Vec<f32> = (0..inner).map(|i| ((i % 13) as f32 - 6.0) / 13.0).collect();
+        let mut y = vec![0.0f32; outs];
+        println!(
+            "{} one row: {:.0} MB of weights per iteration ({count} products)",
+            kind.name(),
+            (count * bytes) as f64 / 1e6
+        );
+        group.bench_function(format!("{}_rows1_from_dram", kind.name()), |b| {
+            b.iter(|| {
+                for w in &weights {
+                    qmatmul(&shape, &x, w, &[], &mut y).unwrap();
+                    black_box(&y);
+                }
+            })
+        });
+    }
+    group.finish();
+}
+
 criterion_group!(
     benches,
     mlp_projection,
     quantized_projection,
-    two_thread_split
+    two_thread_split,
+    one_row_from_dram
 );
 criterion_main!(benches);
