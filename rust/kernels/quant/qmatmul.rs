@@ -16,14 +16,15 @@
 //!   bits (`pmovzxbw`/`pmovsxbw` from memory, then a mask and a shift for
 //!   nibbles), and the kernel reads one weight row at a time, front to back:
 //!   four rows interleaved ran up to 2x slower from DRAM (`benches/RESULTS.md`,
-//!   "one row at a time"). 8-bit inputs with `pmaddubsw` (llama.cpp's choice
-//!   for 4-bit weights) ran ~1.1x faster still but flipped SmolLM2's greedy
-//!   tokens (64 % agreement with the float path, against 91 % with 16 bits).
+//!   "One weight row at a time"). 8-bit inputs with `pmaddubsw` (llama.cpp's
+//!   choice for 4-bit weights) ran 1.1-1.3x faster still but flipped SmolLM2's
+//!   greedy tokens: 43 % agreement with the float path over 8 prompts, against
+//!   91 % with 16 bits (`tests/test_quant.py`).
 //! - **more rows**: each sub-block is expanded to float in registers once for
 //!   a group of input rows (`scale · q + min`, one FMA per 8 weights) and
-//!   multiplied against the float inputs, as the float kernel does ([`crate::kernels::cpu_matmul`]): the
-//!   expansion is shared by every row, so the cost per row is the float kernel's
-//!   and no input precision is lost.
+//!   multiplied against the float inputs, as the float kernel does
+//!   ([`crate::kernels::cpu_matmul`]): the expansion is shared by every row, so
+//!   the cost per row is the float kernel's and no input precision is lost.
 //!
 //! A row's result therefore depends on whether it is alone in its call (as
 //! XLA's own dot differs between shapes); within a path it does not depend on
