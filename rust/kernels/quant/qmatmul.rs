@@ -16,7 +16,7 @@
 //!   bits (`pmovzxbw`/`pmovsxbw` from memory, then a mask and a shift for
 //!   nibbles), and the kernel reads one weight row at a time, front to back:
 //!   four rows interleaved ran up to 2x slower from DRAM (`benches/RESULTS.md`,
-//!   "One weight row at a time"). 8-bit inputs with `pmaddubsw` (llama.cpp's
+//!   "Latest: one weight row at a time"). 8-bit inputs with `pmaddubsw` (llama.cpp's
 //!   choice for 4-bit weights) ran 1.1-1.3x faster still but flipped SmolLM2's
 //!   greedy tokens: 43 % agreement with the float path over 8 prompts, against
 //!   91 % with 16 bits (`tests/test_quant.py`).
