@@ -36,9 +36,7 @@ fn mlp_projection(c: &mut Criterion) {
         .collect();
     for rows in [1usize, 2, 4, 8, 16] {
         let shape = MatmulShape { rows, inner, outs };
-        let x: Vec<f32> = (0..rows * inner)
-            .map(|i| ((i % 13) as f32 - 6.0) / 13.0)
-            .collect();
+        let x = inputs(rows * inner);
         let mut y = vec![0.0f32; rows * outs];
         println!(
             "rows {rows}: {:.0} MB of weights, {:.2} GFLOP per iteration ({LAYERS} products)",
@@ -55,6 +53,11 @@ fn mlp_projection(c: &mut Criterion) {
         });
     }
     group.finish();
+}
+
+/// `n` deterministic inputs in `[-0.46, 0.46]`.
+fn inputs(n: usize) -> Vec<f32> {
+    (0..n).map(|i| ((i % 13) as f32 - 6.0) / 13.0).collect()
 }
 
 /// Blocks of `kind` with pseudo-random integers and small, valid f16 scales.
@@ -102,9 +105,7 @@ fn quantized_projection(c: &mut Criterion) {
                 inner,
                 outs,
             };
-            let x: Vec<f32> = (0..rows * inner)
-                .map(|i| ((i % 13) as f32 - 6.0) / 13.0)
-                .collect();
+            let x = inputs(rows * inner);
             let mut y = vec![0.0f32; rows * outs];
             println!(
                 "{} rows {rows}: {:.1} MB of weights per iteration ({LAYERS} products)",
@@ -148,9 +149,7 @@ fn two_thread_split(c: &mut Criterion) {
     let weights: Vec<Vec<u8>> = (0..LAYERS)
         .map(|l| quantized_weights(kind, shape.outs, shape.inner, l))
         .collect();
-    let x: Vec<f32> = (0..shape.inner)
-        .map(|i| ((i % 13) as f32 - 6.0) / 13.0)
-        .collect();
+    let x = inputs(shape.inner);
     let inputs = Inputs::prepare(&shape, &x);
     let count = tiles(&shape);
     let mut ys = vec![vec![0.0f32; shape.outs]; LAYERS];
@@ -200,7 +199,7 @@ fn one_row_from_dram(c: &mut Criterion) {
             inner,
             outs,
         };
-        let x: Vec<f32> = (0..inner).map(|i| ((i % 13) as f32 - 6.0) / 13.0).collect();
+        let x = inputs(inner);
         let mut y = vec![0.0f32; outs];
         println!(
             "{} one row: {:.0} MB of weights per iteration ({count} products)",
