@@ -27,17 +27,29 @@
 
 use std::sync::{Mutex, OnceLock};
 
+#[cfg(target_arch = "x86_64")]
+use crate::kernels::cpu_attention_avx2::{group_attention, HeadPages};
 use crate::kernels::parallel::Parallel;
 
 /// A K/V pool element: f32, or bf16 kept as its bit pattern.
 pub trait KvElement: Copy + Send + Sync {
     fn to_f32(self) -> f32;
+
+    /// The pool as f32 values in place, where its elements are f32.
+    fn as_f32_slice(pool: &[Self]) -> Option<&[f32]> {
+        let _ = pool;
+        None
+    }
 }
 
 impl KvElement for f32 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
         self
+    }
+
+    fn as_f32_slice(pool: &[f32]) -> Option<&[f32]> {
+        Some(pool)
     }
 }
 
@@ -215,11 +227,11 @@ struct Pools<'a, T> {
 }
 
 /// Most query heads sharing one KV head that the stack buffers hold.
-const MAX_GROUP: usize = 16;
+pub(super) const MAX_GROUP: usize = 16;
 /// Largest head_dim the stack buffers hold.
 const MAX_HEAD_DIM: usize = 256;
 /// Largest block the per-block score buffer holds.
-const MAX_BLOCK: usize = 256;
+pub(super) const MAX_BLOCK: usize = 256;
 
 impl<T: KvElement> Pools<'_, T> {
     /// One row: every query head over the row's live blocks (online softmax).
@@ -232,6 +244,30 @@ impl<T: KvElement> Pools<'_, T> {
         }
         let table = &tables[row * s.table_width..][..s.blocks_of(kv_len)];
         let (group, d, bs) = (s.group(), s.head_dim, s.block_size);
+        #[cfg(target_arch = "x86_64")]
+        if let (Some(keys), Some(values)) =
+            (T::as_f32_slice(self.k_pages), T::as_f32_slice(self.v_pages))
+        {
+            if avx2_fma() && group <= MAX_GROUP && bs <= MAX_BLOCK && d % 8 == 0 {
+                let head_len = s.pages * bs * d;
+                for h in 0..s.kv_heads {
+                    let pages = HeadPages {
+                        keys: &keys[h * head_len..][..head_len],
+                        values: &values[h * head_len..][..head_len],
+                        group,
+                        head_dim: d,
+                        block_size: bs,
+                    };
+                    let range = h * group * d..(h + 1) * group * d;
+                    // SAFETY: the CPU reports AVX2 (and FMA, checked with it); the
+                    // plan was validated and the shape fits the kernel's buffers.
+                    unsafe {
+                        group_attention(&pages, table, kv_len, &q[range.clone()], &mut out[range])
+                    };
+                }
+                return;
+            }
+        }
         for h in 0..s.kv_heads {
             let q_group = &q[h * group * d..][..group * d];
             let out_group = &mut out[h * group * d..][..group * d];
@@ -395,6 +431,15 @@ fn simd_level() -> SimdLevel {
             }
         }
         SimdLevel::Baseline
+    })
+}
+
+/// The CPU has AVX2 and FMA ([`group_attention`]'s instructions).
+#[cfg(target_arch = "x86_64")]
+fn avx2_fma() -> bool {
+    static BOTH: OnceLock<bool> = OnceLock::new();
+    *BOTH.get_or_init(|| {
+        std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
     })
 }
 

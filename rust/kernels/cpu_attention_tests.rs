@@ -89,15 +89,15 @@ fn random_case(rng: &mut TestRng, shape: DecodeShape) -> Case {
 #[test]
 fn matches_naive_attention_with_garbage_in_unread_slots() {
     let mut rng = TestRng::new(7);
-    for case in 0..40 {
+    for case in 0..80 {
         let group = [1, 2, 3, 4, 20][case % 5];
         let shape = DecodeShape {
             rows: 1 + rng.below(9),
             q_heads: group * (1 + rng.below(3)),
             kv_heads: 0,
-            head_dim: [4, 8, 13, 64][rng.below(4)],
+            head_dim: [4, 8, 13, 64, 72, 128][rng.below(6)],
             pages: 2 + rng.below(20),
-            block_size: [1, 4, 16][rng.below(3)],
+            block_size: [1, 4, 16, 32][rng.below(4)],
             table_width: 1 + rng.below(6),
         };
         let shape = DecodeShape {
@@ -262,4 +262,32 @@ fn bad_plans_are_errors_not_reads() {
         &mut out,
     );
     assert!(err.unwrap_err().contains("multiple"));
+}
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn vector_exp_is_within_two_ulp_of_exp() {
+    use std::arch::x86_64::*;
+    if !(std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")) {
+        return;
+    }
+    let mut x = -87.0f32;
+    while x <= 0.0 {
+        let lanes: [f32; 8] = std::array::from_fn(|i| x + i as f32 * 1e-3);
+        let mut got = [0.0f32; 8];
+        // SAFETY: the CPU reports AVX2 and FMA.
+        unsafe {
+            let v = crate::kernels::cpu_attention_avx2::exp256(_mm256_loadu_ps(lanes.as_ptr()));
+            _mm256_storeu_ps(got.as_mut_ptr(), v);
+        }
+        for (l, g) in lanes.iter().zip(got) {
+            let want = f64::from(*l).exp();
+            let ulp = f64::from(f32::EPSILON) * want;
+            assert!(
+                (f64::from(g) - want).abs() <= 2.0 * ulp,
+                "exp({l}) = {g}, want {want}"
+            );
+        }
+        x += 0.0137;
+    }
 }

@@ -24,6 +24,8 @@
 //! - results do not depend on the number of threads.
 
 pub mod cpu_attention;
+#[cfg(target_arch = "x86_64")]
+mod cpu_attention_avx2;
 pub mod cpu_matmul;
 pub mod decoder_layer;
 pub mod parallel;

@@ -1,0 +1,256 @@
+//! The AVX2 + FMA kernel of [`super::cpu_attention`]: one KV head's query group
+//! over one row's live blocks, for f32 pools whose `head_dim` is a multiple of 8.
+//!
+//! Per block: the group's scores eight tokens at a time (eight accumulators, one
+//! per token, reduced together), a vectorized `exp` for the block's softmax
+//! weights, then the values into accumulators held in registers, 64 lanes of
+//! the head at a time. K/V rows are read in place from the pool; no row is
+//! copied.
+//!
+//! Invariants (the caller's, checked by [`super::cpu_attention::validate`] and the
+//! dispatch in `cpu_attention.rs`): every page in `table` is inside `keys` and
+//! `values`; `group <= MAX_GROUP`, `block_size <= MAX_BLOCK`, `head_dim % 8 == 0`.
+//! Only slots `< kv_len` are read, so garbage past them never reaches a sum.
+
+use std::arch::x86_64::*;
+
+use super::cpu_attention::{MAX_BLOCK, MAX_GROUP};
+
+/// One KV head's pages and the shape of the query group that reads them.
+pub(super) struct HeadPages<'a> {
+    /// This head's keys, `[pages, block_size, head_dim]`.
+    pub keys: &'a [f32],
+    /// This head's values, same layout.
+    pub values: &'a [f32],
+    pub group: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+}
+
+/// `out[g] = softmax(q[g] · K) · V` over the row's first `kv_len` tokens, for the
+/// `group` query heads of this KV head (`q`, `out`: `[group, head_dim]`).
+///
+/// # Safety
+/// The CPU supports AVX2 and FMA, and the module invariants hold.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn group_attention(
+    pages: &HeadPages,
+    table: &[i32],
+    kv_len: usize,
+    q: &[f32],
+    out: &mut [f32],
+) {
+    let (group, d, bs) = (pages.group, pages.head_dim, pages.block_size);
+    debug_assert!(group <= MAX_GROUP && bs <= MAX_BLOCK && d % 8 == 0);
+    debug_assert!(q.len() == group * d && out.len() == group * d);
+    let mut maxes = [f32::NEG_INFINITY; MAX_GROUP];
+    let mut sums = [0.0f32; MAX_GROUP];
+    // One block's weights per query head, padded with -inf to a multiple of 8.
+    let mut weights = [0.0f32; MAX_BLOCK + 8];
+    out.fill(0.0);
+    for (b, &page) in table.iter().enumerate() {
+        let live = (kv_len - b * bs).min(bs);
+        let offset = page as usize * bs * d;
+        let keys = pages.keys[offset..][..live * d].as_ptr();
+        let values = pages.values[offset..][..live * d].as_ptr();
+        let padded = live.next_multiple_of(8);
+        for g in 0..group {
+            let qg = q.as_ptr().add(g * d);
+            let w = weights.as_mut_ptr();
+            let mut t = 0;
+            while t + 8 <= live {
+                _mm256_storeu_ps(w.add(t), dot8(qg, keys.add(t * d), d));
+                t += 8;
+            }
+            while t < live {
+                *w.add(t) = dot1(qg, keys.add(t * d), d);
+                t += 1;
+            }
+            weights[live..padded].fill(f32::NEG_INFINITY);
+            // Online softmax: rescale what the earlier blocks summed.
+            let block_max = max_of(w, padded);
+            let new_max = maxes[g].max(block_max);
+            let alpha = (maxes[g] - new_max).exp(); // 0 on the first block
+            maxes[g] = new_max;
+            sums[g] = sums[g] * alpha + exp_in_place(w, padded, new_max);
+            let acc = out.as_mut_ptr().add(g * d);
+            let mut lane = 0;
+            while lane < d {
+                let width = (d - lane).min(64) / 8;
+                accumulate_values(width, acc.add(lane), alpha, w, values.add(lane), live, d);
+                lane += 64;
+            }
+        }
+    }
+    for g in 0..group {
+        let inv = 1.0 / sums[g];
+        out[g * d..][..d].iter_mut().for_each(|a| *a *= inv);
+    }
+}
+
+/// `q · k[t]` for eight consecutive tokens `t` (rows of `d` floats from `keys`).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot8(q: *const f32, keys: *const f32, d: usize) -> __m256 {
+    let mut acc = [_mm256_setzero_ps(); 8];
+    let mut i = 0;
+    while i < d {
+        let qv = _mm256_loadu_ps(q.add(i));
+        for (t, a) in acc.iter_mut().enumerate() {
+            *a = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys.add(t * d + i)), *a);
+        }
+        i += 8;
+    }
+    // Pairwise sums within 128-bit lanes, then the two lanes added: token t's
+    // total lands in lane t.
+    let h01 = _mm256_hadd_ps(acc[0], acc[1]);
+    let h23 = _mm256_hadd_ps(acc[2], acc[3]);
+    let h45 = _mm256_hadd_ps(acc[4], acc[5]);
+    let h67 = _mm256_hadd_ps(acc[6], acc[7]);
+    let h0123 = _mm256_hadd_ps(h01, h23);
+    let h4567 = _mm256_hadd_ps(h45, h67);
+    let low = _mm256_permute2f128_ps::<0x20>(h0123, h4567);
+    let high = _mm256_permute2f128_ps::<0x31>(h0123, h4567);
+    _mm256_add_ps(low, high)
+}
+
+/// `q · key` for one token.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot1(q: *const f32, key: *const f32, d: usize) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    let mut i = 0;
+    while i < d {
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(i)), _mm256_loadu_ps(key.add(i)), acc);
+        i += 8;
+    }
+    sum_of(acc)
+}
+
+/// The largest of `w[..n]` (`n` a multiple of 8).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn max_of(w: *const f32, n: usize) -> f32 {
+    let mut m = _mm256_set1_ps(f32::NEG_INFINITY);
+    for c in (0..n).step_by(8) {
+        m = _mm256_max_ps(m, _mm256_loadu_ps(w.add(c)));
+    }
+    let halves = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+    let pairs = _mm_max_ps(halves, _mm_movehl_ps(halves, halves));
+    _mm_cvtss_f32(_mm_max_ps(pairs, _mm_movehdup_ps(pairs)))
+}
+
+/// `w[i] = exp(w[i] - max)` for `i < n` (a multiple of 8; -inf gives 0); returns
+/// their sum.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn exp_in_place(w: *mut f32, n: usize, max: f32) -> f32 {
+    let shift = _mm256_set1_ps(max);
+    let mut total = _mm256_setzero_ps();
+    for c in (0..n).step_by(8) {
+        let x = _mm256_sub_ps(_mm256_loadu_ps(w.add(c)), shift);
+        let live = _mm256_cmp_ps::<_CMP_NEQ_OQ>(x, _mm256_set1_ps(f32::NEG_INFINITY));
+        let p = _mm256_and_ps(exp256(x), live);
+        _mm256_storeu_ps(w.add(c), p);
+        total = _mm256_add_ps(total, p);
+    }
+    sum_of(total)
+}
+
+/// `acc[..8 * width] = acc * alpha + Σ_t w[t] · values[t][..8 * width]`, the
+/// accumulators in registers.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn accumulate_values(
+    width: usize,
+    acc: *mut f32,
+    alpha: f32,
+    w: *const f32,
+    values: *const f32,
+    live: usize,
+    d: usize,
+) {
+    macro_rules! by_width {
+        ($($n:literal),*) => {
+            match width {
+                $($n => accumulate::<$n>(acc, alpha, w, values, live, d),)*
+                _ => unreachable!("1..=8 registers of lanes"),
+            }
+        };
+    }
+    by_width!(1, 2, 3, 4, 5, 6, 7, 8)
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn accumulate<const N: usize>(
+    acc: *mut f32,
+    alpha: f32,
+    w: *const f32,
+    values: *const f32,
+    live: usize,
+    d: usize,
+) {
+    let scale = _mm256_set1_ps(alpha);
+    let mut regs = [_mm256_setzero_ps(); N];
+    for (i, r) in regs.iter_mut().enumerate() {
+        *r = _mm256_mul_ps(_mm256_loadu_ps(acc.add(8 * i)), scale);
+    }
+    for t in 0..live {
+        let p = _mm256_broadcast_ss(&*w.add(t));
+        let row = values.add(t * d);
+        for (i, r) in regs.iter_mut().enumerate() {
+            *r = _mm256_fmadd_ps(p, _mm256_loadu_ps(row.add(8 * i)), *r);
+        }
+    }
+    for (i, r) in regs.iter().enumerate() {
+        _mm256_storeu_ps(acc.add(8 * i), *r);
+    }
+}
+
+/// The sum of the eight lanes of `v`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn sum_of(v: __m256) -> f32 {
+    let halves = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let pairs = _mm_add_ps(halves, _mm_movehl_ps(halves, halves));
+    _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)))
+}
+
+/// `exp(x)` in eight lanes (Cephes' `expf`: `x = n ln 2 + r`, a degree-5
+/// polynomial for `e^r`, `2^n` from the exponent bits), within 2 ulp over the
+/// inputs softmax gives it (`x <= 0`); inputs below -87.3 give ~0.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn exp256(x: __m256) -> __m256 {
+    let x = _mm256_min_ps(x, _mm256_set1_ps(88.376_26));
+    let x = _mm256_max_ps(x, _mm256_set1_ps(-87.336_55));
+    let n = _mm256_floor_ps(_mm256_fmadd_ps(
+        x,
+        _mm256_set1_ps(std::f32::consts::LOG2_E),
+        _mm256_set1_ps(0.5),
+    ));
+    // r = x - n ln 2, with ln 2 split in two for precision.
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+    let mut y = _mm256_set1_ps(1.987_569_1e-4);
+    for c in [
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        1.666_666_5e-1,
+        0.5,
+    ] {
+        y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
+    }
+    y = _mm256_fmadd_ps(
+        y,
+        _mm256_mul_ps(r, r),
+        _mm256_add_ps(r, _mm256_set1_ps(1.0)),
+    );
+    let bits = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+        _mm256_cvtps_epi32(n),
+        _mm256_set1_epi32(127),
+    ));
+    _mm256_mul_ps(y, _mm256_castsi256_ps(bits))
+}
