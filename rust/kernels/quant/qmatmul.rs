@@ -357,13 +357,29 @@ unsafe fn portable_integer_tile(
 /// x86-64 with AVX2 + FMA + F16C: integer multiply-adds over 32 weights at once.
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{row_scale, QuantShape};
+    use super::{row_scale, QuantShape, OUTS_PER_TILE};
 
-    /// Input rows per expansion of a weight row on the float path: one
+    /// Inner elements of a tile's weight rows expanded to float at once (a
+    /// multiple of every format's block, so a span never splits one): the
+    /// tile's span, 16 x 256 floats, stays in L1 while every input row reads it.
+    const PANEL_INNER: usize = 256;
+    /// Input rows per expansion of a weight row on the few-row float path: one
     /// accumulator per row, four weight vectors and one input within 16
     /// registers (measured against 5 rows with two chains each: 8 rows 21.8 ->
     /// 17.0 ms, 16 rows 44 -> 35 ms for 30 layers of SmolLM2's matmuls).
     const FLOAT_ROW_GROUP: usize = 10;
+    /// Calls of at least this many rows take the panel float path, fewer the
+    /// row groups: expanding a span of the tile first, then its FMAs, does not
+    /// overlap the two, and costs more than the panel's blocking saves below
+    /// 16 rows (`cargo bench --bench cpu_matmul -- quant_qmatmul`, Q4_1, 30
+    /// products: 4 rows 6.0 -> 10.9 ms, 16 rows 20.4 -> 19.9 ms, 32 rows 37 ->
+    /// 29 ms).
+    const PANEL_MIN_ROWS: usize = 16;
+    /// Register blocking of the panel float path: input rows x weight rows per block,
+    /// one accumulator each (8 accumulators, 4 weight vectors and 2 input
+    /// vectors: 14 of the 16 registers).
+    const BLOCK_ROWS: usize = 2;
+    const BLOCK_OUTS: usize = 4;
     use crate::kernels::cpu_matmul::avx2::horizontal_sum;
     use crate::kernels::cpu_matmul::OutPtr;
     use crate::kernels::quant::activations::Q16Rows;
@@ -461,7 +477,30 @@ mod avx2 {
         )
     }
 
+    /// The float path: the panel for [`PANEL_MIN_ROWS`] rows and more, row groups
+    /// below. Both sum each output in the same order.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn float_tile_of<F: Format>(
+        shape: &QuantShape,
+        x: &[f32],
+        w: &[u8],
+        row_scales: &[f32],
+        y: OutPtr,
+        start: usize,
+        end: usize,
+    ) {
+        if shape.rows >= PANEL_MIN_ROWS {
+            panel_tile_of::<F>(shape, x, w, row_scales, y, start, end)
+        } else {
+            row_group_tile_of::<F>(shape, x, w, row_scales, y, start, end)
+        }
+    }
+
+    /// The float path for few rows: each sub-block of a weight row expanded in
+    /// registers and used at once by up to [`FLOAT_ROW_GROUP`] input rows, so
+    /// the expansion overlaps the FMAs.
+    unsafe fn row_group_tile_of<F: Format>(
         shape: &QuantShape,
         x: &[f32],
         w: &[u8],
@@ -542,6 +581,183 @@ mod avx2 {
             sums[r] = horizontal_sum(acc[r]);
         }
         sums
+    }
+
+    /// The panel float path: the tile's weight rows are expanded to float a span of
+    /// [`PANEL_INNER`] at a time, then every block of input rows x weight rows
+    /// sums its span. Each output keeps one 8-lane accumulator that runs over
+    /// `inner` front to back, as the float kernel's does, so a sum does not
+    /// depend on the row count or the blocking.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn panel_tile_of<F: Format>(
+        shape: &QuantShape,
+        x: &[f32],
+        w: &[u8],
+        row_scales: &[f32],
+        y: OutPtr,
+        start: usize,
+        end: usize,
+    ) {
+        let (rows, inner, outs) = (shape.rows, shape.inner, end - start);
+        debug_assert!(outs <= OUTS_PER_TILE && PANEL_INNER.is_multiple_of(F::KIND.block_elems()));
+        let row_bytes = F::KIND.row_bytes(inner).expect("validated");
+        let mut panel = Panel([0.0f32; OUTS_PER_TILE * PANEL_INNER]);
+        let panel = &mut panel.0;
+        let mut acc = vec![_mm256_setzero_ps(); rows * OUTS_PER_TILE];
+        for span in (0..inner).step_by(PANEL_INNER) {
+            let len = (inner - span).min(PANEL_INNER);
+            for o in 0..outs {
+                let row = w.as_ptr().add((start + o) * row_bytes);
+                let scale = row_scale(shape, row_scales, start + o);
+                expand_span::<F>(
+                    row,
+                    scale,
+                    span,
+                    len,
+                    panel.as_mut_ptr().add(o * PANEL_INNER),
+                );
+            }
+            // While the blocks below compute, fetch the weights the next span
+            // expands (the next tile's first when this is the last): expanding
+            // is a burst of loads that would otherwise wait on L3 or DRAM.
+            prefetch_next_span(w, row_bytes, start, outs, span + len, inner, F::KIND);
+            for r in (0..rows).step_by(BLOCK_ROWS) {
+                let x_span = x.as_ptr().add(r * inner + span);
+                for o in (0..outs).step_by(BLOCK_OUTS) {
+                    let block = Block {
+                        panel: panel.as_ptr().add(o * PANEL_INNER),
+                        x: x_span,
+                        x_stride: inner,
+                        len,
+                        acc: acc.as_mut_ptr().add(r * OUTS_PER_TILE + o),
+                    };
+                    macro_rules! dispatch {
+                        ($(($r:literal, $o:literal)),*) => {
+                            match ((rows - r).min(BLOCK_ROWS), (outs - o).min(BLOCK_OUTS)) {
+                                $(($r, $o) => block.run::<$r, $o>(),)*
+                                _ => unreachable!("blocks of 1..=2 rows x 1..=4 outs"),
+                            }
+                        };
+                    }
+                    dispatch!(
+                        (1, 1),
+                        (1, 2),
+                        (1, 3),
+                        (1, 4),
+                        (2, 1),
+                        (2, 2),
+                        (2, 3),
+                        (2, 4)
+                    );
+                }
+            }
+        }
+        for r in 0..rows {
+            for o in 0..outs {
+                *y.at(r * shape.outs + start + o) = horizontal_sum(acc[r * OUTS_PER_TILE + o]);
+            }
+        }
+    }
+
+    /// Prefetch the bytes of weight rows `start..start + outs` that hold inner
+    /// elements `next..next + PANEL_INNER` (`next == inner`: the following
+    /// tile's first span).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn prefetch_next_span(
+        w: &[u8],
+        row_bytes: usize,
+        start: usize,
+        outs: usize,
+        next: usize,
+        inner: usize,
+        kind: QuantType,
+    ) {
+        let (start, next) = if next < inner {
+            (start, next)
+        } else {
+            (start + outs, 0)
+        };
+        let per_elem = kind.block_bytes() as f32 / kind.block_elems() as f32;
+        let first = (next as f32 * per_elem) as usize;
+        let bytes = (PANEL_INNER.min(inner - next) as f32 * per_elem) as usize;
+        for o in start..(start + OUTS_PER_TILE).min(w.len() / row_bytes) {
+            let row = o * row_bytes + first;
+            for line in (0..bytes).step_by(64) {
+                if let Some(at) = w.get(row + line) {
+                    _mm_prefetch::<_MM_HINT_T0>((at as *const u8).cast());
+                }
+            }
+        }
+    }
+
+    /// The expanded span of a tile's weight rows, cache-line aligned so no
+    /// vector load straddles two lines.
+    #[repr(align(64))]
+    struct Panel([f32; OUTS_PER_TILE * PANEL_INNER]);
+
+    /// Weights `span..span + len` of one weight row as floats into `dst`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn expand_span<F: Format>(
+        row: *const u8,
+        row_scale: f32,
+        span: usize,
+        len: usize,
+        dst: *mut f32,
+    ) {
+        let block_elems = F::KIND.block_elems();
+        for k in (span..span + len).step_by(SUB) {
+            let block = row.add(k / block_elems * F::KIND.block_bytes());
+            let sub = F::sub(block, k % block_elems / SUB, row_scale);
+            for (c, weights) in expand(&sub).iter().enumerate() {
+                _mm256_storeu_ps(dst.add(k - span + 8 * c), *weights);
+            }
+        }
+    }
+
+    /// One block of input rows x weight rows over one span: `acc[r][o] += x[r] *
+    /// panel[o]`, eight lanes at a time.
+    struct Block {
+        /// The first weight row's span, rows `PANEL_INNER` apart.
+        panel: *const f32,
+        /// The first input row's span, rows `x_stride` apart.
+        x: *const f32,
+        x_stride: usize,
+        len: usize,
+        /// The first row's first accumulator, rows `OUTS_PER_TILE` apart.
+        acc: *mut __m256,
+    }
+
+    impl Block {
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        #[allow(clippy::needless_range_loop)] // index loops name the register blocking
+        unsafe fn run<const R: usize, const O: usize>(&self) {
+            let mut acc = [[_mm256_setzero_ps(); O]; R];
+            for r in 0..R {
+                for o in 0..O {
+                    acc[r][o] = *self.acc.add(r * OUTS_PER_TILE + o);
+                }
+            }
+            for k in (0..self.len).step_by(8) {
+                let mut weights = [_mm256_setzero_ps(); O];
+                for o in 0..O {
+                    weights[o] = _mm256_loadu_ps(self.panel.add(o * PANEL_INNER + k));
+                }
+                for r in 0..R {
+                    let xv = _mm256_loadu_ps(self.x.add(r * self.x_stride + k));
+                    for o in 0..O {
+                        acc[r][o] = _mm256_fmadd_ps(xv, weights[o], acc[r][o]);
+                    }
+                }
+            }
+            for r in 0..R {
+                for o in 0..O {
+                    *self.acc.add(r * OUTS_PER_TILE + o) = acc[r][o];
+                }
+            }
+        }
     }
 
     /// A sub-block as 32 floats in four registers: `scale[h] * q + min[h]`.
