@@ -4,7 +4,10 @@
 //! Owns [`paged_decode_attention`], the math behind the `xla` backend's decode
 //! rows on CPU (XLA calls it through [`crate::kernels::xla_ffi`]). XLA:CPU gathers paged
 //! blocks at ~5 GB/s, so decode attention over long contexts cost more than
-//! every matmul of the step; this reads each live block once, in place.
+//! every matmul of the step; this reads each live block once, in place. On
+//! AVX2 + FMA CPUs, f32 pools with `head_dim % 8 == 0` go through
+//! `cpu_attention_avx2.rs`; other pools and shapes through the
+//! generic loop here (same math, same order of blocks).
 //!
 //! Layout (the pool layout of every backend):
 //! - `q`: `[rows, q_heads, head_dim]` f32, already multiplied by the softmax scale;
