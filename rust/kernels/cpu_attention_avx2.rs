@@ -76,8 +76,16 @@ pub(super) unsafe fn group_attention(
             let acc = out.as_mut_ptr().add(g * d);
             let mut lane = 0;
             while lane < d {
-                let width = (d - lane).min(64) / 8;
-                accumulate_values(width, acc.add(lane), alpha, w, values.add(lane), live, d);
+                let (acc, values) = (acc.add(lane), values.add(lane));
+                macro_rules! by_width {
+                    ($($n:literal),*) => {
+                        match (d - lane).min(64) / 8 {
+                            $($n => accumulate::<$n>(acc, alpha, w, values, live, d),)*
+                            _ => unreachable!("1..=8 registers of lanes"),
+                        }
+                    };
+                }
+                by_width!(1, 2, 3, 4, 5, 6, 7, 8);
                 lane += 64;
             }
         }
@@ -157,30 +165,8 @@ unsafe fn exp_in_place(w: *mut f32, n: usize, max: f32) -> f32 {
     sum_of(total)
 }
 
-/// `acc[..8 * width] = acc * alpha + Σ_t w[t] · values[t][..8 * width]`, the
+/// `acc[..8 * N] = acc * alpha + Σ_t w[t] · values[t][..8 * N]`, the `N`
 /// accumulators in registers.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn accumulate_values(
-    width: usize,
-    acc: *mut f32,
-    alpha: f32,
-    w: *const f32,
-    values: *const f32,
-    live: usize,
-    d: usize,
-) {
-    macro_rules! by_width {
-        ($($n:literal),*) => {
-            match width {
-                $($n => accumulate::<$n>(acc, alpha, w, values, live, d),)*
-                _ => unreachable!("1..=8 registers of lanes"),
-            }
-        };
-    }
-    by_width!(1, 2, 3, 4, 5, 6, 7, 8)
-}
-
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn accumulate<const N: usize>(
