@@ -1,12 +1,12 @@
 //! Criterion bench of the host decode-attention kernel (`rust/kernels/cpu_attention.rs`)
 //! at SmolLM2-135M's shapes (9 query / 3 KV heads, head_dim 64, blocks of 16):
-//! one layer of a decode step, f32 pool. Bytes read per call are printed so the
-//! figure can be read as bandwidth. Run: `cargo bench --bench cpu_attention`.
+//! one layer of a decode step, f32 and f16 pools. Bytes read per call are printed so
+//! the figure can be read as bandwidth. Run: `cargo bench --bench cpu_attention`.
 
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use kvpage_core::kernels::cpu_attention::{paged_decode_attention, DecodeShape};
+use kvpage_core::kernels::cpu_attention::{paged_decode_attention, DecodeShape, KvElement, F16};
 use kvpage_core::kernels::parallel::ScopedThreads;
 
 fn decode_layer(c: &mut Criterion) {
@@ -26,6 +26,8 @@ fn decode_layer(c: &mut Criterion) {
         let pool: Vec<f32> = (0..pool_len)
             .map(|i| ((i % 97) as f32 - 48.0) / 97.0)
             .collect();
+        // The same values rounded to f16 (|x| < 0.5: normal or zero).
+        let pool_f16: Vec<F16> = pool.iter().map(|&x| f16_of(x)).collect();
         let q: Vec<f32> = (0..rows * 9 * 64)
             .map(|i| ((i % 13) as f32 - 6.0) / 13.0)
             .collect();
@@ -35,29 +37,68 @@ fn decode_layer(c: &mut Criterion) {
             .collect();
         let kv_lens = vec![context as i32; rows];
         let mut out = vec![0.0f32; q.len()];
-        let bytes = 2 * rows * context * shape.kv_heads * shape.head_dim * 4;
+        let tokens = 2 * rows * context * shape.kv_heads * shape.head_dim;
         println!(
-            "rows {rows} x context {context}: {:.1} MB of K/V per call",
-            bytes as f64 / 1e6
+            "rows {rows} x context {context}: {:.1} MB of f32 K/V per call ({:.1} MB f16)",
+            (tokens * 4) as f64 / 1e6,
+            (tokens * 2) as f64 / 1e6
         );
-        group.bench_function(format!("rows{rows}_ctx{context}"), |b| {
-            b.iter(|| {
-                paged_decode_attention(
-                    &ScopedThreads,
-                    &shape,
-                    &q,
-                    &pool,
-                    &pool,
-                    &kv_lens,
-                    &tables,
-                    &mut out,
-                )
-                .unwrap();
-                black_box(&out);
-            })
+        let mut bench = |name: String, run: &dyn Fn(&mut [f32])| {
+            group.bench_function(name, |b| {
+                b.iter(|| {
+                    run(&mut out);
+                    black_box(&out);
+                })
+            });
+        };
+        let call = Call {
+            shape: &shape,
+            q: &q,
+            kv_lens: &kv_lens,
+            tables: &tables,
+        };
+        bench(format!("rows{rows}_ctx{context}"), &|out| {
+            call.run(&pool, out)
+        });
+        bench(format!("rows{rows}_ctx{context}_f16"), &|out| {
+            call.run(&pool_f16, out)
         });
     }
     group.finish();
+}
+
+struct Call<'a> {
+    shape: &'a DecodeShape,
+    q: &'a [f32],
+    kv_lens: &'a [i32],
+    tables: &'a [i32],
+}
+
+impl Call<'_> {
+    fn run<T: KvElement>(&self, pool: &[T], out: &mut [f32]) {
+        paged_decode_attention(
+            &ScopedThreads,
+            self.shape,
+            self.q,
+            pool,
+            pool,
+            self.kv_lens,
+            self.tables,
+            out,
+        )
+        .unwrap();
+    }
+}
+
+/// `x` rounded to f16 by truncation (`x` zero or of f16's normal range).
+fn f16_of(x: f32) -> F16 {
+    let bits = x.to_bits();
+    let sign = ((bits >> 16) & 0x8000) as u16;
+    if x == 0.0 {
+        return F16(sign);
+    }
+    let exponent = ((bits >> 23) & 0xff) as u16 - 112;
+    F16(sign | (exponent << 10) | ((bits >> 13) & 0x3ff) as u16)
 }
 
 criterion_group!(benches, decode_layer);

@@ -47,7 +47,7 @@ def cpu_paged_decode_attention(
 ) -> jax.Array:
     """Decode rows' attention ``[S, Hq, D]`` float32: the Rust kernel when lowered for
     CPU, ``otherwise()`` (same result) when lowered for any other platform."""
-    if not available() or k_pages.dtype not in (jnp.float32, jnp.bfloat16):
+    if not available() or k_pages.dtype not in (jnp.float32, jnp.float16, jnp.bfloat16):
         return otherwise()
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
 

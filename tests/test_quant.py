@@ -360,3 +360,40 @@ def test_vs_llama_cpp_bench_refuses_a_model_that_is_not_gguf(tmp_path: Path) -> 
 
     with pytest.raises(SystemExit, match="compares on a GGUF file"):
         main(["bench", "vs-llama-cpp", str(tmp_path)])
+
+
+def test_kv_cache_dtype_auto_is_float16_for_quantized_weights_on_cpu(
+    quantized_gguf: Path,
+) -> None:
+    """``kv_cache_dtype="auto"``: float16 pools under quantized weights on CPU (as
+    llama.cpp keeps its cache), the weights' dtype otherwise; an explicit dtype wins."""
+    from kvpage.engine_config import EngineConfig
+    from kvpage.model.gguf_loader import load_gguf
+    from kvpage.runner.kv_cache import resolve_kv_cache_dtype
+
+    _, kept, _ = load_gguf(quantized_gguf, quantization="auto")
+    _, dense, _ = load_gguf(quantized_gguf, quantization="none")
+    assert resolve_kv_cache_dtype("auto", kept, "cpu") == "float16"
+    assert resolve_kv_cache_dtype(None, kept, "cpu") == "float16"
+    assert resolve_kv_cache_dtype("auto", dense, "cpu") == "float32"
+    assert resolve_kv_cache_dtype("auto", kept, "gpu") == "float32"
+    assert resolve_kv_cache_dtype("float32", kept, "cpu") == "float32"
+    assert resolve_kv_cache_dtype("bfloat16", dense, "cpu") == "bfloat16"
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        EngineConfig(model="m", kv_cache_dtype="fp8")
+
+
+def test_a_float16_kv_cache_agrees_with_a_float32_one(quantized_gguf: Path) -> None:
+    """The same quantized engine with float16 pools (the default) and float32 pools:
+    greedy tokens agree and logprobs stay close."""
+    from kvpage import LLM
+
+    kwargs = {"max_num_seqs": 4, "compilation_cache_dir": None, "max_model_len": 128}
+    half = LLM(str(quantized_gguf), **kwargs)
+    assert half.engine.runner.kv_pools[0][0].dtype == jnp.float16
+    full = LLM(str(quantized_gguf), kv_cache_dtype="float32", **kwargs)
+    assert full.engine.runner.kv_pools[0][0].dtype == jnp.float32
+    share, logprob_diff = agreement(greedy(half, PROMPTS, 16), greedy(full, PROMPTS, 16))
+    print(f"float16 vs float32 KV: greedy agreement {share:.0%}, "
+          f"mean |logprob diff| {logprob_diff:.2e}")
+    assert share >= 0.9 and logprob_diff < 0.01

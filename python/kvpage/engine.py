@@ -232,6 +232,7 @@ class LLMEngine:
             mesh=mesh,
             kv_memory_fraction=config.gpu_memory_utilization,
             kv_cache_memory=config.kv_cache_memory,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
         self.eos_token_ids = _merge_eos_ids(model_config, model_dir, tokenizer)
         self.rust_detokenization = True

@@ -15,6 +15,7 @@ from kvpage.quant.modes import check_mode as check_quantization
 
 POLICIES = ("fcfs", "priority", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = DTYPES
 WARMUP_MODES = ("none", "background", "full")
 
 
@@ -43,6 +44,10 @@ class EngineConfig:
     """Which weights stay quantized in memory (:mod:`kvpage.quant.modes`): ``"auto"``
     keeps a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K blocks on CPU, ``"none"`` dequantizes
     at load, ``"gguf"`` keeps blocks everywhere, ``"int8"`` stores per-channel int8."""
+    kv_cache_dtype: str = "auto"
+    """Element type of the KV pools (:func:`kvpage.runner.kv_cache.resolve_kv_cache_dtype`):
+    ``"auto"`` is float16 when quantized weights run on CPU (as llama.cpp keeps its cache:
+    half the bytes each decode step reads), else the weights' dtype."""
     scheduling_policy: str = "fcfs"
     attention_backend: str | None = None
     tensor_parallel_size: int = 1
@@ -91,6 +96,10 @@ class EngineConfig:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
         check_quantization(self.quantization)
         if self.long_prefill_token_threshold < 0:
             raise ValueError(
@@ -189,6 +198,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=QUANTIZATION_MODES,
         help="weights kept quantized: auto (a GGUF file's blocks on CPU), none "
         "(dequantize at load), gguf (blocks everywhere), int8 (per-channel int8)",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="KV cache element type: auto (float16 with quantized weights on CPU, else the "
+        "weights' dtype), float32, bfloat16 or float16",
     )
     g.add_argument(
         "--scheduling-policy",

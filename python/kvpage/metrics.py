@@ -405,6 +405,9 @@ def cache_config_info(engine: Any) -> dict[str, str]:
     num_blocks = getattr(runner, "num_blocks", None)
     if num_blocks is not None:
         info["num_gpu_blocks"] = num_blocks
+    spec = getattr(runner, "kv_spec", None)
+    if spec is not None:  # what "auto" resolved to
+        info["cache_dtype"] = spec.dtype
     max_model_len = getattr(engine, "max_model_len", None)
     if max_model_len is not None:
         info["max_model_len"] = max_model_len

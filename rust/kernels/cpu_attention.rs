@@ -5,13 +5,13 @@
 //! rows on CPU (XLA calls it through [`crate::kernels::xla_ffi`]). XLA:CPU gathers paged
 //! blocks at ~5 GB/s, so decode attention over long contexts cost more than
 //! every matmul of the step; this reads each live block once, in place. On
-//! AVX2 + FMA CPUs, f32 pools with `head_dim % 8 == 0` go through
-//! `cpu_attention_avx2.rs`; other pools and shapes through the
-//! generic loop here (same math, same order of blocks).
+//! AVX2 + FMA + F16C CPUs, pools of any element with `head_dim % 8 == 0` go through
+//! `cpu_attention_avx2.rs` (each element type widened to f32 in registers); other
+//! CPUs and shapes through the generic loop here (same math, same order of blocks).
 //!
 //! Layout (the pool layout of every backend):
 //! - `q`: `[rows, q_heads, head_dim]` f32, already multiplied by the softmax scale;
-//! - `k_pages`, `v_pages`: `[kv_heads, pages, block_size, head_dim]`, f32 or bf16;
+//! - `k_pages`, `v_pages`: `[kv_heads, pages, block_size, head_dim]`, f32, f16 or bf16;
 //! - `kv_lens`: `[rows]`, the tokens of each row's context (0: row not computed);
 //! - `block_tables`: `[rows, table_width]` page ids;
 //! - `out`: `[rows, q_heads, head_dim]` f32. Query head `h * group + g` reads KV
@@ -31,18 +31,22 @@
 use std::sync::{Mutex, OnceLock};
 
 #[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+#[cfg(target_arch = "x86_64")]
 use crate::kernels::cpu_attention_avx2::{group_attention, HeadPages};
 use crate::kernels::parallel::Parallel;
 
-/// A K/V pool element: f32, or bf16 kept as its bit pattern.
+/// A K/V pool element: f32, or f16 / bf16 kept as their bit patterns.
 pub trait KvElement: Copy + Send + Sync {
     fn to_f32(self) -> f32;
 
-    /// The pool as f32 values in place, where its elements are f32.
-    fn as_f32_slice(pool: &[Self]) -> Option<&[f32]> {
-        let _ = pool;
-        None
-    }
+    /// Eight consecutive elements as f32 lanes.
+    ///
+    /// # Safety
+    /// `p` points at eight readable elements; the CPU has AVX2 and F16C.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(p: *const Self) -> __m256;
 }
 
 impl KvElement for f32 {
@@ -51,8 +55,11 @@ impl KvElement for f32 {
         self
     }
 
-    fn as_f32_slice(pool: &[f32]) -> Option<&[f32]> {
-        Some(pool)
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn load8(p: *const f32) -> __m256 {
+        _mm256_loadu_ps(p)
     }
 }
 
@@ -65,6 +72,45 @@ impl KvElement for Bf16 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
         f32::from_bits(u32::from(self.0) << 16)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn load8(p: *const Bf16) -> __m256 {
+        let halves = _mm_loadu_si128(p.cast());
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(halves)))
+    }
+}
+
+/// IEEE binary16 as stored (the pool dtype llama.cpp keeps by default: half the
+/// bytes of f32, 11 significant bits).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(transparent)]
+pub struct F16(pub u16);
+
+impl KvElement for F16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        let sign = u32::from(self.0 & 0x8000) << 16;
+        let exponent = u32::from(self.0 >> 10) & 0x1f;
+        let mantissa = u32::from(self.0 & 0x3ff);
+        let magnitude = match (exponent, mantissa) {
+            (0, 0) => 0,
+            // Subnormal: mantissa * 2^-24, exact in f32.
+            (0, m) => (m as f32 * f32::from_bits(0x3380_0000)).to_bits(),
+            (0x1f, 0) => 0x7f80_0000,             // inf
+            (0x1f, m) => 0x7fc0_0000 | (m << 13), // NaN, quieted as F16C does
+            (e, m) => ((e + 112) << 23) | (m << 13),
+        };
+        f32::from_bits(sign | magnitude)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn load8(p: *const F16) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
     }
 }
 
@@ -248,28 +294,24 @@ impl<T: KvElement> Pools<'_, T> {
         let table = &tables[row * s.table_width..][..s.blocks_of(kv_len)];
         let (group, d, bs) = (s.group(), s.head_dim, s.block_size);
         #[cfg(target_arch = "x86_64")]
-        if let (Some(keys), Some(values)) =
-            (T::as_f32_slice(self.k_pages), T::as_f32_slice(self.v_pages))
-        {
-            if avx2_fma() && group <= MAX_GROUP && bs <= MAX_BLOCK && d % 8 == 0 {
-                let head_len = s.pages * bs * d;
-                for h in 0..s.kv_heads {
-                    let pages = HeadPages {
-                        keys: &keys[h * head_len..][..head_len],
-                        values: &values[h * head_len..][..head_len],
-                        group,
-                        head_dim: d,
-                        block_size: bs,
-                    };
-                    let range = h * group * d..(h + 1) * group * d;
-                    // SAFETY: the CPU reports AVX2 (and FMA, checked with it); the
-                    // plan was validated and the shape fits the kernel's buffers.
-                    unsafe {
-                        group_attention(&pages, table, kv_len, &q[range.clone()], &mut out[range])
-                    };
-                }
-                return;
+        if avx2_fma_f16c() && group <= MAX_GROUP && bs <= MAX_BLOCK && d % 8 == 0 {
+            let head_len = s.pages * bs * d;
+            for h in 0..s.kv_heads {
+                let pages = HeadPages {
+                    keys: &self.k_pages[h * head_len..][..head_len],
+                    values: &self.v_pages[h * head_len..][..head_len],
+                    group,
+                    head_dim: d,
+                    block_size: bs,
+                };
+                let range = h * group * d..(h + 1) * group * d;
+                // SAFETY: the CPU reports AVX2, FMA and F16C; the plan was
+                // validated and the shape fits the kernel's buffers.
+                unsafe {
+                    group_attention(&pages, table, kv_len, &q[range.clone()], &mut out[range])
+                };
             }
+            return;
         }
         for h in 0..s.kv_heads {
             let q_group = &q[h * group * d..][..group * d];
@@ -437,12 +479,15 @@ fn simd_level() -> SimdLevel {
     })
 }
 
-/// The CPU has AVX2 and FMA ([`group_attention`]'s instructions).
+/// The CPU has AVX2, FMA and F16C ([`group_attention`]'s instructions; every
+/// AVX2 CPU shipped has all three).
 #[cfg(target_arch = "x86_64")]
-fn avx2_fma() -> bool {
-    static BOTH: OnceLock<bool> = OnceLock::new();
-    *BOTH.get_or_init(|| {
-        std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+pub(super) fn avx2_fma_f16c() -> bool {
+    static ALL: OnceLock<bool> = OnceLock::new();
+    *ALL.get_or_init(|| {
+        std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("f16c")
     })
 }
 

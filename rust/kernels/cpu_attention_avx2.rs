@@ -1,5 +1,7 @@
 //! The AVX2 + FMA kernel of [`super::cpu_attention`]: one KV head's query group
-//! over one row's live blocks, for f32 pools whose `head_dim` is a multiple of 8.
+//! over one row's live blocks, for pools whose `head_dim` is a multiple of 8. Pool
+//! elements (f32, f16, bf16) are widened to f32 eight at a time as they are loaded
+//! ([`KvElement::load8`]); every sum is in f32.
 //!
 //! Per block: the group's scores eight tokens at a time (eight accumulators, one
 //! per token, reduced together), a vectorized `exp` for the block's softmax
@@ -14,14 +16,14 @@
 
 use std::arch::x86_64::*;
 
-use super::cpu_attention::{MAX_BLOCK, MAX_GROUP};
+use super::cpu_attention::{KvElement, MAX_BLOCK, MAX_GROUP};
 
 /// One KV head's pages and the shape of the query group that reads them.
-pub(super) struct HeadPages<'a> {
+pub(super) struct HeadPages<'a, E> {
     /// This head's keys, `[pages, block_size, head_dim]`.
-    pub keys: &'a [f32],
+    pub keys: &'a [E],
     /// This head's values, same layout.
-    pub values: &'a [f32],
+    pub values: &'a [E],
     pub group: usize,
     pub head_dim: usize,
     pub block_size: usize,
@@ -31,10 +33,10 @@ pub(super) struct HeadPages<'a> {
 /// `group` query heads of this KV head (`q`, `out`: `[group, head_dim]`).
 ///
 /// # Safety
-/// The CPU supports AVX2 and FMA, and the module invariants hold.
-#[target_feature(enable = "avx2,fma")]
-pub(super) unsafe fn group_attention(
-    pages: &HeadPages,
+/// The CPU supports AVX2, FMA and F16C, and the module invariants hold.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn group_attention<E: KvElement>(
+    pages: &HeadPages<E>,
     table: &[i32],
     kv_len: usize,
     q: &[f32],
@@ -80,7 +82,7 @@ pub(super) unsafe fn group_attention(
                 macro_rules! by_width {
                     ($($n:literal),*) => {
                         match (d - lane).min(64) / 8 {
-                            $($n => accumulate::<$n>(acc, alpha, w, values, live, d),)*
+                            $($n => accumulate::<E, $n>(acc, alpha, w, values, live, d),)*
                             _ => unreachable!("1..=8 registers of lanes"),
                         }
                     };
@@ -98,14 +100,14 @@ pub(super) unsafe fn group_attention(
 
 /// `q · k[t]` for eight consecutive tokens `t` (rows of `d` floats from `keys`).
 #[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn dot8(q: *const f32, keys: *const f32, d: usize) -> __m256 {
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot8<E: KvElement>(q: *const f32, keys: *const E, d: usize) -> __m256 {
     let mut acc = [_mm256_setzero_ps(); 8];
     let mut i = 0;
     while i < d {
         let qv = _mm256_loadu_ps(q.add(i));
         for (t, a) in acc.iter_mut().enumerate() {
-            *a = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys.add(t * d + i)), *a);
+            *a = _mm256_fmadd_ps(qv, E::load8(keys.add(t * d + i)), *a);
         }
         i += 8;
     }
@@ -124,12 +126,12 @@ unsafe fn dot8(q: *const f32, keys: *const f32, d: usize) -> __m256 {
 
 /// `q · key` for one token.
 #[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn dot1(q: *const f32, key: *const f32, d: usize) -> f32 {
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot1<E: KvElement>(q: *const f32, key: *const E, d: usize) -> f32 {
     let mut acc = _mm256_setzero_ps();
     let mut i = 0;
     while i < d {
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(i)), _mm256_loadu_ps(key.add(i)), acc);
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(i)), E::load8(key.add(i)), acc);
         i += 8;
     }
     sum_of(acc)
@@ -168,12 +170,12 @@ unsafe fn exp_in_place(w: *mut f32, n: usize, max: f32) -> f32 {
 /// `acc[..8 * N] = acc * alpha + Σ_t w[t] · values[t][..8 * N]`, the `N`
 /// accumulators in registers.
 #[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn accumulate<const N: usize>(
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn accumulate<E: KvElement, const N: usize>(
     acc: *mut f32,
     alpha: f32,
     w: *const f32,
-    values: *const f32,
+    values: *const E,
     live: usize,
     d: usize,
 ) {
@@ -186,7 +188,7 @@ unsafe fn accumulate<const N: usize>(
         let p = _mm256_broadcast_ss(&*w.add(t));
         let row = values.add(t * d);
         for (i, r) in regs.iter_mut().enumerate() {
-            *r = _mm256_fmadd_ps(p, _mm256_loadu_ps(row.add(8 * i)), *r);
+            *r = _mm256_fmadd_ps(p, E::load8(row.add(8 * i)), *r);
         }
     }
     for (i, r) in regs.iter().enumerate() {

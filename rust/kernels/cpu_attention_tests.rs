@@ -127,47 +127,123 @@ fn matches_naive_attention_with_garbage_in_unread_slots() {
     }
 }
 
+/// f32 to f16 by truncating the mantissa (a valid f16 near `x`; the tests only need
+/// the pool's f32 value to be the f16's), for `x` of f16's normal range or zero.
+fn to_f16(x: f32) -> F16 {
+    let bits = x.to_bits();
+    let sign = ((bits >> 16) & 0x8000) as u16;
+    if x == 0.0 {
+        return F16(sign);
+    }
+    let exponent = ((bits >> 23) & 0xff) as i32 - 112;
+    assert!(
+        (1..31).contains(&exponent),
+        "{x} is outside f16's normal range"
+    );
+    F16(sign | ((exponent as u16) << 10) | ((bits >> 13) & 0x3ff) as u16)
+}
+
+fn to_bf16(x: f32) -> Bf16 {
+    Bf16((x.to_bits() >> 16) as u16)
+}
+
+/// The kernel over a pool of `T` equals naive attention over the pool's f32 values,
+/// for random shapes reaching both the AVX2 kernel and the generic loop.
+fn narrow_pool_reads_as_its_f32_value<T: KvElement>(narrow: fn(f32) -> T, seed: u64) {
+    let mut rng = TestRng::new(seed);
+    for case in 0..30 {
+        let group = [1, 3, 20][case % 3];
+        let q_heads = group * (1 + rng.below(2));
+        let shape = DecodeShape {
+            rows: 1 + rng.below(5),
+            q_heads,
+            kv_heads: q_heads / group,
+            head_dim: [13, 16, 64][rng.below(3)],
+            pages: 2 + rng.below(12),
+            block_size: [1, 4, 16][rng.below(3)],
+            table_width: 1 + rng.below(5),
+        };
+        let (q, k, v, kv_lens, tables) = random_case(&mut rng, shape);
+        // Unread slots hold NaN / inf garbage: keep it, narrowed to the pool's type.
+        let pool = |x: &[f32]| -> Vec<T> {
+            x.iter()
+                .map(|&f| {
+                    if f.is_finite() {
+                        narrow(f)
+                    } else {
+                        narrow(1.0)
+                    }
+                })
+                .collect()
+        };
+        let (kn, vn) = (pool(&k), pool(&v));
+        let wide = |x: &[T]| -> Vec<f32> { x.iter().map(|e| e.to_f32()).collect() };
+        let mut out = vec![f32::NAN; q.len()];
+        paged_decode_attention(
+            &ScopedThreads,
+            &shape,
+            &q,
+            &kn,
+            &vn,
+            &kv_lens,
+            &tables,
+            &mut out,
+        )
+        .unwrap();
+        let want = naive(&shape, &q, &wide(&kn), &wide(&vn), &kv_lens, &tables);
+        for (a, b) in out.iter().zip(&want) {
+            assert!(
+                (a - b).abs() <= 1e-4 * (1.0 + b.abs()),
+                "case {case}: {a} vs {b}"
+            );
+        }
+    }
+}
+
 #[test]
 fn bf16_pool_reads_as_its_f32_value() {
-    let mut rng = TestRng::new(3);
-    let shape = DecodeShape {
-        rows: 3,
-        q_heads: 6,
-        kv_heads: 2,
-        head_dim: 16,
-        pages: 8,
-        block_size: 4,
-        table_width: 3,
-    };
-    let (q, k, v, kv_lens, tables) = random_case(&mut rng, shape);
-    let to_bf16 = |x: &Vec<f32>| -> Vec<Bf16> {
-        x.iter().map(|f| Bf16((f.to_bits() >> 16) as u16)).collect()
-    };
-    let (kb, vb) = (to_bf16(&k), to_bf16(&v));
-    let truncated = |x: &Vec<Bf16>| -> Vec<f32> { x.iter().map(|b| b.to_f32()).collect() };
-    let mut out = vec![0.0; q.len()];
-    paged_decode_attention(
-        &ScopedThreads,
-        &shape,
-        &q,
-        &kb,
-        &vb,
-        &kv_lens,
-        &tables,
-        &mut out,
-    )
-    .unwrap();
-    let want = naive(
-        &shape,
-        &q,
-        &truncated(&kb),
-        &truncated(&vb),
-        &kv_lens,
-        &tables,
-    );
-    for (a, b) in out.iter().zip(&want) {
-        assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{a} vs {b}");
+    narrow_pool_reads_as_its_f32_value(to_bf16, 3);
+}
+
+#[test]
+fn f16_pool_reads_as_its_f32_value() {
+    narrow_pool_reads_as_its_f32_value(to_f16, 5);
+}
+
+#[test]
+fn f16_widens_exactly() {
+    let known = [
+        (0x3c00, 1.0),
+        (0xc000, -2.0),
+        (0x7bff, 65504.0),
+        (0x0400, 6.103_515_6e-5),
+        (0x0001, 5.960_464_5e-8), // smallest subnormal, 2^-24
+        (0x03ff, 6.097_555e-5),   // largest subnormal
+        (0x8000, -0.0),
+        (0x7c00, f32::INFINITY),
+        (0xfc00, f32::NEG_INFINITY),
+    ];
+    for (bits, want) in known {
+        let got = F16(bits).to_f32();
+        assert_eq!(got.to_bits(), f32::to_bits(want), "{bits:#06x}: {got}");
     }
+    assert!(F16(0x7e00).to_f32().is_nan());
+    // Every bit pattern against the CPU's own conversion, where it has one.
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("f16c") {
+        for bits in 0..=u16::MAX {
+            // SAFETY: the CPU reports F16C.
+            let hardware = unsafe { f16c_widen(bits) };
+            let software = F16(bits).to_f32();
+            assert_eq!(software.to_bits(), hardware.to_bits(), "{bits:#06x}");
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "f16c")]
+unsafe fn f16c_widen(bits: u16) -> f32 {
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_set1_epi16(bits as i16)))
 }
 
 #[test]

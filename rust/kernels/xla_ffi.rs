@@ -22,7 +22,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use crate::kernels::cpu_attention::{paged_decode_attention, Bf16, DecodeShape};
+use crate::kernels::cpu_attention::{paged_decode_attention, Bf16, DecodeShape, KvElement, F16};
 use crate::kernels::cpu_matmul::{self, MatmulShape, OutPtr};
 use crate::kernels::parallel::Parallel;
 
@@ -37,6 +37,7 @@ pub(super) const DTYPE_S8: i32 = 2;
 pub(super) const DTYPE_U8: i32 = 6;
 pub(super) const DTYPE_S32: i32 = 4;
 pub(super) const DTYPE_F32: i32 = 11;
+const DTYPE_F16: i32 = 10;
 const DTYPE_BF16: i32 = 16;
 const ERROR_INVALID_ARGUMENT: i32 = 3;
 const ERROR_INTERNAL: i32 = 13;
@@ -514,32 +515,48 @@ unsafe fn run_paged_decode_attention(frame: &CallFrame) -> Result<(), String> {
     let out_slice = std::slice::from_raw_parts_mut(out.data as *mut f32, out.len());
     let (q_s, lens_s, tables_s) = (slice_f32(q), slice_i32(kv_lens), slice_i32(tables));
     let pool = XlaPool { frame };
+    let call = DecodeCall {
+        pool: &pool,
+        shape: &shape,
+        q: q_s,
+        kv_lens: lens_s,
+        block_tables: tables_s,
+    };
     match k.dtype {
-        DTYPE_F32 => paged_decode_attention(
-            &pool,
-            &shape,
-            q_s,
-            slice_f32(k),
-            slice_f32(v),
-            lens_s,
-            tables_s,
-            out_slice,
-        ),
-        DTYPE_BF16 => {
-            let pages =
-                |view: &View| std::slice::from_raw_parts(view.data as *const Bf16, view.len());
-            paged_decode_attention(
-                &pool,
-                &shape,
-                q_s,
-                pages(k),
-                pages(v),
-                lens_s,
-                tables_s,
-                out_slice,
-            )
-        }
-        other => Err(format!("k_pages dtype {other} is not float32 or bfloat16")),
+        DTYPE_F32 => call.run::<f32>(k, v, out_slice),
+        DTYPE_F16 => call.run::<F16>(k, v, out_slice),
+        DTYPE_BF16 => call.run::<Bf16>(k, v, out_slice),
+        other => Err(format!(
+            "k_pages dtype {other} is not float32, float16 or bfloat16"
+        )),
+    }
+}
+
+/// The inputs of one decode attention call but its pools, whose element type the
+/// dtype selects.
+struct DecodeCall<'a> {
+    pool: &'a XlaPool<'a>,
+    shape: &'a DecodeShape,
+    q: &'a [f32],
+    kv_lens: &'a [i32],
+    block_tables: &'a [i32],
+}
+
+impl DecodeCall<'_> {
+    /// # Safety
+    /// `k` and `v` hold elements of type `T` (their dtype was matched).
+    unsafe fn run<T: KvElement>(&self, k: &View, v: &View, out: &mut [f32]) -> Result<(), String> {
+        let pages = |view: &View| std::slice::from_raw_parts(view.data as *const T, view.len());
+        paged_decode_attention(
+            self.pool,
+            self.shape,
+            self.q,
+            pages(k),
+            pages(v),
+            self.kv_lens,
+            self.block_tables,
+            out,
+        )
     }
 }
 

@@ -18,9 +18,27 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvpage.model.config import ModelConfig
-from kvpage.model.params import jnp_dtype
+from kvpage.model.params import Params, jnp_dtype
+from kvpage.quant.weights import is_quantized
 
 KVPools = list[tuple[jax.Array, jax.Array]]
+
+
+def resolve_kv_cache_dtype(requested: str | None, params: Params, platform: str) -> str:
+    """The pools' dtype for ``requested`` (an EngineConfig ``kv_cache_dtype``).
+
+    ``"auto"`` (or None) is float16 when the decoder layers hold quantized weights on
+    CPU, as llama.cpp keeps its cache: the host attention kernel widens f16 in registers,
+    so a decode step reads half the K/V bytes (``cargo bench --bench cpu_attention``,
+    ``*_f16``) and the same memory holds twice the tokens. Otherwise it is the weights'
+    dtype, so float checkpoints keep their exact parity with transformers."""
+    weights = str(jnp.dtype(params["embed_tokens"]["weight"].dtype))
+    if requested not in (None, "auto"):
+        return requested
+    leaves = jax.tree_util.tree_leaves(params["layers"], is_leaf=is_quantized)
+    if platform == "cpu" and weights == "float32" and any(map(is_quantized, leaves)):
+        return "float16"
+    return weights
 
 
 @dataclass(frozen=True, slots=True)

@@ -66,7 +66,13 @@ from kvpage.runner.buckets import (
     pick_fallback,
 )
 from kvpage.runner.executable_cache import ExecutableCache
-from kvpage.runner.kv_cache import KVCacheSpec, KVPools, allocate_kv_cache, copy_blocks
+from kvpage.runner.kv_cache import (
+    KVCacheSpec,
+    KVPools,
+    allocate_kv_cache,
+    copy_blocks,
+    resolve_kv_cache_dtype,
+)
 from kvpage.runner.kv_cache_sizing import KVCacheDecision, decide_num_blocks
 from kvpage.runner.layered_step import (
     StepBucket,
@@ -124,7 +130,7 @@ class ModelRunner:
             the price of a few extra padded rows (cheap) in large steps.
         max_fused_copies: CoW copies executed inside the step; plans with more run them
             in a separate call before the step.
-        kv_cache_dtype: dtype of the pools; default the params' dtype.
+        kv_cache_dtype: dtype of the pools; None or ``"auto"``: :func:`resolve_kv_cache_dtype`.
         kv_memory_fraction: share of an accelerator's memory for params + cache + steps
             (``gpu_memory_utilization``).
         kv_cache_memory: bytes for the KV cache (overrides the memory-based sizing).
@@ -203,7 +209,7 @@ class ModelRunner:
         self.params: Params
         self.params, self.last_update_copies = place(params, self._param_shardings)
         param_dtype = str(jnp.dtype(self.params["embed_tokens"]["weight"].dtype))
-        kv_dtype = kv_cache_dtype or param_dtype
+        kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.params, self.device.platform)
         unit = KVCacheSpec.for_model(config, block_size, 1, kv_dtype, tp)
         self.kv_cache_decision: KVCacheDecision = decide_num_blocks(
             config,
