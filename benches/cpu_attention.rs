@@ -26,8 +26,7 @@ fn decode_layer(c: &mut Criterion) {
         let pool: Vec<f32> = (0..pool_len)
             .map(|i| ((i % 97) as f32 - 48.0) / 97.0)
             .collect();
-        // The same values rounded to f16 (|x| < 0.5: normal or zero).
-        let pool_f16: Vec<F16> = pool.iter().map(|&x| f16_of(x)).collect();
+        let pool_f16: Vec<F16> = pool.iter().map(|&x| F16::from_f32(x)).collect();
         let q: Vec<f32> = (0..rows * 9 * 64)
             .map(|i| ((i % 13) as f32 - 6.0) / 13.0)
             .collect();
@@ -88,17 +87,6 @@ impl Call<'_> {
         )
         .unwrap();
     }
-}
-
-/// `x` rounded to f16 by truncation (`x` zero or of f16's normal range).
-fn f16_of(x: f32) -> F16 {
-    let bits = x.to_bits();
-    let sign = ((bits >> 16) & 0x8000) as u16;
-    if x == 0.0 {
-        return F16(sign);
-    }
-    let exponent = ((bits >> 23) & 0xff) as u16 - 112;
-    F16(sign | (exponent << 10) | ((bits >> 13) & 0x3ff) as u16)
 }
 
 criterion_group!(benches, decode_layer);

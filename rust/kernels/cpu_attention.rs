@@ -89,6 +89,39 @@ impl KvElement for Bf16 {
 #[repr(transparent)]
 pub struct F16(pub u16);
 
+impl F16 {
+    /// `x` rounded to the nearest f16, ties to even (as F16C's `vcvtps2ph`): past
+    /// the largest finite f16 gives inf, below half the smallest subnormal 0, NaN a
+    /// quiet NaN.
+    pub fn from_f32(x: f32) -> F16 {
+        let bits = x.to_bits();
+        let sign = ((bits >> 16) & 0x8000) as u16;
+        let abs = bits & 0x7fff_ffff;
+        let round = |value: u32, dropped: u32, half: u32| -> u16 {
+            let up = dropped > half || (dropped == half && value & 1 == 1);
+            (value + u32::from(up)) as u16
+        };
+        let magnitude = if abs > 0x7f80_0000 {
+            0x7e00 | ((abs >> 13) & 0x3ff) as u16 // NaN, quieted
+        } else if abs >= 0x477f_f000 {
+            0x7c00 // 65520 and up round past 65504: inf
+        } else if abs >= 0x3880_0000 {
+            // Normal: rebias the exponent (127 -> 15), round the 13 dropped bits; a
+            // carry out of the mantissa steps the exponent, as it should.
+            round((abs >> 13) - (112 << 10), abs & 0x1fff, 0x1000)
+        } else if abs > 0x3300_0000 {
+            // Subnormal: the significand (implicit bit included) in units of 2^-24.
+            let significand = (abs & 0x7f_ffff) | 0x80_0000;
+            let shift = 126 - (abs >> 23);
+            let dropped = significand & ((1 << shift) - 1);
+            round(significand >> shift, dropped, 1 << (shift - 1))
+        } else {
+            0 // at most 2^-25: ties to the even 0
+        };
+        F16(sign | magnitude)
+    }
+}
+
 impl KvElement for F16 {
     #[inline(always)]
     fn to_f32(self) -> f32 {

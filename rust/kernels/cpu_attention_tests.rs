@@ -127,22 +127,6 @@ fn matches_naive_attention_with_garbage_in_unread_slots() {
     }
 }
 
-/// f32 to f16 by truncating the mantissa (a valid f16 near `x`; the tests only need
-/// the pool's f32 value to be the f16's), for `x` of f16's normal range or zero.
-fn to_f16(x: f32) -> F16 {
-    let bits = x.to_bits();
-    let sign = ((bits >> 16) & 0x8000) as u16;
-    if x == 0.0 {
-        return F16(sign);
-    }
-    let exponent = ((bits >> 23) & 0xff) as i32 - 112;
-    assert!(
-        (1..31).contains(&exponent),
-        "{x} is outside f16's normal range"
-    );
-    F16(sign | ((exponent as u16) << 10) | ((bits >> 13) & 0x3ff) as u16)
-}
-
 fn to_bf16(x: f32) -> Bf16 {
     Bf16((x.to_bits() >> 16) as u16)
 }
@@ -207,7 +191,7 @@ fn bf16_pool_reads_as_its_f32_value() {
 
 #[test]
 fn f16_pool_reads_as_its_f32_value() {
-    narrow_pool_reads_as_its_f32_value(to_f16, 5);
+    narrow_pool_reads_as_its_f32_value(F16::from_f32, 5);
 }
 
 #[test]
@@ -238,6 +222,46 @@ fn f16_widens_exactly() {
             assert_eq!(software.to_bits(), hardware.to_bits(), "{bits:#06x}");
         }
     }
+}
+
+#[test]
+fn f16_narrows_to_nearest_even_as_f16c_does() {
+    let known = [
+        (1.0, 0x3c00),
+        (65504.0, 0x7bff),
+        (65519.0, 0x7bff),
+        (65520.0, 0x7c00),
+        (-1e9, 0xfc00),
+        (5.960_464_5e-8, 0x0001),
+        (2.980_232_2e-8, 0x0000),     // 2^-25: a tie, to the even 0
+        (1.0 + 1.0 / 2048.0, 0x3c00), // a tie between 1 and its successor: even
+        (1.0 + 3.0 / 2048.0, 0x3c02),
+        (-0.0, 0x8000),
+    ];
+    for (x, want) in known {
+        assert_eq!(F16::from_f32(x).0, want, "{x}");
+    }
+    assert!(F16::from_f32(f32::NAN).to_f32().is_nan());
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("f16c") {
+        let mut rng = TestRng::new(17);
+        // Every tie between two normal f16s, then between two subnormal ones.
+        let normal_ties = (0x0400..0x7c00u32).map(|h| ((h + (112 << 10)) << 13) + 0x1000);
+        let subnormal_ties = (0..0x400u32).map(|m| ((2 * m + 1) as f32 * 2f32.powi(-25)).to_bits());
+        let random = (0..1 << 20).map(|_| rng.next_u64() as u32);
+        for bits in normal_ties.chain(subnormal_ties).chain(random) {
+            let x = f32::from_bits(bits);
+            // SAFETY: the CPU reports F16C.
+            let hardware = unsafe { f16c_narrow(x) };
+            assert_eq!(F16::from_f32(x).0, hardware, "{bits:#010x}");
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "f16c")]
+unsafe fn f16c_narrow(x: f32) -> u16 {
+    _mm_extract_epi16::<0>(_mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm_set1_ps(x))) as u16
 }
 
 #[cfg(target_arch = "x86_64")]
