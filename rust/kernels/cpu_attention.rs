@@ -515,7 +515,7 @@ fn simd_level() -> SimdLevel {
 /// The CPU has AVX2, FMA and F16C ([`group_attention`]'s instructions; every
 /// AVX2 CPU shipped has all three).
 #[cfg(target_arch = "x86_64")]
-pub(super) fn avx2_fma_f16c() -> bool {
+fn avx2_fma_f16c() -> bool {
     static ALL: OnceLock<bool> = OnceLock::new();
     *ALL.get_or_init(|| {
         std::is_x86_feature_detected!("avx2")
