@@ -287,14 +287,17 @@ def test_overlapped_host_work_gives_the_same_outputs(tiny_model_dir: Path, llm: 
 def _fail_next_dispatch(engine: LLMEngine, lose_device_state: bool = False) -> None:
     runner = engine.runner
 
-    def boom(plan: object) -> object:
-        del runner.dispatch  # back to the real method after one failure
+    def boom(plan: object, *args: object) -> object:
+        # Back to the real methods after one failure (a small decode batch runs
+        # several steps per call: dispatch_multi_step).
+        del runner.dispatch, runner.dispatch_multi_step
         if lose_device_state:  # as if the failed executable consumed its donated pools
             for leaf in jax.tree_util.tree_leaves(runner.kv_pools):
                 leaf.delete()
         raise RuntimeError("injected device fault")
 
     runner.dispatch = boom
+    runner.dispatch_multi_step = boom
 
 
 @pytest.mark.parametrize("lose_device_state", [False, True])

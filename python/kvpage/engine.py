@@ -233,6 +233,7 @@ class LLMEngine:
             kv_memory_fraction=config.gpu_memory_utilization,
             kv_cache_memory=config.kv_cache_memory,
             kv_cache_dtype=config.kv_cache_dtype,
+            num_scheduler_steps=config.num_scheduler_steps,
         )
         self.eos_token_ids = _merge_eos_ids(model_config, model_dir, tokenizer)
         self.rust_detokenization = True
@@ -479,7 +480,10 @@ class LLMEngine:
             self.scheduler.update(np.zeros(0, np.int32))
             return self._process_text()
         outputs: list[RequestOutput] = []  # the overlapped text of the last step, if any
+        lookahead = self._lookahead_steps(plan)
         try:
+            if lookahead > 1:
+                return self._run_lookahead(plan, lookahead, outputs)
             out = self._run(plan, outputs)
             events = self.scheduler.update(out.sampled_token_ids)
             outputs += self._record_events(events, out)
@@ -536,6 +540,66 @@ class LLMEngine:
         if targets is not None:
             self._record_prompt_scores(plan, scoring, out)
         return out
+
+    def _lookahead_steps(self, plan: Any) -> int:
+        """Decode steps this plan may run in one device call (multi-step scheduling,
+        :mod:`kvpage.runner.multi_step`): more than 1 only for a plain decode step of
+        few rows whose executable is compiled (else its compile is requested)."""
+        steps = self.runner.num_scheduler_steps
+        rows = int(plan.num_seqs)
+        if steps <= 1 or not plan.decode_only or rows > self.runner.multi_step_max_rows:
+            return 1
+        if self._scoring or plan.sample_new_seat.any():
+            return 1
+        if not self.runner.multi_step_ready(rows):
+            self.runner.prepare_multi_step(rows)
+            return 1
+        return int(self.scheduler.lookahead_steps(steps))
+
+    def _run_lookahead(
+        self, plan: Any, num_steps: int, outputs: list[RequestOutput]
+    ) -> list[RequestOutput]:
+        """Run ``plan`` and the next ``num_steps - 1`` decode steps in one device call,
+        then apply each step's tokens as the scheduler replays those steps
+        (``schedule_continuation``). Rows that finished meanwhile drop out; their later
+        tokens are discarded. Returns ``outputs`` with this call's outputs appended."""
+        try:
+            return self._lookahead(plan, num_steps, outputs)
+        except Exception as exc:  # fail the rows of the step being applied
+            return outputs + self._fail_step(self._lookahead_plan, exc)
+
+    def _lookahead(
+        self, plan: Any, num_steps: int, outputs: list[RequestOutput]
+    ) -> list[RequestOutput]:
+        self._lookahead_plan = plan
+        pending = self.runner.dispatch_multi_step(plan, num_steps)
+        dispatched = self.runner.last_enqueue_time
+        if self._last_result_time is not None:
+            self.timing.record_host_gap(dispatched - self._last_result_time)
+        if self.config.overlap_host_work:
+            outputs += self._process_text()
+        steps = pending.result()
+        self._last_result_time = time.perf_counter()
+        self.counters["multi_step_calls"] = self.counters.get("multi_step_calls", 0) + 1
+        for _ in range(num_steps):
+            self.timing.record_step((self._last_result_time - dispatched) / num_steps)
+        device_row = {int(seat): row for row, seat in enumerate(plan.sample_rows.tolist())}
+        out = steps[0]
+        for k in range(num_steps):
+            if k > 0:
+                if not self.scheduler.num_requests_running:
+                    break
+                plan = self._lookahead_plan = self.scheduler.schedule_continuation()
+                self._read_plan(plan)
+                if plan.num_tokens == 0:
+                    self.scheduler.update(np.zeros(0, np.int32))
+                    break
+                out = steps[k].take([device_row[int(seat)] for seat in plan.sample_rows])
+            events = self.scheduler.update(out.sampled_token_ids)
+            outputs += self._record_events(events, out)
+        if not self.config.overlap_host_work:
+            outputs += self._process_text()
+        return outputs
 
     def _record_events(self, events: tuple[np.ndarray, ...], out: Any) -> list[RequestOutput]:
         """Hand the step's sampled tokens to the output streams (text comes later,

@@ -48,6 +48,12 @@ class EngineConfig:
     """Element type of the KV pools (:func:`kvpage.runner.kv_cache.resolve_kv_cache_dtype`):
     ``"auto"`` is float16 when quantized weights run on CPU (as llama.cpp keeps its cache:
     half the bytes each decode step reads), else the weights' dtype."""
+    num_scheduler_steps: int | None = None
+    """Most decode steps one device call runs (multi-step scheduling,
+    :mod:`kvpage.runner.multi_step`): small pure-decode batches sample several tokens per
+    call, so the host's dispatch is paid once per call. None: 8 on CPU, else 1. Its
+    executables compile with the step buckets under ``warmup="full"``, after them under
+    ``"background"``; under ``"none"`` they are never compiled and every step runs alone."""
     scheduling_policy: str = "fcfs"
     attention_backend: str | None = None
     tensor_parallel_size: int = 1
@@ -86,6 +92,8 @@ class EngineConfig:
             positive("kv_cache_memory", 1 << 50)
         if self.max_num_waiting is not None:
             positive("max_num_waiting", 1 << 24)
+        if self.num_scheduler_steps is not None:
+            positive("num_scheduler_steps", 1024)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
@@ -205,6 +213,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=KV_CACHE_DTYPES,
         help="KV cache element type: auto (float16 with quantized weights on CPU, else the "
         "weights' dtype), float32, bfloat16 or float16",
+    )
+    g.add_argument(
+        "--num-scheduler-steps",
+        type=int,
+        default=None,
+        help="most decode steps one device call runs for a small decode batch (default: 8 "
+        "on CPU, 1 elsewhere; 1 turns multi-step scheduling off)",
     )
     g.add_argument(
         "--scheduling-policy",

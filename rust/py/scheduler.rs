@@ -107,6 +107,19 @@ impl Scheduler {
         StepPlan::from_core(py, plan)
     }
 
+    /// Decode steps (1..=max_steps) the plan awaiting its update may run in
+    /// one device call (multi-step scheduling; see `sched/scheduler/lookahead.rs`).
+    fn lookahead_steps(&self, max_steps: usize) -> usize {
+        self.inner.lookahead_steps(max_steps)
+    }
+
+    /// The next step of a lookahead: the running sequences' next decode
+    /// tokens, nobody admitted (call after `update` of the previous step).
+    fn schedule_continuation(&mut self, py: Python<'_>) -> PyResult<StepPlan> {
+        let plan = self.inner.schedule_continuation()?;
+        StepPlan::from_core(py, plan)
+    }
+
     /// Apply one sampled token per sampled row of the last plan. Returns
     /// (request handles u64, sample indices i32, tokens i32, finish codes u8,
     /// plan rows i32, stop-token flags bool) where the code is 0 while

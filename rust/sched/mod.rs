@@ -24,6 +24,8 @@
 //! - a live sequence's matcher has consumed exactly its generated tokens.
 
 #[cfg(test)]
+mod lookahead_tests;
+#[cfg(test)]
 mod reference_model_tests;
 pub mod request;
 pub mod scheduler;

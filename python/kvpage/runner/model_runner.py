@@ -85,6 +85,11 @@ from kvpage.runner.layered_step import (
     make_layers,
     make_select,
 )
+from kvpage.runner.multi_step import (
+    MULTI_STEP_MAX_ROWS,
+    default_scheduler_steps,
+    make_multi_step,
+)
 from kvpage.runner.prompt_logprobs import PromptScores
 from kvpage.runner.step_inputs import PackedLayout, PaddingValues
 from kvpage.runner.step_output import StepOutput
@@ -142,6 +147,9 @@ class ModelRunner:
         tensor_parallel_size: shard the model over this many devices (the first N of
             :func:`jax.devices`); must divide the query and KV head counts.
         mesh: an explicit mesh with a ``"tp"`` axis instead (overrides the size).
+        num_scheduler_steps: most decode steps one device call may run
+            (:mod:`kvpage.runner.multi_step`); 1 runs every step on its own; None:
+            :func:`default_scheduler_steps`.
     """
 
     def __init__(
@@ -169,6 +177,7 @@ class ModelRunner:
         validate_plans: bool = True,
         tensor_parallel_size: int = 1,
         mesh: Mesh | None = None,
+        num_scheduler_steps: int | None = None,
     ) -> None:
         if max_model_len <= 0 or block_size <= 0:
             raise ValueError("max_model_len and block_size must be positive")
@@ -235,6 +244,14 @@ class ModelRunner:
         self.max_token_seq_ratio = max_token_seq_ratio
         self.enable_penalties = enable_penalties
         self.validate_plans = validate_plans
+        if num_scheduler_steps is None:
+            num_scheduler_steps = default_scheduler_steps(self.device.platform, mesh, params)
+        if num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be >= 1; got {num_scheduler_steps}")
+        self.num_scheduler_steps = num_scheduler_steps
+        self.multi_step_max_rows = MULTI_STEP_MAX_ROWS
+        """Decode steps of up to this many rows may run several steps per call."""
+        self._multi_step_compilers: dict[int, BackgroundCompiler] = {}
 
         platform = self.device.platform
         self.token_buckets = normalize_buckets(
@@ -626,10 +643,13 @@ class ModelRunner:
                     bar.set_postfix(tokens=key[0], seqs=key[1])
                     self.bucket(key)
                     bar.update(1)
+                for num_seqs in self.multi_step_buckets():
+                    self._multi_step_fn(num_seqs)
                 return
             with concurrent.futures.ThreadPoolExecutor(max_workers) as pool:
                 for _ in pool.map(self.bucket, pending):
                     bar.update(1)
+                list(pool.map(self._multi_step_fn, self.multi_step_buckets()))
         finally:
             bar.close()
 
@@ -900,6 +920,99 @@ class ModelRunner:
         self._step_counter += 1
         return PendingStep(out, num_sampled, want_top, scores, num_tokens)
 
+    def _multi_step_fn(self, num_seqs: int) -> jax.stages.Compiled:
+        """The multi-step decode executable of sequence bucket ``num_seqs``
+        (:mod:`kvpage.runner.multi_step`), compiled on first use."""
+
+        def build() -> jax.stages.Compiled:
+            layout, _ = self._layout((num_seqs, num_seqs))
+            rep = self._replicated
+            pool = self._abstract(self.kv_pools[0], self._pool_sharding)
+            pool_sh = (self._pool_sharding, self._pool_sharding)
+            pools = [pool] * self.config.num_layers
+            vocab = self.config.vocab_size
+            args = (
+                self._abstract(self.params),
+                pools,
+                self._abstract(self.sampling_table),
+                jax.ShapeDtypeStruct((num_seqs, bitmask_words(vocab)), jnp.int32, sharding=rep),
+                jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=rep),
+                jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
+            )
+            table = self._shardings(self.sampling_table)
+            fn = make_multi_step(
+                self.config, layout, self.backend, self._logits_of(), self.max_logprobs,
+                self._base_key_seed, self.block_size, self.num_scheduler_steps,
+            )
+            compiled = self._jit(
+                fn, (1, 2), args,
+                (self._param_shardings, [pool_sh] * len(pools), table, rep, rep, rep),
+                (rep, [pool_sh] * len(pools), table),
+            ).compile()
+            self._count_compiles(1)
+            return compiled
+
+        return self._executables.get_or_build(("multi", num_seqs), build)
+
+    def multi_step_buckets(self) -> list[int]:
+        """The sequence buckets that get a multi-step executable."""
+        if self.num_scheduler_steps <= 1 or self.mesh is not None or self._stacked:
+            return []
+        limit = self.padded_sizes(self.multi_step_max_rows, self.multi_step_max_rows)[1]
+        return [s for s in self.seq_buckets if s <= limit]
+
+    def prepare_multi_step(self, num_rows: int) -> None:
+        """Under ``warmup="background"``, compile the multi-step executable for
+        ``num_rows`` rows on a background thread once the step buckets are built (a
+        step asks again later while they are not). Without warmup nothing compiles
+        ahead of use, so steps run one per call; ``warmup="full"`` built it already."""
+        _, s_pad = self.padded_sizes(num_rows, num_rows)
+        if s_pad not in self.multi_step_buckets() or s_pad in self._multi_step_compilers:
+            return
+        background = self._background
+        if background is None or not background.wait(0):
+            return
+        self._multi_step_compilers[s_pad] = BackgroundCompiler(
+            self, "_multi_step_fn", [s_pad]
+        )
+
+    def multi_step_ready(self, num_rows: int) -> bool:
+        """Whether a pure-decode step of ``num_rows`` rows can run several steps in one
+        call now (the executable is compiled; never compiles)."""
+        _, s_pad = self.padded_sizes(num_rows, num_rows)
+        if s_pad not in self.multi_step_buckets():
+            return False
+        return self._executables.get(("multi", s_pad)) is not None
+
+    def dispatch_multi_step(self, plan: StepPlanLike, num_steps: int) -> PendingMultiStep:
+        """Enqueue ``num_steps`` (``2 <= num_steps <= num_scheduler_steps``) decode steps
+        of ``plan`` in one device call (:mod:`kvpage.runner.multi_step`; the caller
+        checked its promises). ``result()`` returns each step's sampled rows, in
+        ``plan``'s row order."""
+        num_sampled = len(plan.logits_indices)
+        if self.validate_plans:
+            self._check_plan(plan, num_sampled)
+        if not 1 <= num_steps <= self.num_scheduler_steps:
+            raise ValueError(
+                f"num_steps must be in 1..{self.num_scheduler_steps}; got {num_steps}"
+            )
+        rows = int(plan.num_seqs)
+        if not (int(plan.num_tokens) == rows == num_sampled and len(plan.copy_src) == 0):
+            raise ValueError("a multi-step plan must be pure decode with no block copies")
+        _, s_pad = self.padded_sizes(rows, rows)
+        layout, template = self._layout((s_pad, s_pad))
+        want_top = self.max_logprobs > 0 and bool(self._slot_logprobs[plan.sample_rows].max() > 0)
+        packed_host = layout.pack(
+            plan, template, self.block_size, self._step_counter, want_top, True
+        )
+        outs, self.kv_pools, self.sampling_table = self._multi_step_fn(s_pad)(
+            self.params, self.kv_pools, self.sampling_table,
+            self._token_bitmask_input(None, s_pad), packed_host, np.int32(num_steps),
+        )
+        self.last_enqueue_time = time.perf_counter()
+        self._step_counter += num_steps
+        return PendingMultiStep(outs, num_sampled, num_steps, want_top)
+
     def _token_bitmask_input(self, bitmask: np.ndarray | None, rows: int) -> Any:
         """The step's grammar bitmask: the plan's rows padded to ``rows``, or (no
         constrained row) an allow-all mask kept on the device, so unconstrained steps
@@ -965,6 +1078,27 @@ class PendingStep:
             result.prompt_top_token_ids = top_ids[:t]
             result.prompt_top_logprobs = top_lps[:t]
         return result
+
+
+class PendingMultiStep:
+    """Dispatched multi-step decode: each step's sampled tokens, still on the device."""
+
+    __slots__ = ("_outs", "_num_sampled", "_num_steps", "_want_top")
+
+    def __init__(self, outs: Any, num_sampled: int, num_steps: int, want_top: bool) -> None:
+        self._outs = outs
+        self._num_sampled = num_sampled
+        self._num_steps = num_steps
+        self._want_top = want_top
+
+    def result(self) -> list[StepOutput]:
+        """Wait for the call and copy each step's sampled rows to the host."""
+        out, n, k = self._outs, self._num_sampled, self._num_steps
+        names = ["token_ids", "logprobs", "ranks"]
+        if self._want_top:
+            names += ["top_token_ids", "top_logprobs"]
+        arrays = jax.device_get(_local(tuple(getattr(out, name) for name in names)))
+        return [StepOutput(*(a[step, :n] for a in arrays)) for step in range(k)]
 
 
 def _local(arrays: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:

@@ -32,3 +32,15 @@ class StepOutput:
     prompt_ranks: np.ndarray | None = None  # int32 [T]
     prompt_top_token_ids: np.ndarray | None = None  # int32 [T, K]
     prompt_top_logprobs: np.ndarray | None = None  # float32 [T, K]
+
+    def take(self, rows: list[int]) -> StepOutput:
+        """The sampled-row results at ``rows`` (host indices into this step's rows)."""
+        index = np.asarray(rows, np.intp)
+
+        def pick(a: np.ndarray | None) -> np.ndarray | None:
+            return None if a is None else a[index]
+
+        return StepOutput(
+            self.sampled_token_ids[index], self.logprobs[index], self.ranks[index],
+            pick(self.top_token_ids), pick(self.top_logprobs),
+        )

@@ -58,6 +58,7 @@ mod admission;
 mod budget;
 mod grammar;
 mod invariants;
+mod lookahead;
 mod plan;
 mod preemption;
 mod requests;
