@@ -3,10 +3,12 @@
 Two measurements on the same model and shapes (``--rows`` sequences decoding with
 ``--context`` tokens of KV each):
 
-1. The engine (every setting at its default): ``rows`` requests are prefilled, then
-   ``--steps`` decode steps are timed; the engine's own clock splits each step into
-   device time (dispatch to sampled tokens) and the host gap (scheduling, input
-   packing, detokenization and output assembly while the device idles).
+1. The engine (every setting at its default, one step per device call): ``rows``
+   requests are prefilled, then ``--steps`` decode steps are timed; the engine's own
+   clock splits each step into device time (dispatch to sampled tokens) and the host
+   gap (scheduling, input packing, detokenization and output assembly while the device
+   idles). Where multi-step decode applies (``num_scheduler_steps``, small batches on
+   CPU), the same decode is timed again with several steps per call, per token.
 2. Component executables at the step's padded shapes, each compiled on its own and timed
    by the median of ``--repeats`` runs: where a pure-decode step runs each layer as one
    host call (``kvpage/model/host_decode_layer.py``), those calls; then, as the traced
@@ -48,13 +50,14 @@ def _median_ms(fn: Callable[[], Any], repeats: int) -> float:
 
 
 def engine_decode_step(llm: Any, rows: int, context: int, steps: int) -> dict[str, float]:
-    """Prefill ``rows`` requests of ``context`` tokens, then time ``steps`` decode steps."""
+    """Prefill ``rows`` requests of ``context`` tokens, then time ``steps`` decode steps
+    (per token: with multi-step decode one ``engine.step()`` runs several)."""
     from kvpage.engine import StepTiming
     from kvpage.sampling.params import SamplingParams
 
     engine = llm.engine
     rng = np.random.default_rng(0)
-    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=steps + 32, temperature=0.0, ignore_eos=True)
     ids = []
     for i in range(rows):
         prompt = rng.integers(1000, 30000, size=context).tolist()
@@ -73,10 +76,12 @@ def engine_decode_step(llm: Any, rows: int, context: int, steps: int) -> dict[st
     for _ in range(2):  # the decode bucket is compiled and the pipeline full
         engine.step()
     engine.timing = StepTiming()
+    generated = engine.counters["generation_tokens"]
     start = time.perf_counter()
-    for _ in range(steps):
+    while engine.counters["generation_tokens"] - generated < steps * rows:
         engine.step()
     wall = time.perf_counter() - start
+    steps = (engine.counters["generation_tokens"] - generated) // rows
     timing = engine.timing.as_dict()
     engine.abort_request(ids)
     while engine.has_unfinished_requests():
@@ -234,10 +239,18 @@ def add_parser(sub: Any) -> None:
 def main(args: argparse.Namespace) -> int:
     from kvpage import LLM
     from kvpage.model.real_models import model_or_smollm2
+    from kvpage.runner.multi_step import default_scheduler_steps
 
     model = model_or_smollm2(args.model)
-    llm = LLM(model, quantization=args.quantization)
+    llm = LLM(model, quantization=args.quantization, num_scheduler_steps=1)
     engine = engine_decode_step(llm, args.rows, args.context, args.steps)
+    multi = None
+    llm.engine.runner.num_scheduler_steps = steps_per_call = default_scheduler_steps(
+        llm.engine.runner.device.platform, llm.engine.runner.mesh, llm.engine.runner.params
+    )
+    if llm.engine.runner.compile_multi_step(args.rows):
+        multi = engine_decode_step(llm, args.rows, args.context, args.steps)
+    llm.engine.runner.num_scheduler_steps = 1
     parts = component_times(llm, args.rows, args.context, args.repeats)
     in_step = {k: v for k, v in parts.items() if "not in this step" not in k}
     total = sum(in_step.values()) + engine["host_gap_ms_per_step"]
@@ -251,7 +264,12 @@ def main(args: argparse.Namespace) -> int:
               f"{engine['wall_ms_per_step']:.1f} ms/step wall, "
               f"{engine['device_ms_per_step']:.1f} ms device",
     ))
+    if multi is not None:
+        print(f"multi-step decode ({steps_per_call} steps per call): "
+              f"{multi['wall_ms_per_step']:.1f} ms a token wall, against "
+              f"{engine['wall_ms_per_step']:.1f} ms one step per call")
     if args.json:
         write_json(args.json, {"model": model, "rows": args.rows, "context": args.context,
-                               "engine": engine, "components_ms": parts})
+                               "engine": engine, "engine_multi_step": multi,
+                               "components_ms": parts})
     return 0

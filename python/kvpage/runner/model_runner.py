@@ -976,6 +976,15 @@ class ModelRunner:
             self, "_multi_step_fn", [s_pad]
         )
 
+    def compile_multi_step(self, num_rows: int) -> bool:
+        """Compile the multi-step executable for ``num_rows`` rows now; False when that
+        row count runs one step per call."""
+        _, s_pad = self.padded_sizes(num_rows, num_rows)
+        if s_pad not in self.multi_step_buckets():
+            return False
+        self._multi_step_fn(s_pad)
+        return True
+
     def multi_step_ready(self, num_rows: int) -> bool:
         """Whether a pure-decode step of ``num_rows`` rows can run several steps in one
         call now (the executable is compiled; never compiles)."""
