@@ -539,6 +539,9 @@ def test_slow_tokenization_does_not_stall_other_streams(served: InProcessServer)
     # Every step bucket compiled first: a compile in the middle of the stream (CPU
     # buckets start at one row) would be a gap that has nothing to do with tokenization.
     served.call(lambda engine: engine.runner.warmup(progress=False))
+    # One token per step, so the stream lasts past the slow request (several decode
+    # steps per call would finish the tiny model's 110 tokens in a few bursts).
+    served.call(lambda engine: setattr(engine.runner, "num_scheduler_steps", 1))
     served.call(arm)
     try:
 

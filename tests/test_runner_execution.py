@@ -67,11 +67,13 @@ def runner(config: ModelConfig, params: Any) -> ModelRunner:
 def test_warmup_compiles_every_bucket_once(runner: ModelRunner) -> None:
     assert runner.compiled_buckets == sorted(runner.warmup_buckets())
     # per bucket embed, layer-group and logits pieces; a sampler per sequence bucket; the
-    # slot writer and the stand-alone block copier (kvpage.runner.layered_step)
+    # slot writer and the stand-alone block copier (kvpage.runner.layered_step); a
+    # multi-step decode executable per small sequence bucket (kvpage.runner.multi_step)
     buckets = runner.warmup_buckets()
     samplers = {seqs for _, seqs, _ in buckets}
     pieces = 2 + len({n for _, n in layer_groups(runner.config.num_layers)})
-    assert runner.num_compilations == pieces * len(buckets) + len(samplers) + 2
+    multi = len(runner.multi_step_buckets())
+    assert runner.num_compilations == pieces * len(buckets) + len(samplers) + 2 + multi
 
 
 def test_padding_does_not_change_outputs(

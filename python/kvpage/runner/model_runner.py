@@ -911,18 +911,17 @@ class ModelRunner:
                 head, rows, info, self.sampling_table, self._token_bitmask_input(masks, s_pad)
             )
         except Exception as exc:
-            if any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(self.params)):
-                raise RuntimeError(
-                    "the runner's params were deleted (donated to a training step?): pass "
-                    "the new params to update_params before generating again"
-                ) from exc
+            self._raise_if_params_deleted(exc)
             raise
         self._step_counter += 1
         return PendingStep(out, num_sampled, want_top, scores, num_tokens)
 
     def _multi_step_fn(self, num_seqs: int) -> jax.stages.Compiled:
-        """The multi-step decode executable of sequence bucket ``num_seqs``
-        (:mod:`kvpage.runner.multi_step`), compiled on first use."""
+        """The multi-step decode executable of sequence bucket ``num_seqs`` for up to
+        ``num_scheduler_steps`` steps (:mod:`kvpage.runner.multi_step`), compiled on
+        first use."""
+
+        max_steps = self.num_scheduler_steps
 
         def build() -> jax.stages.Compiled:
             layout, _ = self._layout((num_seqs, num_seqs))
@@ -942,7 +941,7 @@ class ModelRunner:
             table = self._shardings(self.sampling_table)
             fn = make_multi_step(
                 self.config, layout, self.backend, self._logits_of(), self.max_logprobs,
-                self._base_key_seed, self.block_size, self.num_scheduler_steps,
+                self._base_key_seed, self.block_size, max_steps,
             )
             compiled = self._jit(
                 fn, (1, 2), args,
@@ -952,13 +951,14 @@ class ModelRunner:
             self._count_compiles(1)
             return compiled
 
-        return self._executables.get_or_build(("multi", num_seqs), build)
+        return self._executables.get_or_build(("multi", num_seqs, max_steps), build)
 
     def multi_step_buckets(self) -> list[int]:
         """The sequence buckets that get a multi-step executable."""
         if self.num_scheduler_steps <= 1 or self.mesh is not None or self._stacked:
             return []
-        limit = self.padded_sizes(self.multi_step_max_rows, self.multi_step_max_rows)[1]
+        rows = min(self.multi_step_max_rows, self.seq_buckets[-1])
+        limit = self.padded_sizes(rows, rows)[1]
         return [s for s in self.seq_buckets if s <= limit]
 
     def prepare_multi_step(self, num_rows: int) -> None:
@@ -991,7 +991,7 @@ class ModelRunner:
         _, s_pad = self.padded_sizes(num_rows, num_rows)
         if s_pad not in self.multi_step_buckets():
             return False
-        return self._executables.get(("multi", s_pad)) is not None
+        return self._executables.get(("multi", s_pad, self.num_scheduler_steps)) is not None
 
     def dispatch_multi_step(self, plan: StepPlanLike, num_steps: int) -> PendingMultiStep:
         """Enqueue ``num_steps`` (``2 <= num_steps <= num_scheduler_steps``) decode steps
@@ -1014,13 +1014,25 @@ class ModelRunner:
         packed_host = layout.pack(
             plan, template, self.block_size, self._step_counter, want_top, True
         )
-        outs, self.kv_pools, self.sampling_table = self._multi_step_fn(s_pad)(
-            self.params, self.kv_pools, self.sampling_table,
-            self._token_bitmask_input(None, s_pad), packed_host, np.int32(num_steps),
-        )
+        try:
+            outs, self.kv_pools, self.sampling_table = self._multi_step_fn(s_pad)(
+                self.params, self.kv_pools, self.sampling_table,
+                self._token_bitmask_input(None, s_pad), packed_host, np.int32(num_steps),
+            )
+        except Exception as exc:
+            self._raise_if_params_deleted(exc)
+            raise
         self.last_enqueue_time = time.perf_counter()
         self._step_counter += num_steps
         return PendingMultiStep(outs, num_sampled, num_steps, want_top)
+
+    def _raise_if_params_deleted(self, exc: Exception) -> None:
+        """A step failed: say so plainly when it was because the params were donated."""
+        if any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(self.params)):
+            raise RuntimeError(
+                "the runner's params were deleted (donated to a training step?): pass "
+                "the new params to update_params before generating again"
+            ) from exc
 
     def _token_bitmask_input(self, bitmask: np.ndarray | None, rows: int) -> Any:
         """The step's grammar bitmask: the plan's rows padded to ``rows``, or (no
