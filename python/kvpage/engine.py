@@ -530,17 +530,25 @@ class LLMEngine:
         pending = self.runner.dispatch(plan, **extra)
         if constrained and self.runner.last_bitmask_overlapped:
             self.counters["structured_mask_hidden_steps"] += 1
+        out = self._wait(pending, outputs)
+        if targets is not None:
+            self._record_prompt_scores(plan, scoring, out)
+        return out
+
+    def _wait(self, pending: Any, outputs: list[RequestOutput], num_steps: int = 1) -> Any:
+        """The dispatched call's result; meanwhile (``overlap_host_work``) the last
+        call's text goes to ``outputs``. Times the host gap before the call and the
+        device time of each of its ``num_steps`` steps."""
         dispatched = self.runner.last_enqueue_time  # the device is busy from here
         if self._last_result_time is not None:
             self.timing.record_host_gap(dispatched - self._last_result_time)
         if self.config.overlap_host_work:
             outputs += self._process_text()
-        out = pending.result()
+        result = pending.result()
         self._last_result_time = time.perf_counter()
-        self.timing.record_step(self._last_result_time - dispatched)
-        if targets is not None:
-            self._record_prompt_scores(plan, scoring, out)
-        return out
+        for _ in range(num_steps):
+            self.timing.record_step((self._last_result_time - dispatched) / num_steps)
+        return result
 
     def _lookahead_steps(self, plan: Any) -> int:
         """Decode steps this plan may run in one device call (multi-step scheduling,
@@ -573,17 +581,8 @@ class LLMEngine:
         self, plan: Any, num_steps: int, outputs: list[RequestOutput]
     ) -> list[RequestOutput]:
         self._lookahead_plan = plan
-        pending = self.runner.dispatch_multi_step(plan, num_steps)
-        dispatched = self.runner.last_enqueue_time
-        if self._last_result_time is not None:
-            self.timing.record_host_gap(dispatched - self._last_result_time)
-        if self.config.overlap_host_work:
-            outputs += self._process_text()
-        steps = pending.result()
-        self._last_result_time = time.perf_counter()
+        steps = self._wait(self.runner.dispatch_multi_step(plan, num_steps), outputs, num_steps)
         self.counters["multi_step_calls"] = self.counters.get("multi_step_calls", 0) + 1
-        for _ in range(num_steps):
-            self.timing.record_step((self._last_result_time - dispatched) / num_steps)
         device_row = {int(seat): row for row, seat in enumerate(plan.sample_rows.tolist())}
         out = steps[0]
         for k in range(num_steps):
