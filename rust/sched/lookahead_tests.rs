@@ -7,17 +7,16 @@ use crate::sched::scheduler::{Scheduler, SchedulerConfig, TokenEvent};
 use crate::sched::step_plan::StepPlan;
 use crate::test_rng::SplitMix64;
 
-const EOS: u32 = 2;
+use super::scheduler_tests::EOS;
 
+/// `scheduler_tests`' config with fewer seats and shorter sequences, so small
+/// pools preempt.
 fn config(num_blocks: usize, block_size: usize) -> SchedulerConfig {
     SchedulerConfig {
-        num_blocks,
-        block_size,
         max_num_seqs: 6,
         max_num_batched_tokens: 32,
         max_model_len: 96,
-        eos_token_ids: vec![EOS],
-        ..SchedulerConfig::default()
+        ..super::scheduler_tests::config(num_blocks, block_size)
     }
 }
 

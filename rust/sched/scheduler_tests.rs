@@ -8,9 +8,9 @@ use crate::sched::request::{FinishReason, RequestParams};
 use crate::sched::scheduler::{Policy, Scheduler, SchedulerConfig, TokenEvent};
 use crate::test_rng::SplitMix64;
 
-const EOS: u32 = 2;
+pub(super) const EOS: u32 = 2;
 
-fn config(num_blocks: usize, block_size: usize) -> SchedulerConfig {
+pub(super) fn config(num_blocks: usize, block_size: usize) -> SchedulerConfig {
     SchedulerConfig {
         num_blocks,
         block_size,

@@ -44,6 +44,7 @@ from kvpage.model.params import Params
 from kvpage.runner.layered_step import (
     embed_weight,
     head_params,
+    is_stacked,
     make_embed,
     make_head,
     make_layers,
@@ -66,10 +67,9 @@ def default_scheduler_steps(platform: str, mesh: Any, params: Params) -> int:
     """``num_scheduler_steps`` when not given: :data:`DEFAULT_CPU_STEPS` on one CPU device
     with the per-layer parameter list, else 1 (a GPU's dispatch is asynchronous and
     cheap next to its steps; the stacked layout and meshes are not supported)."""
-    from collections.abc import Mapping
-
-    stacked = isinstance(params["layers"], Mapping)
-    return DEFAULT_CPU_STEPS if platform == "cpu" and mesh is None and not stacked else 1
+    if platform == "cpu" and mesh is None and not is_stacked(params):
+        return DEFAULT_CPU_STEPS
+    return 1
 
 
 def advance_packed(layout: PackedLayout, packed: jax.Array, sampled: jax.Array,
@@ -91,7 +91,7 @@ def advance_packed(layout: PackedLayout, packed: jax.Array, sampled: jax.Array,
     packed = packed.at[o[1] : o[1] + s].set(positions)
     packed = packed.at[o[2] : o[2] + s].set(slots)
     packed = packed.at[o[4] : o[5]].set(kv_lens)
-    counter = o[10] + 2  # step_inputs' _STEP_COUNTER scalar
+    counter = layout.step_counter_offset
     return packed.at[counter].set((packed[counter] + 1) & 0x7FFFFFFF)
 
 
@@ -132,20 +132,21 @@ def make_multi_step(
 
     def run(params: Params, pools: list[Any], table: Any, bitmask: jax.Array,
             packed: jax.Array, num_steps: jax.Array) -> tuple[Any, list[Any], Any]:
-        first, pools, table = one_step(params, pools, table, bitmask, packed)
+        # The step is traced once, in the loop body (compile time of one step).
+        shapes = jax.eval_shape(one_step, params, pools, table, bitmask, packed)[0]
         outs = jax.tree_util.tree_map(
-            lambda x: jnp.zeros((max_steps, *x.shape), x.dtype).at[0].set(x), first
+            lambda x: jnp.zeros((max_steps, *x.shape), x.dtype), shapes
         )
 
         def body(k: jax.Array, carry: Any) -> Any:
-            packed, pools, table, outs, last = carry
-            packed = advance_packed(layout, packed, last.token_ids, block_size)
+            packed, pools, table, outs = carry
             out, pools, table = one_step(params, pools, table, bitmask, packed)
             outs = jax.tree_util.tree_map(lambda o, x: o.at[k].set(x), outs, out)
-            return packed, pools, table, outs, out
+            packed = advance_packed(layout, packed, out.token_ids, block_size)
+            return packed, pools, table, outs
 
-        _, pools, table, outs, _ = jax.lax.fori_loop(
-            1, num_steps, body, (packed, pools, table, outs, first)
+        _, pools, table, outs = jax.lax.fori_loop(
+            0, num_steps, body, (packed, pools, table, outs)
         )
         return outs, pools, table
 

@@ -82,6 +82,11 @@ class PackedLayout:
         return tuple(out)
 
     @property
+    def step_counter_offset(self) -> int:
+        """Where the step counter scalar sits in the buffer."""
+        return self.offsets[10] + _STEP_COUNTER
+
+    @property
     def size(self) -> int:
         return self.offsets[-1]
 
