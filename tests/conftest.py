@@ -1,6 +1,5 @@
 """Shared fixtures: a tiny random Llama HF directory built once per session, and a
-hermetic JAX compilation cache (a session temp dir, never the user's home); and the
-order files run in."""
+hermetic JAX compilation cache (a session temp dir, never the user's home)."""
 
 from __future__ import annotations
 
@@ -10,22 +9,6 @@ from pathlib import Path
 
 import jax
 import pytest
-
-HEAVIEST_FILES = (
-    "test_tensor_parallel.py", "test_rollout.py", "test_coldstart.py", "test_engine.py",
-    "test_load_smoke.py", "test_harden_http.py", "test_lm_eval.py", "test_prompt_logprobs.py",
-    "test_structured_outputs.py", "test_bench.py", "test_bench_vs_hf.py", "test_quant.py",
-)
-"""The files that took longest (``--durations``, 2026-11-26: 35-97 s each), first."""
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Run :data:`HEAVIEST_FILES` first, each file's tests in their own order. Under
-    ``scripts/test.sh``'s two processes (``--dist loadfile`` hands out whole files in
-    this order) the light files then fill in at the end, instead of one process
-    finishing a heavy file alone while the other idles."""
-    rank = {name: i for i, name in enumerate(HEAVIEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 @pytest.fixture(scope="session", autouse=True)
