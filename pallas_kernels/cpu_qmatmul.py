@@ -6,7 +6,9 @@ where one hands over to the other (:data:`DEQUANTIZE_ROWS`):
 
 * ``kvpage_qmatmul_<kind>``: ``x [T, K] . dequant(w) [N, K]^T`` read straight from the
   stored blocks (one row: 16-bit inputs and integer multiply-adds; more rows: each
-  sub-block expanded to float once in registers and shared by the rows).
+  sub-block expanded to float once in registers and shared by the rows). Only the
+  first ``live_rows`` rows (a device scalar) are computed, the others are zeros: a
+  padded step's padding rows cost nothing.
 * ``kvpage_dequantize_<kind>``: the float weight ``[N, K]``, which XLA's GEMM then
   multiplies: for prefill-sized products, where that GEMM beats the kernel's register
   blocking. 30 chained SmolLM2 layers' matmuls (7 weights, cache-resident), Q4_1 kernel
@@ -46,13 +48,22 @@ def available(kind: str) -> bool:
 
 
 def qmatmul_call(
-    x: jax.Array, blocks: jax.Array, row_scales: jax.Array | None, kind: str
+    x: jax.Array,
+    blocks: jax.Array,
+    row_scales: jax.Array | None,
+    kind: str,
+    live_rows: jax.Array | int | None = None,
 ) -> jax.Array:
-    """float32 ``x [T, K] . dequant(w)^T`` by the core (lower for ``cpu`` only)."""
+    """float32 ``x [T, K] . dequant(w)^T`` by the core (lower for ``cpu`` only); with
+    ``live_rows`` (an int32 scalar, ``0 <= live_rows <= T``) only ``x``'s first rows are
+    multiplied and the result's other rows are zeros."""
+    rows = x.shape[0]
+    live = jnp.asarray(rows if live_rows is None else live_rows, jnp.int32).reshape(1)
     call = jax.ffi.ffi_call(
-        target(kind), jax.ShapeDtypeStruct((x.shape[0], blocks.shape[0]), jnp.float32)
+        target(kind), jax.ShapeDtypeStruct((rows, blocks.shape[0]), jnp.float32)
     )
-    return call(x.astype(jnp.float32), blocks, *(() if row_scales is None else (row_scales,)))
+    scales = () if row_scales is None else (row_scales,)
+    return call(x.astype(jnp.float32), blocks, *scales, live)
 
 
 def dequantize_call(

@@ -116,8 +116,12 @@ def test_the_host_layer_equals_the_traced_layer(
         scale = float(np.abs(want_rows).max())
         atol = (1e-4 if quantization == "auto" else 2e-5) * scale
         np.testing.assert_allclose(got_rows, want_rows, rtol=2e-4, atol=atol)
+        # Padding rows write the scratch (last) block, whose contents nobody reads: the
+        # traced layer leaves those rows out of its quantized products.
         for g, w in zip(got_pool, want_pool, strict=True):
-            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(
+                np.asarray(g)[:, :-1], np.asarray(w)[:, :-1], rtol=1e-5, atol=1e-5
+            )
 
 
 def test_the_policy_keeps_what_the_core_cannot_run_traced(gguf_path: Path) -> None:

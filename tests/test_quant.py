@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from gguf_fixtures import TOKENIZER_VOCAB, random_blocks, write_gguf
 from kvpage.model.gguf_loader import load_gguf
-from kvpage.model.linear_kernels import host_matmuls, matmul_nt
+from kvpage.model.linear_kernels import host_matmuls, live_rows, matmul_nt
 from kvpage.quant import QuantizedWeight, is_quantized
 from kvpage.quant.gguf_blocks import dequantize_blocks
 from kvpage.quant.int8 import quantize_int8
@@ -96,6 +96,48 @@ def test_cpu_kernel_matches_dequantize_then_matmul(kind: str, rows: int) -> None
     # One row goes through 8-bit inputs (llama.cpp's scheme); more rows stay float.
     tolerance = 2e-2 if rows == 1 else 1e-5
     assert np.abs(got - want).max() <= tolerance * scale
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "int8"])
+def test_the_cpu_kernel_leaves_padding_rows_out(kind: str) -> None:
+    """Rows past the live count are zeros; the live ones are the full product's (a live
+    count of 1 takes the one-row path, so it is compared with a one-row call)."""
+    inner, outs, rows = 256, 40, 8
+    rng = np.random.default_rng(5)
+    if kind == "int8":
+        weight = quantize_int8(rng.standard_normal((outs, inner)).astype(np.float32) * 0.05)
+    else:
+        blocks = jnp.asarray(stored_blocks("Q4_1", (outs, inner), 5))
+        weight = QuantizedWeight(blocks, kind, (outs, inner))
+    x = jnp.asarray(rng.standard_normal((rows, inner)).astype(np.float32))
+    run = jax.jit(
+        lambda x, live: cpu_qmatmul.qmatmul_call(x, weight.blocks, weight.row_scales, kind, live)
+    )
+    full = np.asarray(run(x, rows))
+    for live in (0, 1, 5):
+        got = np.asarray(run(x, live))
+        alone = full if live != 1 else np.asarray(run(x[:1], 1))
+        np.testing.assert_array_equal(got[:live], alone[:live])
+        assert not got[live:].any()
+    for bad in (-1, rows + 1):
+        with pytest.raises(Exception, match="live_rows"):
+            np.asarray(run(x, bad))
+
+
+def test_a_traced_step_tells_the_kernel_its_live_rows() -> None:
+    """Inside ``live_rows``, products of that many rows carry the live count; products of
+    another row count (the sampled rows' lm_head) do not."""
+    weight = QuantizedWeight(jnp.asarray(stored_blocks("Q4_1", (16, 64), 3)), "q4_1", (16, 64))
+
+    def step(x: jax.Array, live: jax.Array) -> tuple[jax.Array, jax.Array]:
+        with live_rows(x.shape[0], live):
+            return matmul_nt(x, weight), matmul_nt(x[:2], weight)
+
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((4, 64)).astype(np.float32))
+    with host_matmuls(True):
+        padded, first_two = jax.jit(step)(x, jnp.int32(3))
+    assert not np.asarray(padded)[3:].any()
+    np.testing.assert_array_equal(np.asarray(padded)[:2], np.asarray(first_two))
 
 
 def test_without_the_switch_a_quantized_weight_is_dequantized_in_the_step() -> None:

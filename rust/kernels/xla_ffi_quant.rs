@@ -3,10 +3,12 @@
 //! One C symbol per weight format, `kvpage_qmatmul_<name>` (`q8_0`, `q4_0`,
 //! `q4_1`, `q4_k`, `q6_k`, `int8`), so the format is part of the target and no
 //! attribute has to be parsed. Arguments: `x [T, K]` f32, `w [N, row_bytes]`
-//! (u8, or s8 for int8), and for int8 `row_scales [N]` f32; result `y [T, N]`
-//! f32. The inputs are prepared once on the calling thread (quantized for a
-//! single row, [`crate::kernels::quant::qmatmul`]), then tiles of weight rows
-//! run on XLA's intra-op pool.
+//! (u8, or s8 for int8), for int8 `row_scales [N]` f32, then `live_rows [1]`
+//! s32; result `y [T, N]` f32. Only the first `live_rows` rows of `x` are
+//! multiplied (the rest of a padded step's rows are padding); the result's
+//! other rows are zeros. The live inputs are prepared once on the calling
+//! thread (quantized for a single row, [`crate::kernels::quant::qmatmul`]),
+//! then tiles of weight rows run on XLA's intra-op pool.
 //!
 //! `kvpage_dequantize_<name>` takes `w` (and `row_scales`) and returns the float
 //! weights `[N, K]`, for products of many rows, which XLA's GEMM runs.
@@ -20,10 +22,27 @@ use super::cpu_matmul::OutPtr;
 use super::parallel::Parallel;
 use super::quant::formats::QuantType;
 use super::quant::qmatmul::{self, Inputs, QuantShape};
-use super::xla_ffi::{buffers, handle, CallFrame, XlaPool, DTYPE_F32, DTYPE_S8, DTYPE_U8};
+use super::xla_ffi::{
+    buffers, handle, CallFrame, View, XlaPool, DTYPE_F32, DTYPE_S32, DTYPE_S8, DTYPE_U8,
+};
+
+/// The live row count a call's last operand holds, checked against its `rows`.
+unsafe fn live_rows(view: &View, rows: usize) -> Result<usize, String> {
+    if view.dtype != DTYPE_S32 || view.len() != 1 {
+        return Err(format!(
+            "live_rows must be one int32, got dtype {} dims {:?}",
+            view.dtype, view.dims
+        ));
+    }
+    let live = *(view.data as *const i32);
+    match usize::try_from(live) {
+        Ok(live) if live <= rows => Ok(live),
+        _ => Err(format!("live_rows {live} is outside [0, {rows}]")),
+    }
+}
 
 unsafe fn run_qmatmul(frame: &CallFrame, kind: QuantType) -> Result<(), String> {
-    let want = if kind.row_scaled() { 3 } else { 2 };
+    let want = if kind.row_scaled() { 4 } else { 3 };
     let args = buffers(&frame.args, "arguments", want)?;
     let mut rets = buffers(&frame.rets, "results", 1)?;
     let (x, w) = (&args[0], &args[1]);
@@ -72,6 +91,17 @@ unsafe fn run_qmatmul(frame: &CallFrame, kind: QuantType) -> Result<(), String> 
     let w_s = std::slice::from_raw_parts(w.data as *const u8, w.len());
     let y_s = std::slice::from_raw_parts_mut(y.data as *mut f32, y.len());
     qmatmul::validate(&shape, x_s, w_s, row_scales, y_s)?;
+    let live = live_rows(&args[want - 1], shape.rows)?;
+    let (y_s, padding) = y_s.split_at_mut(live * shape.outs);
+    padding.fill(0.0);
+    if live == 0 {
+        return Ok(());
+    }
+    let shape = QuantShape {
+        rows: live,
+        ..shape
+    };
+    let x_s = &x_s[..live * shape.inner];
     let inputs = Inputs::prepare(&shape, x_s);
     let out = OutPtr::new(y_s);
     // SAFETY: validated; each tile is claimed by exactly one thread.

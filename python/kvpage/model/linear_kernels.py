@@ -12,6 +12,9 @@ the switch on, products of a few rows lowered for CPU go to kvpage's Rust kernel
 (``pallas_kernels/cpu_matmul.py``: policy and measurements); with it off, or on any other
 platform, they are XLA's ``dot_general``.
 
+A traced step may also say how many of its rows are live (:func:`live_rows`): the
+quantized host kernel then leaves the padding rows out (their results are zeros).
+
 The switch is off by default: the kernel has no derivative, so the training path
 (:mod:`kvpage.model.dense` under ``jax.grad``) never meets it. The model runner turns
 it on while it traces its step, and only without a device mesh (a custom call between
@@ -38,6 +41,9 @@ from pallas_kernels.cpu_matmul import cpu_matmul_nt
 from pallas_kernels.int8_matmul import int8_matmul_nt
 
 _HOST_MATMULS = contextvars.ContextVar("kvpage_host_matmuls", default=False)
+_LIVE_ROWS: contextvars.ContextVar[tuple[int, jax.Array] | None] = contextvars.ContextVar(
+    "kvpage_live_rows", default=None
+)
 
 
 @contextlib.contextmanager
@@ -48,6 +54,23 @@ def host_matmuls(enabled: bool = True) -> Iterator[None]:
         yield
     finally:
         _HOST_MATMULS.reset(token)
+
+
+@contextlib.contextmanager
+def live_rows(rows: int, live: jax.Array) -> Iterator[None]:
+    """Within the block, products of ``rows`` input rows may skip rows ``live`` and up
+    (an int32 device scalar): the caller promises those rows are padding, whose results
+    nobody reads. Products of another row count are not affected."""
+    token = _LIVE_ROWS.set((rows, live))
+    try:
+        yield
+    finally:
+        _LIVE_ROWS.reset(token)
+
+
+def _live_rows_of(rows: int) -> jax.Array | None:
+    scope = _LIVE_ROWS.get()
+    return scope[1] if scope is not None and scope[0] == rows else None
 
 
 def host_kernels_enabled() -> bool:
@@ -100,7 +123,9 @@ def _quantized_matmul_nt(
 
     def on_cpu() -> jax.Array:
         if rows < cpu_qmatmul.DEQUANTIZE_ROWS:
-            return cpu_qmatmul.qmatmul_call(flat, w.blocks, w.row_scales, w.kind)
+            return cpu_qmatmul.qmatmul_call(
+                flat, w.blocks, w.row_scales, w.kind, _live_rows_of(rows)
+            )
         weight = cpu_qmatmul.dequantize_call(w.blocks, w.row_scales, w.kind, w.shape[1])
         return lax.dot_general(flat.astype(jnp.float32), weight, dims,
                                preferred_element_type=jnp.float32)

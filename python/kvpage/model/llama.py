@@ -23,7 +23,12 @@ import jax.numpy as jnp
 from kvpage.model import host_decode_layer
 from kvpage.model.attention import AttentionBackend
 from kvpage.model.config import ModelConfig
-from kvpage.model.linear_kernels import embedding_rows, host_kernels_enabled, matmul_nt
+from kvpage.model.linear_kernels import (
+    embedding_rows,
+    host_kernels_enabled,
+    live_rows,
+    matmul_nt,
+)
 from kvpage.model.params import Params
 from kvpage.model.rope import apply_rope, config_inverse_frequencies, rope_cos_sin
 
@@ -133,13 +138,15 @@ def decoder_layer(
     cos, sin = rope_cos_sin(positions, config_inverse_frequencies(config))
 
     def traced() -> tuple[jax.Array, KVPool]:
-        normed = rms_norm(hidden, layer["input_layernorm"]["weight"], eps)
-        attn_out, new_pool = _attention_block(
-            config, layer["self_attn"], normed, cos, sin, pool, meta, backend, decode_only
-        )
-        residual = hidden + attn_out
-        normed = rms_norm(residual, layer["post_attention_layernorm"]["weight"], eps)
-        return residual + _mlp(layer["mlp"], normed), new_pool
+        # Tokens past cu_q_lens[num_seqs] are padding (their rows' outputs are never read).
+        with live_rows(hidden.shape[0], meta.cu_q_lens[meta.num_seqs[0]]):
+            normed = rms_norm(hidden, layer["input_layernorm"]["weight"], eps)
+            attn_out, new_pool = _attention_block(
+                config, layer["self_attn"], normed, cos, sin, pool, meta, backend, decode_only
+            )
+            residual = hidden + attn_out
+            normed = rms_norm(residual, layer["post_attention_layernorm"]["weight"], eps)
+            return residual + _mlp(layer["mlp"], normed), new_pool
 
     if decode_only and host_kernels_enabled() and host_decode_layer.applies(
         config, layer, hidden, pool, meta

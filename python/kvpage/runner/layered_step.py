@@ -43,6 +43,7 @@ import jax.numpy as jnp
 
 from kvpage.model.attention import AttentionBackend
 from kvpage.model.config import ModelConfig
+from kvpage.model.linear_kernels import live_rows
 from kvpage.model.llama import KVPool, decoder_layer, embed_tokens
 from kvpage.model.params import Params
 from kvpage.runner.kv_cache import KVPools
@@ -212,8 +213,9 @@ def make_head(
         params: Params, rows: jax.Array, info: jax.Array, table: SamplingTable,
         token_bitmask: jax.Array,
     ) -> tuple[Any, SamplingTable]:
-        logits = logits_of(params, rows).astype(jnp.float32)
         s = SampleInfo.unpack(info, num_seqs)
+        with live_rows(num_seqs, s.num_sampled):  # rows past num_sampled are padding
+            logits = logits_of(params, rows).astype(jnp.float32)
         inputs = gather_inputs(table, s.sample_rows)
         step_key = jax.random.fold_in(jax.random.key(base_seed), s.step_counter)
         out = sample(logits, inputs, step_key, num_top, s.want_top_logprobs, token_bitmask)
