@@ -19,7 +19,7 @@ from kvpage.runner import (
     decide_num_blocks,
     kv_cache_sizing,
 )
-from kvpage.runner.buckets import pick_bucket, power_of_two_buckets
+from kvpage.runner.buckets import default_buckets, pick_bucket, power_of_two_buckets
 from kvpage.runner.kv_cache import copy_blocks
 from kvpage.runner.step_inputs import PackedLayout, PaddingValues
 
@@ -126,6 +126,15 @@ def test_buckets() -> None:
     assert pick_bucket((16, 32), 17, "tokens") == 32
     with pytest.raises(ValueError, match="tokens 33"):
         pick_bucket((16, 32), 33, "tokens")
+
+
+def test_cpu_token_buckets_add_half_steps_for_long_prompts() -> None:
+    assert default_buckets("cpu", 2048, "tokens") == (
+        1, 4, 8, 16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048,
+    )  # fmt: skip
+    assert default_buckets("cpu", 1000, "tokens")[-3:] == (512, 768, 1024)
+    assert default_buckets("cpu", 256, "seqs") == (1, 4, 8, 16, 32, 64, 128, 256)
+    assert default_buckets("gpu", 2048, "tokens") == power_of_two_buckets(16, 2048)
 
 
 def test_packing_pads_with_harmless_values() -> None:
