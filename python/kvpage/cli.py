@@ -15,8 +15,6 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from kvpage.engine_config import add_engine_args, engine_config_from_args
-
 
 def _resolve_model(model: str | None) -> str:
     if model:
@@ -45,6 +43,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompts:
         print("error: give --prompt and/or --prompts-file", file=sys.stderr)
         return 2
+    from kvpage.engine_config import engine_config_from_args
+
     config = engine_config_from_args(args, _resolve_model(args.model))
     llm = LLM(**{f.name: getattr(config, f.name) for f in fields(config)})
     params = SamplingParams(
@@ -74,6 +74,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.warmup is None:
         args.warmup = "background"  # serve at once; the other buckets compile meanwhile
+    from kvpage.engine_config import engine_config_from_args
+
     config = engine_config_from_args(args, args.model)
     run_server(args.model, args.host, args.port, args.api_key, config,
                public_metrics=args.public_metrics or None,
@@ -89,6 +91,8 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvpage.engine_config import add_engine_args
+
     parser = argparse.ArgumentParser(
         prog="kvpage", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -142,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the command itself, not a caller in this process
+        from kvpage.huge_pages import reexec_with_huge_pages
+
+        reexec_with_huge_pages(sys.argv[1:])  # before JAX is imported
     from kvpage.extras import MissingExtraError
 
     args = build_parser().parse_args(argv)
