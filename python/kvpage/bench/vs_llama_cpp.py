@@ -36,7 +36,9 @@ from typing import Any
 from kvpage.bench.common import BenchRequest, format_table, synthetic_requests
 from kvpage.bench.startup import wait_health
 
-_SERVE = "import sys; from kvpage.cli import main; sys.exit(main(sys.argv[1:]))"
+_SERVE = "import sys; from kvpage.cli import main; sys.exit(main())"
+"""``kvpage serve`` as a user starts it (``main()`` reads ``sys.argv`` and may run itself
+again with the huge-page tunable, ``kvpage/huge_pages.py``), from this interpreter."""
 
 
 def _rss_mib(pid: int) -> float | None:
