@@ -20,7 +20,7 @@ from kvpage.engine_config import engine_config_from_args
 from kvpage.model.params import param_spec, tree_from_flat
 from kvpage.model.presets import preset
 from kvpage.runner.buckets import FALLBACK_MAX_RATIO, background_order, pick_fallback
-from kvpage.runner.layered_step import LAYERS_PER_CALL, layer_groups
+from kvpage.runner.layered_step import LAYERS_PER_CALL, layer_groups, layer_plan
 from kvpage.runner.model_runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -52,8 +52,8 @@ def test_compiled_step_does_not_grow_with_depth() -> None:
     for key in ((1, 1, False), (16, 4, False)):
         a, b = shallow.bucket(key), deep.bucket(key)
         assert _hlo(a.embed) == _hlo(b.embed) and _hlo(a.select) == _hlo(b.select)
-        assert a.layers.keys() == b.layers.keys() == {3}
-        assert _hlo(a.layers[3]) == _hlo(b.layers[3])
+        assert a.layers.keys() == b.layers.keys() == {0}  # one piece: three alike layers
+        assert _hlo(a.layers[0]) == _hlo(b.layers[0])
     assert shallow.num_compilations == deep.num_compilations
 
 
@@ -65,6 +65,41 @@ def test_layer_groups_cover_every_layer_once() -> None:
         assert max(n for _, n in groups) <= max(LAYERS_PER_CALL)
     assert layer_groups(30) == [(i, 3) for i in range(0, 30, 3)]
     assert layer_groups(32) == [(i, 4) for i in range(0, 32, 4)]
+
+
+def _kinds_are_consistent(signatures: list[str]) -> None:
+    """Every layer is in one call; calls of one kind hold the same layer structures (so a
+    piece is only ever called with the layers it was traced with)."""
+    plan = layer_plan(signatures)
+    covered = [i for g in plan.groups for i in range(g.start, g.start + g.count)]
+    assert covered == list(range(len(signatures)))
+    for group in plan.groups:
+        first = plan.kinds[group.kind]
+        assert (signatures[group.start:group.start + group.count]
+                == signatures[first.start:first.start + first.count])
+    assert [plan.kinds.index(k) for k in plan.kinds] == list(range(len(plan.kinds)))
+
+
+def test_layers_that_differ_share_a_piece_only_when_alike() -> None:
+    # Qwen2.5-0.5B Q4_K_M: ffn_down Q6_K (A) or Q4_K (B) with v_proj Q8_0 or Q5_0.
+    qwen = list("AABABBAAAAABBABBABBABABB")
+    plan = layer_plan(qwen)
+    assert len(plan.groups) == 24 and [k.count for k in plan.kinds] == [1, 1]
+    # Gemma-3-style local/global layers: five sliding, one full. Two-layer groups take
+    # two pieces (LL, LG) and half the calls of one layer a call.
+    gemma = list("LLLLLG" * 4 + "LL")
+    assert [(k.count) for k in layer_plan(gemma).kinds] == [2, 2]
+    assert len(layer_plan(gemma).groups) == 13
+    # A pattern repeating with the group size keeps three-layer groups.
+    assert len(layer_plan(list("AAB" * 10)).groups) == 10
+    # Alike layers: the cut of layer_groups, one piece per distinct length.
+    assert [(g.start, g.count) for g in layer_plan(["x"] * 29).groups] == layer_groups(29)
+    assert len(layer_plan(["x"] * 29).kinds) == 2
+    rng = np.random.default_rng(0)
+    for depth in (1, 2, 5, 7, 24, 30, 31):
+        for alphabet in ("A", "AB", "ABC"):
+            _kinds_are_consistent(list(rng.choice(list(alphabet), depth)))
+            _kinds_are_consistent([alphabet[i % len(alphabet)] for i in range(depth)])
 
 
 def test_background_compile_serves_at_once_with_the_same_tokens(tiny_model_dir: Path) -> None:

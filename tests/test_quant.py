@@ -186,6 +186,9 @@ QUANT = {
     "attn_output.weight": "Q4_1",
     "ffn_gate.weight": "Q4_1",
     "ffn_up.weight": "Q5_0",  # not kept: dequantized at load, as before
+    # Layers of different formats, as a K-quant mixture file (Q4_K_M) has them: ffn_down
+    # is Q4_K, Q6_K, then float; with five layers the step runs groups (0, 1, 2) and
+    # (3, 4), whose layers differ in structure (two compiled pieces, not one per length).
     "blk.0.ffn_down.weight": "Q4_K",
     "blk.1.ffn_down.weight": "Q6_K",
 }
@@ -195,7 +198,7 @@ PROMPTS = [[1, 5, 9, 200, 3, 7, 7, 7, 11, 13, 250, 17], [40, 41, 42], [99] * 20]
 @pytest.fixture(scope="module")
 def quantized_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model = build_hf_model("llama", seed=21, vocab_size=TOKENIZER_VOCAB, intermediate_size=256,
-                           tie_word_embeddings=True)
+                           tie_word_embeddings=True, num_hidden_layers=5)
     return write_gguf(tmp_path_factory.mktemp("q") / "quantized.gguf", model, "llama",
                       quant=QUANT)
 

@@ -1,14 +1,16 @@
 """One step of one bucket as a loop over one compiled group of decoder layers.
 
 This file owns how a step is cut into executables so that compile time does not grow
-with the model's depth. Every decoder layer of a Llama-family model has the same shapes,
-so the runner compiles a group of G layers (:data:`LAYERS_PER_CALL`) once per bucket and
-calls it once per group, each call donating those layers' KV pools (updated in place).
+with the model's depth. Every decoder layer of a dense Llama-family checkpoint has the
+same shapes, so the runner compiles a group of G layers (:data:`LAYERS_PER_CALL`) once per
+bucket and calls it once per group, each call donating those layers' KV pools (updated in
+place). Layers that differ in structure (a K-quant mixture file's formats) get one piece
+per distinct group kind (:func:`layer_plan`).
 For a bucket -- ``T`` padded tokens, ``S`` padded sequences, the pure-decode variant or
 not -- the pieces are::
 
     embed   (embed weight, packed)                    -> hidden [T, h]
-    layers  (G layers' params and pools, hidden, packed) -> (hidden, pools)  once per G layers
+    layers  (G layers' params and pools, hidden, packed) -> (hidden, pools)  once per group
     select  (hidden, packed)                          -> (rows [S, h], info)
     head    (head params, rows, info, table, bitmask) -> (sampled, table)   keyed by S
 
@@ -27,6 +29,9 @@ Invariants:
   all-layers-in-one trace is exact: same ops, same order).
 * ``layers`` never sees more than ``max(LAYERS_PER_CALL)`` layers' weights and KV pools:
   its HLO, and so its compile time, is independent of ``num_layers``.
+* A layer piece is only called with layers whose structure it was traced with: the
+  groups of a step (:func:`layer_plan`) share a piece only when their layers'
+  :func:`layer_signature` tuples are equal.
 * A stacked parameter layout (leaves with a leading ``num_layers`` axis, as scan-based
   training code keeps them) runs the same group with a device scalar index of its first
   layer, reading the layers' slices inside the executable: no copy of the tree is made on
@@ -35,7 +40,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -58,7 +63,7 @@ class StepBucket(NamedTuple):
 
     embed: Any
     layers: dict[int, Any]
-    """Layer-group size -> the compiled piece running that many layers."""
+    """Group kind (:class:`LayerPlan`) -> the compiled piece running that kind's layers."""
     select: Any
 
 
@@ -116,11 +121,87 @@ ten 3-layer calls 17.1 ms), so three layers a call recover it while compile time
 independent of depth (a 3-layer piece compiles in ~1.2 s, a 30-layer step took 4.5 s)."""
 
 
+class LayerGroup(NamedTuple):
+    """One layer call of a step: layers ``start .. start + count`` run by the compiled
+    piece of group kind ``kind`` (an index into :attr:`LayerPlan.kinds`)."""
+
+    start: int
+    count: int
+    kind: int
+
+
+class LayerPlan(NamedTuple):
+    """How a step's decoder layers are cut into calls, and which calls share a piece.
+
+    Layers may differ in structure: a GGUF "K-quant mixture" file (Q4_K_M, Q5_K_M) stores
+    ``ffn_down`` as Q6_K in some layers and Q4_K in others, and ``v_proj`` in different
+    formats too; [models] brings sliding/full and dense/MoE layers. A compiled piece is
+    only valid for the layer structures it was traced with, so each group carries the
+    tuple of its layers' :func:`layer_signature` and groups with equal tuples share one
+    piece (``kinds[k]`` is the first group of kind ``k``, the one the piece is traced
+    from)."""
+
+    groups: list[LayerGroup]
+    kinds: list[LayerGroup]
+
+
+def layer_signature(layer: Any) -> Hashable:
+    """What a compiled layer piece depends on: the layer's pytree structure (which names
+    each weight's quantized format) and every leaf's shape and dtype."""
+    leaves, treedef = jax.tree_util.tree_flatten(layer)
+    return treedef, tuple((tuple(leaf.shape), str(leaf.dtype)) for leaf in leaves)
+
+
+def _cut(signatures: Sequence[Hashable], size: int) -> LayerPlan:
+    n = len(signatures)
+    kind_of: dict[tuple[Hashable, ...], int] = {}
+    groups, kinds = [], []
+    for start in range(0, n, size):
+        count = min(size, n - start)
+        key = tuple(signatures[start:start + count])
+        kind = kind_of.setdefault(key, len(kind_of))
+        group = LayerGroup(start, count, kind)
+        if kind == len(kinds):
+            kinds.append(group)
+        groups.append(group)
+    return LayerPlan(groups, kinds)
+
+
+def _compiled_layers(plan: LayerPlan) -> int:
+    """Layers traced per bucket: the compile cost of a plan."""
+    return sum(group.count for group in plan.kinds)
+
+
+def layer_plan(signatures: Sequence[Hashable]) -> LayerPlan:
+    """The layer calls of a step, given each layer's :func:`layer_signature`.
+
+    Alike layers (every dense checkpoint) are cut as before: groups of the first size of
+    :data:`LAYERS_PER_CALL` that divides the depth, one piece per distinct group length.
+    When layers differ, a size is kept only if the pieces it needs trace no more layers
+    per bucket than alike layers would (``max(LAYERS_PER_CALL)``, or the default cut's
+    own cost when its last group is shorter): sizes are tried in the order of
+    :data:`LAYERS_PER_CALL`, then one layer a call, which needs one piece per distinct
+    layer structure and always qualifies. Qwen2.5-0.5B Q4_K_M (two layer structures in
+    an irregular pattern) runs 24 one-layer calls from two pieces, where three-layer
+    groups would need four pieces (12 layers traced per bucket)."""
+    n = len(signatures)
+    if n == 0:
+        return LayerPlan([], [])
+    default = next((g for g in LAYERS_PER_CALL if n % g == 0), LAYERS_PER_CALL[0])
+    default = max(1, min(default, n))
+    alike = _cut([None] * n, default)
+    budget = max(_compiled_layers(alike), max(LAYERS_PER_CALL))
+    dividing = [g for g in LAYERS_PER_CALL if n % g == 0 and g != default]
+    for size in [default, *dividing]:
+        plan = _cut(signatures, min(size, n))
+        if _compiled_layers(plan) <= budget:
+            return plan
+    return _cut(signatures, 1)
+
+
 def layer_groups(num_layers: int) -> list[tuple[int, int]]:
-    """``(first layer, number of layers)`` of each layer call of a step, in order."""
-    size = next((g for g in LAYERS_PER_CALL if num_layers % g == 0), LAYERS_PER_CALL[0])
-    size = max(1, min(size, num_layers))
-    return [(start, min(size, num_layers - start)) for start in range(0, num_layers, size)]
+    """``(first layer, number of layers)`` of each layer call of a step of alike layers."""
+    return [(g.start, g.count) for g in layer_plan([None] * num_layers).groups]
 
 
 def make_layers(

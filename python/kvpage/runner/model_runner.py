@@ -79,7 +79,8 @@ from kvpage.runner.layered_step import (
     embed_weight,
     head_params,
     is_stacked,
-    layer_groups,
+    layer_plan,
+    layer_signature,
     make_embed,
     make_head,
     make_layers,
@@ -292,9 +293,13 @@ class ModelRunner:
         self._count_lock = threading.Lock()
         self._num_compilations = 0
         self._stacked = is_stacked(self.params)
-        self._layer_groups = layer_groups(config.num_layers)
+        self._layer_plan = layer_plan(
+            [None] * config.num_layers if self._stacked
+            else [layer_signature(layer) for layer in self.params["layers"]]
+        )
         self._host_decode_rows = (
-            host_decode_layer.max_rows(config, self.params["layers"][0], kv_dtype)
+            min(host_decode_layer.max_rows(config, layer, kv_dtype)
+                for layer in self.params["layers"])
             if mesh is None and platform == "cpu" and not self._stacked
             else 0
         )
@@ -473,7 +478,7 @@ class ModelRunner:
             (embed_weight(shardings), rep), rep,
         ).compile()
         layers = {}
-        for count in sorted({count for _, count in self._layer_groups}):
+        for kind, (start, count, _) in enumerate(self._layer_plan.kinds):
             fn = make_layers(
                 self.config, layout, self.backend, decode_only, self._copy_blocks, count,
                 self._stacked,
@@ -482,15 +487,15 @@ class ModelRunner:
             pools_sh = [pool_sh] * count
             if self._stacked:
                 index = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
-                layers[count] = self._jit(
+                layers[kind] = self._jit(
                     fn, (2,), (params["layers"], index, pools, hidden, packed),
                     (shardings["layers"], rep, pools_sh, rep, rep), (rep, pools_sh),
                 ).compile()
             else:
-                group = params["layers"][:count]
-                layers[count] = self._jit(
-                    fn, (1,), (group, pools, hidden, packed),
-                    (shardings["layers"][:count], pools_sh, rep, rep), (rep, pools_sh),
+                end = start + count
+                layers[kind] = self._jit(
+                    fn, (1,), (params["layers"][start:end], pools, hidden, packed),
+                    (shardings["layers"][start:end], pools_sh, rep, rep), (rep, pools_sh),
                 ).compile()
         select = self._compile_select(layout, score_prompts=False)
         self._count_compiles(2 + len(layers))
@@ -883,15 +888,15 @@ class ModelRunner:
             params = self.params
             hidden = bucket.embed(embed_weight(params), packed)
             pools = self.kv_pools
-            for start, count in self._layer_groups:
+            for start, count, kind in self._layer_plan.groups:
                 end = start + count
                 if self._stacked:
-                    hidden, pools[start:end] = bucket.layers[count](
+                    hidden, pools[start:end] = bucket.layers[kind](
                         params["layers"], self._layer_indices[start], pools[start:end], hidden,
                         packed,
                     )
                 else:
-                    hidden, pools[start:end] = bucket.layers[count](
+                    hidden, pools[start:end] = bucket.layers[kind](
                         params["layers"][start:end], pools[start:end], hidden, packed
                     )
             head = head_params(self.config, params)
