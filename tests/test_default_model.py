@@ -48,3 +48,24 @@ def test_generate_without_a_model_dir_prints_english(capsys: pytest.CaptureFixtu
     words = re.findall(r"[A-Za-z]+", text)
     assert len(words) >= 5, printed
     assert sum(w.lower() in COMMON for w in words) >= 2, printed
+
+
+def test_generate_exits_nonzero_when_the_engine_fails_a_sample(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step that raises (the engine's fault, not the request's) fails the sample with
+    an error, logged with its traceback; ``kvpage generate`` must not exit 0 then."""
+    from kvpage.cli import main
+    from kvpage.runner.model_runner import ModelRunner
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("injected step failure")
+
+    monkeypatch.setattr(ModelRunner, "dispatch", broken)
+    monkeypatch.setattr(ModelRunner, "dispatch_multi_step", broken)
+    rc = main(["generate", "--prompt", "Once upon a time", "--max-tokens", "4",
+               "--max-num-seqs", "4"])
+    captured = capsys.readouterr()
+    assert rc == 1
+    assert "(0 tokens, error)" in captured.out
+    assert "injected step failure" in captured.err

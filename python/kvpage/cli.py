@@ -56,6 +56,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.sample_seed,
     )
     outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
+    failed = 0
     for out in outputs:
         for completion in out.outputs:
             print(
@@ -63,7 +64,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 f"({len(completion.token_ids)} tokens, {completion.finish_reason})"
             )
             print(out.prompt + completion.text)
-    return 0
+            failed += completion.finish_reason == "error"
+        if out.error is not None:
+            print(f"error: prompt {out.prompt!r}: {out.error}", file=sys.stderr)
+    # A sample the engine failed is not a result: a script must be able to tell.
+    return 1 if failed else 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

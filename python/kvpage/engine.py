@@ -680,7 +680,8 @@ class LLMEngine:
         for this step were never written). If the device KV pools were lost,
         every running request is failed and the pools are rebuilt."""
         message = f"the engine failed this request: {type(exc).__name__}: {exc}"
-        logger.error("step failed: %s", message)
+        # Not the request's fault (requests are validated on entry): a bug, logged whole.
+        logger.error("step failed: %s", message, exc_info=exc)
         handles = set(plan.row_request.tolist()) | set(plan.sample_request.tolist())
         if self.runner.recover_device_state():  # every KV on the device is gone
             handles |= {
