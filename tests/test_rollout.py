@@ -148,6 +148,23 @@ def test_score_matches_teacher_forcing_and_shares_prompts(
     llm.engine.check_invariants()
 
 
+def test_a_rollout_that_stopped_at_max_model_len_can_be_scored(
+    model: tuple[ModelConfig, Any], llm: LLM
+) -> None:
+    """``rollout`` stops at max_model_len (finish "length"); scoring that sample needs no
+    room to generate, so ``score`` accepts prompt + completion = max_model_len tokens."""
+    config, params = model
+    prompt = PROMPTS[2]
+    batch = llm.rollout([{"prompt_token_ids": prompt}],
+                        SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=None))
+    n = int(batch.lengths[0])
+    assert len(prompt) + n == ENGINE_ARGS["max_model_len"]
+    completion = batch.token_ids[0, :n]
+    got = llm.score([prompt], [completion.tolist()])[0]
+    assert np.abs(got - teacher_forced(config, params, prompt, completion)).max() <= 1e-4
+    llm.engine.check_invariants()
+
+
 def test_scoring_reuses_the_prompt_but_computes_the_completion(llm: LLM) -> None:
     prompt, completion = PROMPTS[2], [7, 8, 9, 10, 11, 12, 13, 14, 15]
     first = llm.score([prompt], [completion])[0]

@@ -173,7 +173,6 @@ def test_stop_conditions_and_finish_codes() -> None:
     [
         (dict(prompt_token_ids=[]), "empty"),
         (dict(prompt_token_ids=list(range(129))), "129 tokens"),
-        (dict(prompt_token_ids=list(range(128))), "no room to generate"),
         (dict(prompt_token_ids=list(range(120)), min_tokens=9, max_tokens=None),
          "min_tokens=9 cannot be reached: only 8 tokens fit"),
         (dict(prompt_token_ids=[1], n=0), "n must"),

@@ -575,6 +575,28 @@ fn stop_conditions_eos_min_tokens_stop_ids_and_max_model_len() {
 }
 
 #[test]
+fn a_prompt_of_max_model_len_tokens_gets_one_token_and_needs_no_more_kv() {
+    // Scoring a rollout that stopped at max_model_len (LLM.score: prompt + completion,
+    // max_tokens = 1) must be accepted: the sampled token's KV is never written.
+    let mut sched = Scheduler::new(SchedulerConfig {
+        max_model_len: 16,
+        max_num_batched_tokens: 16,
+        ..config(4, 4)
+    })
+    .unwrap();
+    let full = sched
+        .add_request(&prompt(16, 0), params(u32::MAX), 0, None)
+        .unwrap();
+    let scored = sched.add_request(&prompt(16, 5), params(1), 0, None).unwrap();
+    let out = run(&mut sched, |_, _| 5);
+    for handle in [full, scored] {
+        assert_eq!(out.tokens[&(handle, 0)], vec![5]);
+        assert_eq!(out.finish[&(handle, 0)], FinishReason::Length);
+    }
+    assert_all_blocks_back(&sched);
+}
+
+#[test]
 fn bad_requests_are_rejected_with_the_offending_value() {
     let mut sched = Scheduler::new(SchedulerConfig {
         max_model_len: 64,
@@ -590,8 +612,8 @@ fn bad_requests_are_rejected_with_the_offending_value() {
     );
     assert!(err(sched.add_request(&prompt(3, 0), params(0), 0, None)).contains("max_tokens"));
     assert!(
-        err(sched.add_request(&prompt(64, 0), params(1), 0, None)).contains("no room to generate"),
-        "a prompt of max_model_len tokens leaves no room"
+        err(sched.add_request(&prompt(65, 0), params(1), 0, None)).contains("max_model_len is 64"),
+        "a prompt past max_model_len is refused"
     );
     let unreachable = RequestParams {
         min_tokens: 10,

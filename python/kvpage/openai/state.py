@@ -112,7 +112,7 @@ class ServerState:
         limit = self.engine.max_model_len
         if prompt_len == 0:
             raise bad_request("the prompt is empty", param=param)
-        if prompt_len >= limit:
+        if prompt_len > limit:
             raise bad_request(
                 f"the prompt has {prompt_len} tokens but this model's maximum context length "
                 f"(max_model_len) is {limit} tokens, prompt and output together",

@@ -8,11 +8,12 @@ use crate::sched::request::{FinishReason, Request, RequestParams, SeqState, Sequ
 
 impl Scheduler {
     /// Queue a request; returns its handle. Rejects, with a message naming
-    /// the value, prompts that are empty or leave no room to generate within
-    /// `max_model_len`, requests that could not fit in the whole KV pool, and
-    /// stop conditions that cannot be met. `max_tokens` is clamped to the
-    /// room the prompt leaves (`u32::MAX` = until `max_model_len`): this is
-    /// the one place these limits are checked.
+    /// the value, prompts that are empty or longer than `max_model_len`,
+    /// requests that could not fit in the whole KV pool, and stop conditions
+    /// that cannot be met. `max_tokens` is clamped to the room the prompt
+    /// leaves (`u32::MAX` = until `max_model_len`; a prompt of exactly
+    /// `max_model_len` tokens gets one): this is the one place these limits
+    /// are checked.
     pub fn add_request(
         &mut self,
         prompt: &[u32],
@@ -95,9 +96,9 @@ impl Scheduler {
         if prompt.is_empty() {
             return invalid("the prompt is empty: at least 1 token is required".into());
         }
-        if prompt.len() >= c.max_model_len {
+        if prompt.len() > c.max_model_len {
             return invalid(format!(
-                "the prompt has {} tokens; max_model_len is {}, which leaves no room to generate",
+                "the prompt has {} tokens; max_model_len is {}",
                 prompt.len(),
                 c.max_model_len
             ));
@@ -117,7 +118,10 @@ impl Scheduler {
                 params.min_tokens, params.max_tokens
             ));
         }
-        let room = u32::try_from(c.max_model_len - prompt.len()).unwrap_or(u32::MAX);
+        // A prompt of max_model_len tokens still gets its one sampled token (vLLM's rule):
+        // that token's KV is never written, so only the prompt needs the table's room.
+        // Scoring (a teacher-forced prompt with max_tokens = 1) thus needs no room at all.
+        let room = u32::try_from((c.max_model_len - prompt.len()).max(1)).unwrap_or(u32::MAX);
         params.max_tokens = params.max_tokens.min(room);
         if params.min_tokens > params.max_tokens {
             return invalid(format!(
