@@ -121,6 +121,39 @@ def test_allocate_and_copy_blocks() -> None:
     np.testing.assert_array_equal(np.asarray(copied[0][1]), -1.0)
 
 
+def _resident_mib() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096 / 2**20
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_a_cpu_pool_holds_no_memory_until_written_and_reads_zero(dtype: str) -> None:
+    """``kvpage_zeros`` pools: 1 GiB is ready without being written (resident memory
+    grows by far less than the pool), reads zero (also after pools full of ones were
+    freed: recycled memory is zeroed too, rust/kernels/lazy_zeros.rs tests it byte by
+    byte), and is updated in place by a donating step."""
+    from kvpage.runner.kv_cache import _lazy_zeros
+
+    if _lazy_zeros((1,), jnp.float32, None) is None:
+        pytest.skip("no kvpage_zeros here (not a CPU device)")
+    config = preset("tiny-llama")
+    spec = KVCacheSpec.for_model(config, block_size=16, num_blocks=2**30 // (
+        KVCacheSpec.for_model(config, block_size=16, num_blocks=1, dtype=dtype).bytes_per_block
+    ), dtype=dtype)
+    for _ in range(2):
+        before = _resident_mib()
+        pools = allocate_kv_cache(spec)
+        assert _resident_mib() - before < 64, "the pool was written at allocation"
+        k = pools[-1][0]
+        assert not np.asarray(k[:, -4:]).any() and not np.asarray(k[:, :4]).any()
+        pointer = k.unsafe_buffer_pointer()
+        k = jax.jit(lambda pool: pool.at[:, 1].set(1.0), donate_argnums=0)(k)
+        assert k.unsafe_buffer_pointer() == pointer
+        assert np.asarray(k[:, 1]).all() and not np.asarray(k[:, 2]).any()
+        pools = [(jnp.ones_like(a), jnp.ones_like(b)) for a, b in pools]  # write all
+        del pools, k
+
+
 def test_buckets() -> None:
     assert power_of_two_buckets(16, 100) == (16, 32, 64, 128)
     assert pick_bucket((16, 32), 17, "tokens") == 32

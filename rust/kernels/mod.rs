@@ -8,6 +8,8 @@
 //! - [`decoder_layer`]: a whole Llama-family decoder layer of a decode step
 //!   (norms, products, RoPE, K/V write, attention, MLP) in one call, so XLA:CPU
 //!   runs one op per layer instead of ~30.
+//! - [`lazy_zeros`]: zero-filling the KV pools without writing their pages,
+//!   so a pool costs memory only where blocks are used.
 //! - [`parallel`]: where those kernels' parallel work runs (XLA's intra-op
 //!   pool when XLA calls them, scoped threads in tests and benches); kernels
 //!   never spawn threads themselves.
@@ -28,8 +30,10 @@ pub mod cpu_attention;
 mod cpu_attention_avx2;
 pub mod cpu_matmul;
 pub mod decoder_layer;
+pub mod lazy_zeros;
 pub mod parallel;
 pub mod quant;
 pub mod xla_ffi;
 pub mod xla_ffi_layer;
 pub mod xla_ffi_quant;
+pub mod xla_ffi_zeros;

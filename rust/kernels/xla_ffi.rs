@@ -37,8 +37,8 @@ pub(super) const DTYPE_S8: i32 = 2;
 pub(super) const DTYPE_U8: i32 = 6;
 pub(super) const DTYPE_S32: i32 = 4;
 pub(super) const DTYPE_F32: i32 = 11;
-const DTYPE_F16: i32 = 10;
-const DTYPE_BF16: i32 = 16;
+pub(super) const DTYPE_F16: i32 = 10;
+pub(super) const DTYPE_BF16: i32 = 16;
 const ERROR_INVALID_ARGUMENT: i32 = 3;
 const ERROR_INTERNAL: i32 = 13;
 

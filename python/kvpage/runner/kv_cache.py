@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -116,10 +118,19 @@ def allocate_kv_cache(
     """Zero-filled ``(k_pages, v_pages)`` for every layer, on ``device`` (a device, or a
     sharding such as the KV-head split of tensor parallelism).
 
-    The pools are filled from several threads: on a CPU the fill is bound by first-touch
-    page faults, which run in parallel (SmolLM2's 4 GiB pool on 2 cores: 6.3 s from one
-    thread, 2.4 s from two, measured with another build running)."""
+    On one CPU device the pools come from the host kernel ``kvpage_zeros``
+    (``rust/kernels/lazy_zeros.rs``): XLA allocates each pool and its pages are released
+    rather than written, so a pool is ready at once and holds memory only where blocks
+    are written (SmolLM2's 4 GiB default pool took 2.4-7.8 s to zero-fill and stayed
+    resident; benches/RESULTS.md, "First minute"). Elsewhere they are filled from
+    several threads: a CPU fill is bound by first-touch page faults, which run in
+    parallel (SmolLM2's 4 GiB pool on 2 cores: 6.3 s from one thread, 2.4 s from two)."""
     dtype = jnp_dtype(spec.dtype)
+    lazy = _lazy_zeros(spec.pool_shape, dtype, device)
+    if lazy is not None:
+        pages = [lazy() for _ in range(2 * spec.num_layers)]
+        jax.block_until_ready(pages)
+        return [(pages[2 * i], pages[2 * i + 1]) for i in range(spec.num_layers)]
 
     def zeros(_: int) -> jax.Array:
         return jax.block_until_ready(jnp.zeros(spec.pool_shape, dtype, device=device))
@@ -132,6 +143,29 @@ def allocate_kv_cache(
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         pages += pool.map(zeros, range(1, 2 * spec.num_layers))
     return [(pages[2 * i], pages[2 * i + 1]) for i in range(spec.num_layers)]
+
+
+def _lazy_zeros(
+    shape: tuple[int, ...], dtype: Any, device: jax.Device | jax.sharding.Sharding | None
+) -> Callable[[], jax.Array] | None:
+    """A function making one zero pool with ``kvpage_zeros`` on ``device``, or None where
+    it does not apply (not one CPU device, or a core without the handler)."""
+    if isinstance(device, jax.sharding.Sharding):
+        if len(device.device_set) != 1:
+            return None
+        (device,) = device.device_set
+    device = device or jax.devices()[0]
+    if device.platform != "cpu" or os.environ.get("KVPAGE_LAZY_KV_ZEROS", "1") == "0":
+        return None
+    from pallas_kernels._host_ffi import register
+
+    if not register(LAZY_ZEROS_TARGET):
+        return None
+    call = jax.ffi.ffi_call(LAZY_ZEROS_TARGET, jax.ShapeDtypeStruct(shape, dtype))
+    return jax.jit(call, out_shardings=jax.sharding.SingleDeviceSharding(device))
+
+
+LAZY_ZEROS_TARGET = "kvpage_zeros"
 
 
 def copy_blocks(pools: KVPools, src: jax.Array, dst: jax.Array) -> KVPools:
