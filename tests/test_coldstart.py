@@ -120,6 +120,38 @@ def test_background_compile_serves_at_once_with_the_same_tokens(tiny_model_dir: 
     assert again == expected
 
 
+def test_the_background_compiler_yields_to_serving_and_reports(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The compile thread runs at a lower priority than the thread that started it, logs
+    a failed key as an error with its traceback, and ends with one line saying what it
+    built and how long it took."""
+    import logging
+    import threading
+
+    from kvpage.runner.background_compiler import COMPILE_NICENESS, BackgroundCompiler
+
+    class Owner:
+        niceness: list[int] = []
+
+        def build(self, key: int) -> None:
+            self.niceness.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+            if key == 2:
+                raise RuntimeError("bucket 2 is broken")
+
+    owner = Owner()
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    with caplog.at_level(logging.INFO, logger="kvpage.compile"):
+        compiler = BackgroundCompiler(owner, "build", [1, 2, 3])
+        assert compiler.wait(timeout=30)
+    assert compiler.built == 2 and compiler.failed == [(2, "RuntimeError: bucket 2 is broken")]
+    assert set(owner.niceness) == {min(mine + COMPILE_NICENESS, 19)}
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and errors[0].exc_info is not None
+    assert any(re.fullmatch(r"background compile done: 2 executables built in [\d.]+ s, "
+                            r"1 failed", r.getMessage()) for r in caplog.records)
+
+
 def test_a_step_runs_in_a_close_larger_bucket_or_its_own() -> None:
     compiled = [(1, 1, True), (4, 4, True), (16, 4, False), (64, 8, False)]
     assert pick_fallback((2, 2, True), compiled) == (4, 4, True)

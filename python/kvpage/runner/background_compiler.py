@@ -8,6 +8,12 @@ to the front of this queue) or, when there is none, compiles its own bucket on t
 Meanwhile this thread compiles the rest in the order given (most useful first). XLA
 compiles outside the GIL, so the engine thread keeps stepping.
 
+Serving comes first: the thread runs at a lower CPU priority (:data:`COMPILE_NICENESS`,
+Linux's per-thread nice value), so on a small machine a step's work is scheduled ahead of
+LLVM's, and it takes the next key only after the one in flight is built. It ends with one
+log line saying what it built and how long it took; a key that fails to build is logged
+with its traceback as an error (a bug to fix, not a condition to live with).
+
 Invariants: the thread holds the runner only while it builds one key (a dropped runner
 ends the thread after that build); :func:`stop_all` (run at interpreter exit) stops every
 thread and waits for the build in flight, so no XLA compile outlives the interpreter.
@@ -17,7 +23,9 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
+import time
 import weakref
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
@@ -25,6 +33,20 @@ from typing import Any
 logger = logging.getLogger("kvpage.compile")
 
 _LIVE: weakref.WeakSet[BackgroundCompiler] = weakref.WeakSet()
+
+COMPILE_NICENESS = 10
+"""How much lower than the serving threads the compile thread is scheduled (nice value
+added to its own thread; XLA:CPU compiles on the calling thread)."""
+
+
+def _lower_priority() -> None:
+    """Raise this thread's nice value by :data:`COMPILE_NICENESS` (Linux: per thread)."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid)
+                       + COMPILE_NICENESS)
+    except (AttributeError, OSError):  # not Linux, or not permitted: same priority
+        pass
 
 
 class BackgroundCompiler:
@@ -70,10 +92,17 @@ class BackgroundCompiler:
             return self._queue.pop(0) if self._queue else None
 
     def _run(self) -> None:
+        _lower_priority()
+        start = time.perf_counter()
         try:
             while not self._stop.is_set():
                 key = self._next()
                 if key is None:
+                    logger.info(
+                        "background compile done: %d executables built in %.1f s%s",
+                        self.built, time.perf_counter() - start,
+                        f", {len(self.failed)} failed" if self.failed else "",
+                    )
                     return
                 owner = self._owner()
                 if owner is None:
@@ -83,8 +112,8 @@ class BackgroundCompiler:
                     build(key)
                     self.built += 1
                 except Exception as err:  # a bad bucket must not end the thread
-                    logger.warning("background compile of %s failed: %s", key, err)
-                    self.failed.append((key, str(err)))
+                    logger.error("background compile of %s failed", key, exc_info=err)
+                    self.failed.append((key, f"{type(err).__name__}: {err}"))
                 del owner, build
         finally:
             self._idle.set()
