@@ -23,6 +23,8 @@ import asyncio
 import hmac
 import inspect
 import json
+import logging
+import socket
 import threading
 import time
 from collections import Counter
@@ -585,6 +587,54 @@ def test_slow_tokenization_does_not_stall_other_streams(served: InProcessServer)
     assert arrivals[-1] - arrivals[0] > delay, "the stream was too short to tell"
     worst = max(b - a for a, b in zip(arrivals, arrivals[1:], strict=False))
     assert worst < delay / 2, f"a {worst:.2f} s gap: tokenization blocked the event loop"
+    served.check_pool()
+
+
+
+def _half_upload(url: str, path: str, declared: int, sent: bytes) -> None:
+    """A POST whose client sends ``sent`` of a ``declared``-byte body, then hangs up."""
+    host, port = url.removeprefix("http://").split(":")
+    head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {declared}\r\n\r\n")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(head.encode() + sent)
+        time.sleep(0.05)  # the server has started reading the body
+
+
+def test_clients_that_hang_up_mid_upload_are_one_info_line_each(
+    served: InProcessServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Aborted uploads cannot flood the log: one INFO line per client, no traceback, no
+    ERROR, and the request does not run; the server answers afterwards, pool clean."""
+    clients = 10
+    watched = ("kvpage", "uvicorn", "fastapi", "starlette")
+    uvicorn_logger = logging.getLogger("uvicorn")  # does not propagate to the root
+    uvicorn_logger.addHandler(caplog.handler)
+    before = served.call(lambda engine: engine.get_stats())["prompt_tokens_total"]
+    try:
+        with caplog.at_level(logging.INFO):
+            for i in range(clients):
+                path = "/v1/chat/completions" if i % 2 else "/v1/completions"
+                _half_upload(served.url, path, 4096, b'{"model": "tiny", "prompt": "hel')
+
+            def ours() -> list[logging.LogRecord]:
+                return [r for r in caplog.records if r.name.startswith(watched)]
+
+            deadline = time.monotonic() + 20
+            while len(ours()) < clients and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.3)  # anything more they would log
+            records = ours()
+    finally:
+        uvicorn_logger.removeHandler(caplog.handler)
+    lines = [f"{r.levelname} {r.name}: {r.getMessage()}" for r in records]
+    assert not [r for r in records if r.exc_info or r.levelno >= logging.WARNING], lines
+    assert len(records) == clients, lines  # one line per client
+    assert all(r.levelno == logging.INFO for r in records), lines
+    assert served.call(lambda engine: engine.get_stats())["prompt_tokens_total"] == before
+    response = httpx.post(served.url + "/v1/completions", headers=AUTH, timeout=60,
+                          json=_CMPL)
+    assert response.status_code == 200, response.text[:300]
     served.check_pool()
 
 

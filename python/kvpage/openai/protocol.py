@@ -9,6 +9,10 @@ the conversion of a request body into ``SamplingParams``; ``parse_body`` reads a
 raw body into one of the models (400 for JSON that is malformed or nested too
 deeply) and ``check_unicode`` refuses text that is not valid Unicode.
 
+A client that hangs up before its body is read (``ClientDisconnect``) cannot flood an
+open server's log: ``parse_body`` logs one INFO line for it, no traceback, and ends the
+request before it runs, with an ``APIError`` of nginx's 499 that no one receives.
+
 Models are strict (no "5" for 5) and ignore unknown fields. Integers the
 Rust core keeps in fixed-width fields are bounded here (a 400 naming the
 field, not an overflow inside the engine), and so are the fields the engine
@@ -19,9 +23,11 @@ queued request holds is bounded.
 from __future__ import annotations
 
 import json
+import logging
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from starlette.requests import ClientDisconnect
 
 from kvpage.sampling.params import SamplingParams
 from kvpage.structured_outputs.params import KINDS, StructuredOutputsParams
@@ -30,6 +36,10 @@ if TYPE_CHECKING:
     from starlette.requests import Request
 
 M = TypeVar("M", bound=BaseModel)
+CLIENT_CLOSED_REQUEST = 499
+"""nginx's status for a request whose client went away before it was read."""
+
+logger = logging.getLogger(__name__)
 
 
 class APIError(Exception):
@@ -439,10 +449,24 @@ def check_unicode(text: str, param: str) -> None:
                           f"{exc.start}", param=param) from None
 
 
+def client_gone(request: Request) -> APIError:
+    """Log, in one INFO line, that ``request``'s client hung up before its body was
+    read; the error that ends the request."""
+    client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
+    logger.info("%s hung up while sending %s %s (content-length %s): not run", client,
+                request.method, request.url.path, request.headers.get("content-length", "-"))
+    return APIError(CLIENT_CLOSED_REQUEST, "the client closed the connection while sending "
+                    "the request body", code="client_disconnected")
+
+
 async def parse_body(request: Request, model: type[M]) -> M:
     """The request's body as ``model``: 400 for a body that is not a JSON object, is
-    nested too deeply, sets a field kvpage does not implement or fails validation."""
-    raw = await request.body()
+    nested too deeply, sets a field kvpage does not implement or fails validation; a
+    499 for a client that hung up while sending it (see the module's docstring)."""
+    try:
+        raw = await request.body()
+    except ClientDisconnect:
+        raise client_gone(request) from None
     try:
         data = json.loads(raw)
     except RecursionError:
