@@ -4,6 +4,7 @@ hermetic JAX compilation cache (a session temp dir, never the user's home)."""
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +25,22 @@ def hermetic_compilation_cache(tmp_path_factory: pytest.TempPathFactory) -> Iter
     yield cache_dir
     jax.config.update("jax_enable_compilation_cache", previous_enabled)
     jax.config.update("jax_compilation_cache_dir", previous)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_executable_store() -> Iterator[None]:
+    """Keep the executable store (``kvpage.runner.executable_store``) off unless a test
+    turns it on: a stored executable skips the trace, so a test that patches a function
+    the trace calls (``dispatch.on_gpu``, a kernel) would run another test's program.
+    ``tests/test_executable_store.py`` tests the store itself; the wheel check runs
+    ``kvpage generate`` and ``kvpage serve`` with it."""
+    previous = os.environ.get("KVPAGE_EXECUTABLE_STORE")
+    os.environ["KVPAGE_EXECUTABLE_STORE"] = "0"
+    yield
+    if previous is None:
+        os.environ.pop("KVPAGE_EXECUTABLE_STORE", None)
+    else:
+        os.environ["KVPAGE_EXECUTABLE_STORE"] = previous
 
 
 @pytest.fixture(scope="module", autouse=True)

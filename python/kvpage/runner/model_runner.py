@@ -66,6 +66,8 @@ from kvpage.runner.buckets import (
     pick_fallback,
 )
 from kvpage.runner.executable_cache import ExecutableCache
+from kvpage.runner.executable_store import ExecutableStore
+from kvpage.runner.executable_store import signature as store_signature
 from kvpage.runner.kv_cache import (
     KVCacheSpec,
     KVPools,
@@ -308,6 +310,11 @@ class ModelRunner:
         self._layer_indices = [
             jax.device_put(np.int32(i), self._replicated) for i in range(config.num_layers)
         ] if self._stacked else []
+        self._store = (
+            ExecutableStore.for_compilation_cache(self.trace_inputs()) if mesh is None else None
+        )
+        """Executables of earlier starts (:mod:`kvpage.runner.executable_store`); not
+        used with a mesh, whose executables are placed on several devices."""
 
     # ------------------------------------------------------------------ properties
     @property
@@ -429,6 +436,47 @@ class ModelRunner:
         )
         return jitted.lower(*args)
 
+    def _compile(
+        self,
+        piece: tuple[Any, ...],
+        fn: Callable[..., Any],
+        donate: tuple[int, ...],
+        args: tuple[Any, ...],
+        in_shardings: tuple[Any, ...],
+        out_shardings: Any,
+    ) -> jax.stages.Compiled:
+        """:meth:`_jit` then compile, or the executable of ``piece`` kept by an earlier
+        start (:mod:`kvpage.runner.executable_store`: no trace, no lowering)."""
+        store = self._store
+        if store is not None and (found := store.load(piece, args)) is not None:
+            return found
+        compiled = self._jit(fn, donate, args, in_shardings, out_shardings).compile()
+        if store is not None:
+            store.save(piece, compiled)
+        return compiled
+
+    def trace_inputs(self) -> dict[str, Any]:
+        """Everything of this runner that its traces depend on (the executable store's
+        key, with :func:`~kvpage.runner.executable_store.code_fingerprint`)."""
+        return {
+            "config": self.config,
+            "params": store_signature(self._abstract(self.params)),
+            "kv_spec": self.kv_spec,
+            "block_size": self.block_size,
+            "max_model_len": self.max_model_len,
+            "max_num_seqs": self.max_num_seqs,
+            "max_logprobs": self.max_logprobs,
+            "max_fused_copies": self.max_fused_copies,
+            "enable_penalties": self.enable_penalties,
+            "seed": self._base_key_seed,
+            "backend": (self.backend.name, self.backend.decode_specialized),
+            "host_decode_rows": self._host_decode_rows,
+            "layer_plan": self._layer_plan,
+            "sampling_table": store_signature(self.sampling_table),
+            "padding": self._padding,
+            "device": (self.device.platform, self.device.id),
+        }
+
     def _abstract(self, tree: Any, sharding: Any = None) -> Any:
         """``tree``'s leaves as ShapeDtypeStructs (lowering never touches live buffers,
         which the engine thread may be donating meanwhile). ``sharding``: one sharding
@@ -473,10 +521,10 @@ class ModelRunner:
         )
         pool = self._abstract(self.kv_pools[0], self._pool_sharding)
         pool_sh = (self._pool_sharding, self._pool_sharding)
-        embed = self._jit(
-            make_embed(layout), (), (embed_weight(params), packed),
+        embed = self._compile(
+            ("embed", t, s), make_embed(layout), (), (embed_weight(params), packed),
             (embed_weight(shardings), rep), rep,
-        ).compile()
+        )
         layers = {}
         for kind, (start, count, _) in enumerate(self._layer_plan.kinds):
             fn = make_layers(
@@ -487,16 +535,18 @@ class ModelRunner:
             pools_sh = [pool_sh] * count
             if self._stacked:
                 index = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
-                layers[kind] = self._jit(
-                    fn, (2,), (params["layers"], index, pools, hidden, packed),
+                layers[kind] = self._compile(
+                    ("layers", *key, kind), fn, (2,),
+                    (params["layers"], index, pools, hidden, packed),
                     (shardings["layers"], rep, pools_sh, rep, rep), (rep, pools_sh),
-                ).compile()
+                )
             else:
                 end = start + count
-                layers[kind] = self._jit(
-                    fn, (1,), (params["layers"][start:end], pools, hidden, packed),
+                layers[kind] = self._compile(
+                    ("layers", *key, kind), fn, (1,),
+                    (params["layers"][start:end], pools, hidden, packed),
                     (shardings["layers"][start:end], pools_sh, rep, rep), (rep, pools_sh),
-                ).compile()
+                )
         select = self._compile_select(layout, score_prompts=False)
         self._count_compiles(2 + len(layers))
         self._head_fn(s)
@@ -517,7 +567,8 @@ class ModelRunner:
             args = (head, *args, targets)
             shardings = (head_params(self.config, self._param_shardings), *shardings, rep)
         fn = make_select(layout, self._logits_of(), self.max_logprobs, score_prompts)
-        return self._jit(fn, (), args, shardings, rep).compile()
+        piece = ("select", layout.num_tokens, layout.num_seqs, score_prompts)
+        return self._compile(piece, fn, (), args, shardings, rep)
 
     def _head_fn(self, num_seqs: int) -> jax.stages.Compiled:
         """lm_head and sampler of sequence bucket ``num_seqs`` (shared by every token
@@ -540,9 +591,10 @@ class ModelRunner:
             table = self._shardings(self.sampling_table)
             head_sh = head_params(self.config, self._param_shardings)
             fn = make_head(num_seqs, self._logits_of(), self.max_logprobs, self._base_key_seed)
-            compiled = self._jit(
-                fn, (3,), args, (head_sh, rep, rep, table, rep), (rep, table)
-            ).compile()
+            compiled = self._compile(
+                ("head", num_seqs), fn, (3,), args, (head_sh, rep, rep, table, rep),
+                (rep, table),
+            )
             self._count_compiles(1)
             return compiled
 
@@ -606,7 +658,9 @@ class ModelRunner:
                 ids,
                 jax.ShapeDtypeStruct((self.config.vocab_size,), jnp.bool_, sharding=rep),
             )
-            compiled = self._jit(write_slot, (0,), args, (table,) + (rep,) * 7, table).compile()
+            compiled = self._compile(
+                ("write_slot",), write_slot, (0,), args, (table,) + (rep,) * 7, table
+            )
             self._count_compiles(1)
             return compiled
 
@@ -619,14 +673,14 @@ class ModelRunner:
             index = jax.ShapeDtypeStruct((_COPY_CHUNK,), jnp.int32, sharding=self._replicated)
             pool = self._abstract(self.kv_pools[0], self._pool_sharding)
             pool_sh = (self._pool_sharding, self._pool_sharding)
-            lowered = self._jit(
+            compiled = self._compile(
+                ("copy",),
                 lambda pool, src, dst: self._copy_blocks([pool], src, dst)[0],
                 (0,),
                 (pool, index, index),
                 (pool_sh, self._replicated, self._replicated),
                 pool_sh,
             )
-            compiled = lowered.compile()
             self._count_compiles(1)
             return compiled
 
@@ -948,11 +1002,11 @@ class ModelRunner:
                 self.config, layout, self.backend, self._logits_of(), self.max_logprobs,
                 self._base_key_seed, self.block_size, max_steps,
             )
-            compiled = self._jit(
-                fn, (1, 2), args,
+            compiled = self._compile(
+                ("multi", num_seqs, max_steps), fn, (1, 2), args,
                 (self._param_shardings, [pool_sh] * len(pools), table, rep, rep, rep),
                 (rep, [pool_sh] * len(pools), table),
-            ).compile()
+            )
             self._count_compiles(1)
             return compiled
 

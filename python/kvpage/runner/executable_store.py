@@ -1,0 +1,161 @@
+"""Compiled step pieces kept on disk, loaded back without tracing or lowering.
+
+This file owns :class:`ExecutableStore`. JAX's persistent compilation cache is keyed by
+the lowered program, so a warm start still traces and lowers every piece before the
+cache can answer: ~1 s a bucket for SmolLM2, most of a warm start (issue #41; a cache
+hit itself is ~0.1 s). The store is keyed by what the trace depends on instead, and a
+hit is a deserialized executable (``jax.experimental.serialize_executable``): ~0.07 s
+for a whole bucket.
+
+What a trace depends on, and so what the key holds (:func:`code_fingerprint` and the
+runner's :meth:`~kvpage.runner.model_runner.ModelRunner.trace_inputs`):
+
+* kvpage's code: every ``.py`` file of ``kvpage`` and ``pallas_kernels`` and the
+  compiled core (size and modification time);
+* JAX, jaxlib and the device (platform, kind, the host CPU's feature flags), the
+  ``XLA_FLAGS`` and every ``KVPAGE_*`` environment variable;
+* the runner's configuration: model config, the params' structure, shapes and dtypes,
+  the KV pool, buckets' layout parameters, sampler settings, attention backend;
+* the piece itself (its name and bucket key).
+
+Invariants: a stored executable is returned only if its argument structure, shapes and
+dtypes equal the ones the caller is about to pass (checked on every load; a mismatch is
+a miss); a file is written whole or not at all (temporary file, then rename), so a
+reader never sees a partial one; an unreadable or stale file is a miss, logged once, and
+replaced. Loading runs code from the cache directory, which is trusted as JAX's own cache
+is (both live under the user's cache directory).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import pickle
+import tempfile
+from collections.abc import Hashable
+from pathlib import Path
+from typing import Any
+
+import jax
+
+logger = logging.getLogger("kvpage.compile")
+
+STORE_DIR_NAME = "kvpage-executables"
+"""The store's folder inside the compilation cache directory."""
+
+
+@functools.cache
+def code_fingerprint() -> str:
+    """A hash of everything process-wide that a trace depends on (module docstring)."""
+    import jaxlib
+
+    import kvpage
+    import pallas_kernels
+    from kvpage import _core
+
+    digest = hashlib.sha256()
+    for package in (kvpage, pallas_kernels):
+        root = Path(package.__file__).resolve().parent
+        for path in sorted(root.rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
+    core = Path(_core.__file__).stat()
+    digest.update(f"{core.st_size}:{core.st_mtime_ns}".encode())
+    device = jax.devices()[0]
+    environment = sorted(
+        (k, v) for k, v in os.environ.items() if k.startswith("KVPAGE_") or k == "XLA_FLAGS"
+    )
+    digest.update(repr((
+        jax.__version__, jaxlib.__version__, device.platform, device.device_kind,
+        _cpu_flags(), environment, jax.config.jax_enable_x64,
+        jax.config.jax_default_matmul_precision,
+    )).encode())
+    return digest.hexdigest()
+
+
+def _cpu_flags() -> str:
+    """The host CPU's feature flags (an executable compiled for AVX-512 must not load on
+    a machine without it, should a cache directory be shared)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
+            return next((line for line in cpuinfo if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def signature(tree: Any) -> tuple[Any, ...]:
+    """Structure, shapes and dtypes of ``tree`` (arrays or ShapeDtypeStructs)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef, tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
+
+
+class ExecutableStore:
+    """Serialized executables under ``directory``, keyed by ``trace_inputs`` (the
+    runner's configuration, hashed with :func:`code_fingerprint`) and a piece's key."""
+
+    def __init__(self, directory: Path, trace_inputs: Any) -> None:
+        digest = hashlib.sha256(code_fingerprint().encode())
+        digest.update(repr(trace_inputs).encode())
+        self.directory = Path(directory) / digest.hexdigest()[:32]
+        self.loads = 0
+        """Executables loaded from disk."""
+        self.saves = 0
+
+    @classmethod
+    def for_compilation_cache(cls, trace_inputs: Any) -> ExecutableStore | None:
+        """The store inside JAX's persistent cache directory, when one is configured and
+        the store is not turned off (``KVPAGE_EXECUTABLE_STORE=0``)."""
+        cache_dir = jax.config.jax_compilation_cache_dir
+        if not cache_dir or os.environ.get("KVPAGE_EXECUTABLE_STORE", "1") == "0":
+            return None
+        return cls(Path(cache_dir) / STORE_DIR_NAME, trace_inputs)
+
+    def _path(self, piece: Hashable) -> Path:
+        name = hashlib.sha256(repr(piece).encode()).hexdigest()[:32]
+        return self.directory / f"{name}.exec"
+
+    def load(self, piece: Hashable, args: tuple[Any, ...]) -> jax.stages.Compiled | None:
+        """The stored executable of ``piece`` if there is one for exactly ``args``'
+        structure, shapes and dtypes; else None."""
+        from jax.experimental.serialize_executable import deserialize_and_load
+
+        from pallas_kernels._host_ffi import register_all
+
+        path = self._path(piece)
+        try:
+            blob = path.read_bytes()
+        except OSError:
+            return None
+        try:
+            stored_piece, serialized, in_tree, out_tree = pickle.loads(blob)
+            if stored_piece != repr(piece):
+                raise ValueError(f"the file holds {stored_piece}")
+            register_all()  # its host kernels, which no trace registered
+            compiled = deserialize_and_load(serialized, in_tree, out_tree)
+            if signature(compiled.args_info) != signature((args, {})):
+                raise ValueError("its arguments differ from the ones this runner passes")
+        except Exception as err:  # a stale or damaged file is a miss, replaced on save
+            logger.warning("stored executable %s not used (%s: %s); compiling it",
+                           path.name, type(err).__name__, err)
+            return None
+        self.loads += 1
+        return compiled
+
+    def save(self, piece: Hashable, compiled: jax.stages.Compiled) -> None:
+        """Keep ``compiled`` for ``piece`` (best effort: a full disk only logs)."""
+        from jax.experimental.serialize_executable import serialize
+
+        try:
+            serialized, in_tree, out_tree = serialize(compiled)
+            blob = pickle.dumps((repr(piece), serialized, in_tree, out_tree))
+            self.directory.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=self.directory, delete=False) as file:
+                file.write(blob)
+            os.replace(file.name, self._path(piece))
+        except Exception as err:  # the store is an optimisation; the step still runs
+            logger.warning("could not store the executable of %s: %s: %s", piece,
+                           type(err).__name__, err)
+            return
+        self.saves += 1
