@@ -17,6 +17,7 @@ import model_fixtures  # noqa: F401  (sys.path / import setup, before kvpage)
 import numpy as np
 import pytest
 from kvpage import LLM, SamplingParams
+from kvpage.compilation_cache import compile_counts
 from kvpage.model.params import param_spec, tree_from_flat
 from kvpage.model.presets import preset
 from kvpage.runner.executable_store import STORE_DIR_NAME, ExecutableStore
@@ -68,6 +69,7 @@ def test_a_second_engine_loads_every_piece_and_gives_the_same_tokens(
         first.engine.runner.compile_multi_step(rows)
     saved = first.engine.runner._store
     assert saved is not None and saved.saves > 0 and saved.loads == 0
+    before = compile_counts()
     second = LLM(str(tiny_model_dir), **ENGINE)
     got = [o.outputs[0].token_ids for o in second.generate(PROMPTS, GREEDY, use_tqdm=False)]
     for rows in second.engine.runner.multi_step_buckets():
@@ -76,6 +78,7 @@ def test_a_second_engine_loads_every_piece_and_gives_the_same_tokens(
     assert loaded is not None and loaded.directory == saved.directory
     assert got == want
     assert loaded.loads == saved.saves and loaded.saves == 0  # nothing traced again
+    assert (compile_counts() - before).loaded >= loaded.loads  # counted as loads
 
 
 def test_other_configurations_and_arguments_miss(store_on: Path) -> None:

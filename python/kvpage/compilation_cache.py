@@ -27,6 +27,8 @@ logger = logging.getLogger("kvpage.compile")
 
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"
+STORE_LOAD = "/kvpage/executable_store/load"
+"""Recorded by :mod:`kvpage.runner.executable_store` for each executable it loads."""
 
 
 def default_cache_dir() -> Path:
@@ -61,7 +63,7 @@ def enable_compilation_cache(path: str | None) -> Path | None:
 @dataclass(frozen=True, slots=True)
 class CompileCounts:
     """XLA executables built since the process started: ``compiled`` by XLA, ``loaded``
-    from the persistent cache."""
+    from the persistent cache or the executable store."""
 
     compiled: int
     loaded: int
@@ -75,6 +77,7 @@ class _Counter:
         self.lock = threading.Lock()
         self.requests = 0
         self.hits = 0
+        self.stored = 0
         jax.monitoring.register_event_duration_secs_listener(self._on_duration)
         jax.monitoring.register_event_listener(self._on_event)
 
@@ -87,6 +90,9 @@ class _Counter:
         if event == _CACHE_HIT:
             with self.lock:
                 self.hits += 1
+        elif event == STORE_LOAD:
+            with self.lock:
+                self.stored += 1
 
 
 _COUNTER: _Counter | None = None
@@ -101,4 +107,4 @@ def compile_counts() -> CompileCounts:
         if _COUNTER is None:
             _COUNTER = _Counter()
     with _COUNTER.lock:
-        return CompileCounts(_COUNTER.requests - _COUNTER.hits, _COUNTER.hits)
+        return CompileCounts(_COUNTER.requests - _COUNTER.hits, _COUNTER.hits + _COUNTER.stored)

@@ -40,6 +40,8 @@ from typing import Any
 
 import jax
 
+from kvpage.compilation_cache import STORE_LOAD
+
 logger = logging.getLogger("kvpage.compile")
 
 STORE_DIR_NAME = "kvpage-executables"
@@ -141,6 +143,7 @@ class ExecutableStore:
                            path.name, type(err).__name__, err)
             return None
         self.loads += 1
+        jax.monitoring.record_event(STORE_LOAD)
         return compiled
 
     def save(self, piece: Hashable, compiled: jax.stages.Compiled) -> None:
