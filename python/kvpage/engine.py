@@ -868,6 +868,8 @@ class LLMEngine:
         stats["request_success_total"] = dict(self.finished_counts)
         stats["num_unfinished_requests"] = len(self._requests)
         stats["timing"] = self.timing.as_dict()
+        background = self.runner.background_compiler
+        stats["step_executables_pending"] = 0 if background is None else background.pending
         return stats
 
     def check_invariants(self) -> None:

@@ -184,6 +184,9 @@ class EngineMetrics:
                                           "Requests queued, waiting to be scheduled.")
         self.kv_cache_usage_perc = gauge(
             "kv_cache_usage_perc", "Fraction of KV cache blocks in use (1.0 = full).")
+        self.step_executables_pending = gauge(
+            "step_executables_pending",
+            "Step executables the background warm-up has not built yet (0: full speed).")
         self.prefix_cache_queries = counter(
             "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter(
@@ -271,6 +274,7 @@ class EngineMetrics:
         self.num_requests_running.set(stats.get("num_requests_running", 0))
         self.num_requests_waiting.set(stats.get("num_requests_waiting", 0))
         self.kv_cache_usage_perc.set(stats.get("kv_cache_usage_perc", 0.0))
+        self.step_executables_pending.set(stats.get("step_executables_pending", 0))
         for attr, key in _CUMULATIVE_STATS.items():
             if key not in stats:
                 continue

@@ -61,6 +61,7 @@ class BackgroundCompiler:
         self._stop = threading.Event()
         self._idle = threading.Event()
         self.built = 0
+        self._building = 0
         self.failed: list[tuple[Hashable, str]] = []
         self._thread = threading.Thread(target=self._run, name="kvpage-compile", daemon=True)
         _LIVE.add(self)
@@ -77,6 +78,11 @@ class BackgroundCompiler:
     def remaining(self) -> int:
         return len(self._queue)
 
+    @property
+    def pending(self) -> int:
+        """Keys not built yet: the queue and the one in flight."""
+        return len(self._queue) + self._building
+
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every key is built (True) or ``timeout`` passes (False)."""
         return self._idle.wait(timeout)
@@ -89,7 +95,10 @@ class BackgroundCompiler:
 
     def _next(self) -> Hashable | None:
         with self._lock:
-            return self._queue.pop(0) if self._queue else None
+            if not self._queue:
+                return None
+            self._building = 1  # counted as pending from the moment it leaves the queue
+            return self._queue.pop(0)
 
     def _run(self) -> None:
         _lower_priority()
@@ -108,12 +117,15 @@ class BackgroundCompiler:
                 if owner is None:
                     return
                 build: Callable[[Hashable], Any] = getattr(owner, self._build_name)
+                self._building = 1
                 try:
                     build(key)
                     self.built += 1
                 except Exception as err:  # a bad bucket must not end the thread
                     logger.error("background compile of %s failed", key, exc_info=err)
                     self.failed.append((key, f"{type(err).__name__}: {err}"))
+                finally:
+                    self._building = 0
                 del owner, build
         finally:
             self._idle.set()
