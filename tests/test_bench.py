@@ -228,3 +228,26 @@ def test_bench_serve_cli_with_json(server_url: str, tmp_path: Path,
     assert "Requests failed:" in capsys.readouterr().out
     data = json.loads(out.read_text())["result"]
     assert data["completed"] == 4 and data["failed"] == 0 and data["output_tokens"] == 16
+
+
+def test_first_minute_token_times_and_time_to_steady_state(server_url: str) -> None:
+    """Token arrival times from a real streamed run (every token once, inside the run),
+    and the time-to-90 % rule on a made-up ramp."""
+    import asyncio
+
+    import numpy as np
+    from kvpage.bench import first_minute
+
+    reqs = synthetic_requests(4, input_len=8, output_len=6, vocab_size=500)
+    model, _ = serve.server_info(server_url)
+    records, _ = asyncio.run(serve.run_requests_online(server_url, reqs, model=model,
+                                                       max_concurrency=2))
+    times = first_minute.token_times(records)
+    assert len(times) == 24 and (np.diff(times) >= 0).all()
+    assert min(r.sent for r in records) <= times[0] and times[-1] <= time.perf_counter()
+    # 10 tokens/s for 10 s, then 100 tokens/s: 90 of 100 is first reached by a 5 s window
+    # ending 4.5 s into the fast phase (0.5 s of 10/s and 4.5 s of 100/s = 455 tokens).
+    ramp = np.concatenate([np.arange(0, 10, 0.1), 10 + np.arange(0, 20, 0.01)])
+    got = first_minute.time_to_fraction(ramp, 0.0, steady=100.0)
+    assert got is not None and 14.0 <= got <= 15.0
+    assert first_minute.time_to_fraction(ramp[:100], 0.0, steady=100.0) is None

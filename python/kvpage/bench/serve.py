@@ -40,6 +40,8 @@ class RequestRecord:
 
     ok: bool
     prompt_tokens: int
+    sent: float = float("nan")
+    """``time.perf_counter()`` when the request was sent."""
     output_tokens: int = 0
     ttft: float = float("nan")
     latency: float = float("nan")
@@ -160,8 +162,8 @@ def check_loopback(base_url: str) -> None:
 async def _send(
     client: Any, url: str, headers: dict[str, str], body: dict[str, Any], prompt_len: int
 ) -> RequestRecord:
-    record = RequestRecord(ok=False, prompt_tokens=prompt_len)
     start = time.perf_counter()
+    record = RequestRecord(ok=False, prompt_tokens=prompt_len, sent=start)
     last = None
     chunks = 0
     usage_tokens = None

