@@ -7,9 +7,11 @@ SmolLM2 GGUF against transformers (opt-in: KVPAGE_REAL_MODEL=1 fetches the file 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
+import gguf_bytes
 import model_fixtures  # noqa: F401  (sys.path / import setup, before kvpage)
 import numpy as np
 import pytest
@@ -194,7 +196,7 @@ def test_not_a_gguf_file(tmp_path: Path) -> None:
 def test_header_reader_agrees_with_the_gguf_package(llama_gguf: tuple[Any, Path]) -> None:
     """kvpage's one-pass header reader gives the gguf package's metadata and tensors."""
     import gguf
-    from kvpage.model.gguf_file import GGUFFile
+    from kvpage.model.gguf_file import GGUFArray, GGUFFile
 
     _, path = llama_gguf
     ours, theirs = GGUFFile(path), gguf.GGUFReader(path)
@@ -208,7 +210,11 @@ def test_header_reader_agrees_with_the_gguf_package(llama_gguf: tuple[Any, Path]
         return scalar(field.parts[field.data[0]], field.types[0])
 
     expected = {k: value(f) for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
-    assert ours.fields == expected
+    arrays = {k for k, v in ours.fields.items() if isinstance(v, GGUFArray)}
+    assert arrays == {"tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges"}
+    assert {k: v.tolist() if k in arrays else v for k, v in ours.fields.items()} == expected
+    assert ours.fields["tokenizer.ggml.token_type"].numpy().tolist() == expected[
+        "tokenizer.ggml.token_type"]
     assert len(ours.tensors) == len(theirs.tensors)
     for mine, ref in zip(ours.tensors, theirs.tensors, strict=True):
         assert (mine.name, mine.tensor_type, mine.n_bytes, mine.data_offset) == (
@@ -248,6 +254,68 @@ def test_missing_and_unknown_tensors(tmp_path: Path) -> None:
     path = write_gguf(tmp_path / "extra.gguf", model, "llama",
                       extra={"blk.0.attn_gate.weight": np.zeros((4, 64))})
     with pytest.raises(CheckpointError, match="'blk.0.attn_gate.weight'.*does not use"):
+        load_gguf(path)
+
+
+def _tiny_file(tmp_path: Path, **changes: tuple[int, Any] | None) -> Path:
+    """:mod:`gguf_bytes`' tiny model with metadata keys changed (``None`` drops one)."""
+    fields = [(k, *changes[k]) if k in changes else (k, kind, v)
+              for k, kind, v in gguf_bytes.metadata() if changes.get(k, ()) is not None]
+    path = tmp_path / "meta.gguf"
+    path.write_bytes(gguf_bytes.join(gguf_bytes.tiny_gguf(fields)))
+    return path
+
+
+@pytest.mark.parametrize(("changes", "match"), [
+    ({"llama.attention.head_count": (gguf_bytes.U32, 0), "llama.attention.key_length": None},
+     "has 0 attention heads"),
+    ({"llama.attention.head_count_kv": (gguf_bytes.STRING, "two")},
+     "'llama.attention.head_count_kv' is str 'two', not an integer"),
+    ({"llama.attention.key_length": (gguf_bytes.ARRAY, (gguf_bytes.U32, [16]))},
+     "'llama.attention.key_length' is an array of 1 UINT32, not an integer"),
+    ({"llama.rope.dimension_count": (gguf_bytes.F32, float("nan"))},
+     "'llama.rope.dimension_count' is float nan, not an integer"),
+    ({"llama.rope.freq_base": (gguf_bytes.F32, float("inf"))},
+     "'llama.rope.freq_base' is float inf, not a finite number"),
+    ({"llama.rope.freq_base": (gguf_bytes.F32, 0.0)},
+     "'llama.rope.freq_base' is 0.0, not positive"),
+    ({"llama.attention.layer_norm_rms_epsilon": (gguf_bytes.STRING, "1e-5")},
+     "'llama.attention.layer_norm_rms_epsilon' is str '1e-5', not a finite number"),
+])
+def test_metadata_of_the_wrong_type_names_the_key(tmp_path: Path, changes: dict[str, Any],
+                                                  match: str) -> None:
+    """These were ZeroDivisionError, ValueError or TypeError tracebacks, or loaded."""
+    with pytest.raises(CheckpointError, match=rf"meta\.gguf.*{re.escape(match)}"):
+        load_gguf(_tiny_file(tmp_path, **changes))
+
+
+@pytest.mark.parametrize(("changes", "match"), [
+    ({"tokenizer.ggml.scores": (gguf_bytes.ARRAY, (gguf_bytes.F32, [0.0] * 5))},
+     "'tokenizer.ggml.scores' is an array of 5 FLOAT32, not one number for each of the 262"),
+    ({"tokenizer.ggml.token_type": (gguf_bytes.ARRAY, (gguf_bytes.STRING, ["1"] * 262))},
+     "'tokenizer.ggml.token_type' is an array of 262 STRING, not one number for each"),
+    ({"tokenizer.ggml.bos_token_id": (gguf_bytes.U32, 262)},
+     "'tokenizer.ggml.bos_token_id' is 262, not one of the 262 token ids"),
+    ({"tokenizer.ggml.eos_token_id": (gguf_bytes.I32, -1)},
+     "'tokenizer.ggml.eos_token_id' is -1, not one of the 262 token ids"),
+    ({"tokenizer.ggml.tokens": (gguf_bytes.ARRAY, (gguf_bytes.STRING, ["a"] * 263))},
+     "'tokenizer.ggml.tokens' holds 263 tokens; at least 1 and at most 262"),
+    ({"tokenizer.ggml.tokens": (gguf_bytes.ARRAY, (gguf_bytes.STRING, [b"\xff"] * 262))},
+     r"'tokenizer.ggml.tokens', element 0 \(byte \d+\): not UTF-8"),
+    ({"tokenizer.ggml.merges": (gguf_bytes.ARRAY, (gguf_bytes.STRING, ["q z"]))},
+     "cannot build the tokenizer of .*meta.gguf: .*out of vocabulary"),
+    ({"tokenizer.ggml.model": (gguf_bytes.ARRAY, (gguf_bytes.U8, []))},
+     "'tokenizer.ggml.model' is an array of 0 UINT8, not a string"),
+])
+def test_bad_tokenizer_metadata_is_a_checkpoint_error(tmp_path: Path, changes: dict[str, Any],
+                                                      match: str) -> None:
+    """Checked before the arrays are decoded; these loaded (scores, token types and
+    tokens longer than the embedding) or raised a bare ValueError or IndexError."""
+    path = _tiny_file(tmp_path, **changes)
+    assert read_gguf_config(path).vocab_size == gguf_bytes.VOCAB  # the model is fine
+    with pytest.raises(CheckpointError, match=match):
+        load_gguf_tokenizer(path)
+    with pytest.raises(CheckpointError, match=match):
         load_gguf(path)
 
 

@@ -11,6 +11,13 @@ llama.cpp writes as llama), ``qwen2`` and ``qwen3``; tensor types F32, F16, BF16
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K. Anything else, a file that
 is not GGUF, or a truncated one raises :class:`CheckpointError` naming the problem.
 
+Invariants on top of the container's (:mod:`kvpage.model.gguf_file`): every metadata
+value is type-checked where it is read (a wrong type is a :class:`CheckpointError`
+naming the key); the tokenizer's arrays are bounded before anything decodes them (at
+most ``MAX_VOCAB`` tokens and no more than the embedding has rows, one score and one
+token type per token, special token ids inside the vocabulary), and every failure to
+build the tokenizer from them is a :class:`CheckpointError`.
+
 llama.cpp's converter permutes the rows of Llama's q/k projections (per head, from HF's
 "rotate half" pairing to interleaved pairs); :func:`_unpermute_rope_rows` undoes that,
 as transformers' GGUF loader does (on a quantized tensor it moves whole rows of blocks).
@@ -28,6 +35,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
+import math
 import os
 import re
 from collections.abc import Callable
@@ -39,7 +47,7 @@ import numpy as np
 
 from kvpage.model.config import ModelConfig, RopeConfig
 from kvpage.model.errors import CheckpointError
-from kvpage.model.gguf_file import GGUFFile
+from kvpage.model.gguf_file import GGUFArray, GGUFFile, value_type_name
 from kvpage.model.params import Params, jnp_dtype, param_spec, tree_from_flat
 from kvpage.model.rope import inverse_frequencies
 from kvpage.quant.int8 import quantize_int8
@@ -48,6 +56,9 @@ from kvpage.quant.weights import QuantizedWeight
 
 GGUF_SUFFIX = ".gguf"
 _MAGIC = b"GGUF"
+# The most tokens (and merges, and elements of any tokenizer array) a file may declare:
+# ModelConfig's bound on vocab_size. Decoding is bounded before it starts.
+MAX_VOCAB = 1 << 22
 
 # general.architecture -> (kvpage architecture, q/k rows permuted by llama.cpp).
 _ARCHITECTURES: dict[str, tuple[str, bool]] = {
@@ -102,38 +113,50 @@ def is_gguf(path: str | Path) -> bool:
 
 
 def _open(path: str | Path) -> GGUFFile:
-    """The file's metadata and tensor index (:mod:`kvpage.model.gguf_file`); every way
-    the file can be unreadable is a :class:`CheckpointError` naming it."""
+    """The file's metadata and tensor index (:mod:`kvpage.model.gguf_file`, which checks
+    the container: lengths, offsets, alignment, tensor bounds); every way the file can be
+    unreadable is a :class:`CheckpointError` naming it."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"GGUF file not found: {path}")
-    size = path.stat().st_size
     with path.open("rb") as f:
         magic = f.read(4)
     if magic != _MAGIC:
         raise CheckpointError(
             f"{path} is not a GGUF file (it starts with {magic!r}, not {_MAGIC!r})"
         )
-    try:
-        reader = GGUFFile(path)
-    except (ValueError, IndexError, KeyError, TypeError, OverflowError, UnicodeDecodeError) as exc:
-        raise CheckpointError(
-            f"cannot read GGUF file {path} ({size} bytes; truncated, corrupt, or newer "
-            f"than the installed gguf package?): {exc}"
-        ) from None
-    for tensor in reader.tensors:
-        end = int(tensor.data_offset) + int(tensor.n_bytes)
-        if end > size or tensor.data.nbytes != int(tensor.n_bytes):
-            raise CheckpointError(
-                f"GGUF file {path} is truncated: tensor {tensor.name!r} needs bytes up to "
-                f"{end}, the file has {size}"
-            )
-    return reader
+    return GGUFFile(path)
 
 
 def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
-    """One metadata value as a Python scalar, string or list (``default`` if absent)."""
+    """One metadata value as a Python scalar or string, or a
+    :class:`~kvpage.model.gguf_file.GGUFArray` (``default`` if absent)."""
     return reader.fields.get(key, default)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, GGUFArray):
+        return f"an array of {len(value)} {value_type_name(value.element_type)}"
+    return f"{type(value).__name__} {value!r:.60}"
+
+
+def _int_field(reader: GGUFFile, key: str, path: Path, default: int | None = None) -> int | None:
+    """An integer metadata value (``default`` if absent); any other type is a
+    :class:`CheckpointError` naming the key."""
+    value = _field(reader, key, default)
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    raise CheckpointError(f"GGUF file {path}: metadata {key!r} is {_describe(value)}, "
+                          "not an integer")
+
+
+def _float_field(reader: GGUFFile, key: str, path: Path, default: float) -> float:
+    """A finite number from the metadata (``default`` if absent)."""
+    value = _field(reader, key, default)
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    raise CheckpointError(f"GGUF file {path}: metadata {key!r} is {_describe(value)}, "
+                          "not a finite number")
 
 
 def _architecture(reader: Any, path: Path) -> str:
@@ -147,8 +170,8 @@ def _architecture(reader: Any, path: Path) -> str:
 
 
 def _required_int(reader: Any, key: str, path: Path) -> int:
-    value = _field(reader, key)
-    if not isinstance(value, int) or isinstance(value, bool):
+    value = _int_field(reader, key, path)
+    if value is None:
         raise CheckpointError(f"GGUF file {path} lacks the integer metadata {key!r}")
     return value
 
@@ -159,9 +182,12 @@ def _tensor_shape(tensor: Any) -> tuple[int, ...]:
 
 
 def _rope(reader: Any, arch: str, head_dim: int, context: int, path: Path) -> RopeConfig:
-    theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
+    theta = _float_field(reader, f"{arch}.rope.freq_base", path, 10000.0)
+    if theta <= 0:
+        raise CheckpointError(f"GGUF file {path}: metadata '{arch}.rope.freq_base' is "
+                              f"{theta}, not positive")
     scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
-    factor = float(_field(reader, f"{arch}.rope.scaling.factor", 1.0) or 1.0)
+    factor = _float_field(reader, f"{arch}.rope.scaling.factor", path, 1.0) or 1.0
     freqs = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
     if freqs is not None:
         return _llama3_rope(reader, arch, freqs, theta, head_dim, context, path)
@@ -186,8 +212,8 @@ def _llama3_rope(
             f"tensor {_ROPE_FREQS!r} in {path} has {divisors.size} values, "
             f"expected head_dim / 2 = {head_dim // 2}"
         )
-    original = int(
-        _field(reader, f"{arch}.rope.scaling.original_context_length", 0)
+    original = (
+        _int_field(reader, f"{arch}.rope.scaling.original_context_length", path, 0)
         or _LLAMA3_ORIGINAL_CONTEXT
     )
     rope = RopeConfig(
@@ -232,11 +258,17 @@ def _config_from_reader(reader: Any, path: Path, dtype: str, device: jax.Device 
     shapes = {t.name: _tensor_shape(t) for t in reader.tensors}
     if "token_embd.weight" not in shapes:
         raise CheckpointError(f"GGUF file {path} lacks the tensor 'token_embd.weight'")
+    if len(shapes["token_embd.weight"]) != 2:
+        raise CheckpointError(f"GGUF file {path}: tensor 'token_embd.weight' has shape "
+                              f"{shapes['token_embd.weight']}, not [vocab, hidden]")
     vocab, hidden = shapes["token_embd.weight"]
     heads = _required_int(reader, f"{gguf_arch}.attention.head_count", path)
-    kv_heads = int(_field(reader, f"{gguf_arch}.attention.head_count_kv", heads))
-    head_dim = int(_field(reader, f"{gguf_arch}.attention.key_length", 0) or hidden // heads)
-    rotary = int(_field(reader, f"{gguf_arch}.rope.dimension_count", head_dim))
+    if heads <= 0:
+        raise CheckpointError(f"GGUF file {path} has {heads} attention heads")
+    kv_heads = _int_field(reader, f"{gguf_arch}.attention.head_count_kv", path, heads)
+    head_dim = (_int_field(reader, f"{gguf_arch}.attention.key_length", path, 0)
+                or hidden // heads)
+    rotary = _int_field(reader, f"{gguf_arch}.rope.dimension_count", path, head_dim)
     if rotary != head_dim:
         raise CheckpointError(
             f"GGUF file {path} rotates {rotary} of {head_dim} head features; "
@@ -260,8 +292,8 @@ def _config_from_reader(reader: Any, path: Path, dtype: str, device: jax.Device 
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(
-                _field(reader, f"{gguf_arch}.attention.layer_norm_rms_epsilon", 1e-6)
+            rms_norm_eps=_float_field(
+                reader, f"{gguf_arch}.attention.layer_norm_rms_epsilon", path, 1e-6
             ),
             rope=_rope(reader, gguf_arch, head_dim, context, path),
             max_position_embeddings=context,
@@ -271,8 +303,12 @@ def _config_from_reader(reader: Any, path: Path, dtype: str, device: jax.Device 
             mlp_bias="blk.0.ffn_gate.bias" in shapes,
             qk_norm="blk.0.attn_q_norm.weight" in shapes,
             dtype=dtype,
-            eos_token_ids=tuple(sorted({int(e) for e in eos if isinstance(e, int)})),
+            eos_token_ids=tuple(sorted({
+                int(e) for e in eos if isinstance(e, int) and not isinstance(e, bool)
+            })),
         )
+    except CheckpointError:
+        raise
     except ValueError as exc:
         raise CheckpointError(f"GGUF file {path} describes an invalid model: {exc}") from None
 
@@ -452,22 +488,73 @@ def load_gguf_tokenizer(path: str | Path) -> Any:
 def _tokenizer(reader: Any, path: Path) -> Any:
     if "tokenizer.ggml.tokens" not in reader.fields:
         return None
+    _check_vocabulary(reader, path)
     try:
-        tokenizer = _tokenizer_from_metadata(reader)
+        tokenizer = _tokenizer_from_metadata(reader, path)
         if tokenizer is None:
             tokenizer = _tokenizer_through_auto(path)
+    except CheckpointError:
+        raise
     except ImportError as err:
         raise ValueError(
             f"reading the tokenizer of {path} needs transformers' GGUF support: {err}"
         ) from None
     except Exception as err:  # transformers raises many types; name the file
-        raise ValueError(f"cannot build the tokenizer of {path}: {err}") from None
+        raise CheckpointError(f"cannot build the tokenizer of {path}: {err}") from None
     template = _field(reader, "tokenizer.chat_template")
     if template and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = template
     return tokenizer
 
 
+def _check_vocabulary(reader: Any, path: Path) -> None:
+    """Check the tokenizer metadata's types and bound the arrays the tokenizer decodes
+    before anything decodes them: a token list of strings, no longer than ``MAX_VOCAB`` or
+    the embedding's rows, merges of strings, scores and token types one per token."""
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    if not isinstance(tokens, GGUFArray) or not tokens.strings:
+        raise CheckpointError(f"GGUF file {path}: metadata 'tokenizer.ggml.tokens' is "
+                              f"{_describe(tokens)}, not an array of strings")
+    embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    shape = _tensor_shape(embedding) if embedding is not None else ()
+    rows = shape[0] if len(shape) == 2 else MAX_VOCAB
+    if not 0 < len(tokens) <= min(rows, MAX_VOCAB):
+        raise CheckpointError(
+            f"GGUF file {path}: 'tokenizer.ggml.tokens' holds {len(tokens)} tokens; at "
+            f"least 1 and at most {min(rows, MAX_VOCAB)} (the embedding's rows, at most "
+            f"{MAX_VOCAB}) are supported"
+        )
+    merges = _field(reader, "tokenizer.ggml.merges")
+    if merges is not None and (not isinstance(merges, GGUFArray) or not merges.strings):
+        raise CheckpointError(f"GGUF file {path}: metadata 'tokenizer.ggml.merges' is "
+                              f"{_describe(merges)}, not an array of strings")
+    for key in _TOKENIZER_STRINGS:
+        value = _field(reader, key)
+        if value is not None and not isinstance(value, str):
+            raise CheckpointError(f"GGUF file {path}: metadata {key!r} is {_describe(value)}, "
+                                  "not a string")
+    for key in ("tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
+        values = _field(reader, key)
+        if values is not None and (
+            not isinstance(values, GGUFArray) or not values.numeric or len(values) != len(tokens)
+        ):
+            raise CheckpointError(f"GGUF file {path}: metadata {key!r} is {_describe(values)}, "
+                                  f"not one number for each of the {len(tokens)} tokens")
+
+
+def _tokenizer_value(reader: Any, key: str, path: Path) -> Any:
+    """A tokenizer metadata value as transformers takes it: arrays decoded to lists, once
+    their length is bounded."""
+    value = _field(reader, key)
+    if not isinstance(value, GGUFArray):
+        return value
+    if len(value) > MAX_VOCAB:
+        raise CheckpointError(f"GGUF file {path}: metadata {key!r} is {_describe(value)}, "
+                              f"more than the {MAX_VOCAB} supported")
+    return value.tolist()
+
+
+_TOKENIZER_STRINGS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template")
 _SPECIAL_TOKEN_IDS = {
     "bos_token": "bos_token_id",
     "eos_token": "eos_token_id",
@@ -476,7 +563,7 @@ _SPECIAL_TOKEN_IDS = {
 }
 
 
-def _tokenizer_from_metadata(reader: Any) -> Any:
+def _tokenizer_from_metadata(reader: Any, path: Path) -> Any:
     """transformers' own GGUF tokenizer conversion fed from the already parsed metadata
     (transformers >= 5; None on older versions). Same result as
     ``AutoTokenizer.from_pretrained(dir, gguf_file=...)`` without re-reading the file or
@@ -495,7 +582,7 @@ def _tokenizer_from_metadata(reader: Any) -> Any:
 
     groups = {
         group: {
-            name: _field(reader, f"tokenizer.{key}")
+            name: _tokenizer_value(reader, f"tokenizer.{key}", path)
             for key, name in renames.items()
             if f"tokenizer.{key}" in reader.fields
         }
@@ -504,9 +591,13 @@ def _tokenizer_from_metadata(reader: Any) -> Any:
     vocabulary, init = groups["tokenizer"], groups["tokenizer_config"]
     if vocabulary.get("tokenizer_type") == "llama":
         init.setdefault("add_bos_token", True)  # llama.cpp's default for sentencepiece
+    tokens = vocabulary["tokens"]
     for name, key in _SPECIAL_TOKEN_IDS.items():
-        token_id = _field(reader, f"tokenizer.ggml.{key}")
-        init[name] = vocabulary["tokens"][token_id] if token_id is not None else None
+        token_id = _int_field(reader, f"tokenizer.ggml.{key}", path)
+        if token_id is not None and not 0 <= token_id < len(tokens):
+            raise CheckpointError(f"GGUF file {path}: 'tokenizer.ggml.{key}' is {token_id}, "
+                                  f"not one of the {len(tokens)} token ids")
+        init[name] = tokens[token_id] if token_id is not None else None
     backend, extra = convert_gguf_tokenizer(_field(reader, "general.architecture"), vocabulary)
     return PreTrainedTokenizerFast(tokenizer_object=backend, **{**init, **extra})
 
