@@ -37,6 +37,17 @@ def default_cache_dir() -> Path:
     return Path(base) / "kvpage" / "xla"
 
 
+def cache_dir(path: str | None) -> Path | None:
+    """The directory :func:`enable_compilation_cache` uses for ``path``, without
+    turning anything on (the folder kvpage's other start-up caches live in)."""
+    configured = jax.config.jax_compilation_cache_dir
+    if configured:
+        return Path(configured)
+    if not path or path.lower() in ("none", "off"):
+        return None
+    return default_cache_dir() if path == "auto" else Path(path).expanduser()
+
+
 def enable_compilation_cache(path: str | None) -> Path | None:
     """Turn JAX's persistent cache on at ``path`` (``"auto"``: :func:`default_cache_dir`)
     unless the process already configured one; returns the directory in use (None: off;

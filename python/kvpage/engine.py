@@ -47,12 +47,13 @@ from typing import Any
 import numpy as np
 
 from kvpage._core import OutputStreams, Scheduler, TokenDecoder
-from kvpage.compilation_cache import compile_counts, enable_compilation_cache
+from kvpage.compilation_cache import cache_dir, compile_counts, enable_compilation_cache
 from kvpage.detokenizer import _PROMPT_CONTEXT_TOKENS, rust_token_decoder
 from kvpage.engine_config import EngineConfig
 from kvpage.model.config import ModelConfig
-from kvpage.model.gguf_loader import is_gguf, load_gguf
+from kvpage.model.gguf_loader import is_gguf, load_gguf, load_gguf_tokenizer
 from kvpage.model.loader import load_model
+from kvpage.model.tokenizer_cache import TOKENIZER_DIR_NAME, load_through_cache
 from kvpage.output_streams import OutputTuple, PythonOutputStreams
 from kvpage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvpage.prompt_logprobs import PromptLogprobsRecord, step_prompt_targets
@@ -160,23 +161,28 @@ def load_model_and_tokenizer(
     dtype: str = "auto",
     quantization: str = "auto",
     tensor_parallel_size: int = 1,
+    tokenizer_cache_dir: Path | None = None,
 ) -> tuple[ModelConfig, Any, Any, Path | None]:
     """``(model_config, params, tokenizer, model_dir)`` from an HF model directory or a
     GGUF file (``model_dir`` is None for a GGUF file; ``tokenizer`` None if there is
-    none). ``quantization``: :mod:`kvpage.quant.modes`."""
+    none). ``quantization``: :mod:`kvpage.quant.modes`. With ``tokenizer_cache_dir`` a
+    start after the first reads the tokenizer without transformers
+    (:mod:`kvpage.model.tokenizer_cache`)."""
     path = Path(model)
     if is_gguf(path):
         start = time.perf_counter()
-        model_config, params, tokenizer = load_gguf(
+        model_config, params, _ = load_gguf(
             path, dtype=dtype, quantization=quantization,
-            tensor_parallel_size=tensor_parallel_size,
+            tensor_parallel_size=tensor_parallel_size, tokenizer=False,
         )
+        tokenizer = load_through_cache(path, tokenizer_cache_dir,
+                                       lambda: load_gguf_tokenizer(path))
         logger.info("loaded %s (%s) in %.1f s", path, model_config.dtype,
                     time.perf_counter() - start)
         return model_config, params, tokenizer, None
     model_config, params = load_model(path, dtype=dtype, quantization=quantization)
     tokenizer = (
-        load_tokenizer(path)
+        load_through_cache(path, tokenizer_cache_dir, lambda: load_tokenizer(path))
         if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file()
         else None
     )
@@ -299,9 +305,11 @@ class LLMEngine:
             tensor_parallel_size = mesh_size(mesh)
         else:
             tensor_parallel_size = config.tensor_parallel_size
+        cache = cache_dir(config.compilation_cache_dir)
         model_config, params, tokenizer, model_dir = load_model_and_tokenizer(
             config.model, dtype=config.dtype, quantization=config.quantization,
             tensor_parallel_size=tensor_parallel_size,
+            tokenizer_cache_dir=None if cache is None else cache / TOKENIZER_DIR_NAME,
         )
         return cls(config, model_config, params, tokenizer, model_dir, mesh=mesh)
 

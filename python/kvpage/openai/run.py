@@ -23,6 +23,7 @@ from typing import Any
 
 from kvpage.async_engine import AsyncLLMEngine
 from kvpage.engine_config import EngineConfig
+from kvpage.model.tokenizer_cache import CachedTokenizer
 from kvpage.openai.app import build_app
 from kvpage.openai.guard import DEFAULT_MAX_BODY_BYTES
 
@@ -128,6 +129,9 @@ def run_server(
     first = names if isinstance(names, str) else names[0]
     logger.info("loading %s", model_dir)
     engine = AsyncLLMEngine.from_config(config, model_name=first, metrics_prefix=metrics_prefix)
+    tokenizer = engine.tokenizer
+    if isinstance(tokenizer, CachedTokenizer):  # chat templates need the HF tokenizer:
+        tokenizer.prepare_in_background()  # built while the first requests run
     signalled: list[float] = []
 
     def on_signal() -> None:
