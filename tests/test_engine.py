@@ -254,7 +254,10 @@ def test_the_engine_max_logprobs_is_the_one_logprobs_limit(tiny_model_dir: Path)
 def test_bad_requests_are_rejected_and_leave_the_engine_healthy(llm: LLM) -> None:
     engine = llm.engine
     with pytest.raises(ValueError, match="max_model_len"):
-        engine.add_request("too-long", {"prompt_token_ids": [1] * 128})
+        engine.add_request("too-long", {"prompt_token_ids": [1] * 129})
+    # A prompt of max_model_len tokens gets its one sampled token (its KV is never needed).
+    full = llm.generate([{"prompt_token_ids": [1] * 128}], GREEDY, use_tqdm=False)[0].outputs[0]
+    assert len(full.token_ids) == 1 and full.finish_reason == "length"
     with pytest.raises(ValueError, match="min_tokens=20 cannot be reached: only 8 tokens fit"):
         engine.add_request("unreachable", {"prompt_token_ids": [1] * 120},
                            SamplingParams(min_tokens=20, max_tokens=None))

@@ -119,8 +119,8 @@ def test_the_store_is_off_without_a_cache_or_when_asked(
 ) -> None:
     monkeypatch.setenv("KVPAGE_EXECUTABLE_STORE", "1")
     with _cache_dir(None):
-        assert ExecutableStore.for_compilation_cache({}) is None
+        assert ExecutableStore.for_compilation_cache({}, jax.devices()[0]) is None
     with _cache_dir(tmp_path):
-        assert ExecutableStore.for_compilation_cache({}) is not None
+        assert ExecutableStore.for_compilation_cache({}, jax.devices()[0]) is not None
         monkeypatch.setenv("KVPAGE_EXECUTABLE_STORE", "0")
-        assert ExecutableStore.for_compilation_cache({}) is None
+        assert ExecutableStore.for_compilation_cache({}, jax.devices()[0]) is None

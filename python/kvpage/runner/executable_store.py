@@ -97,22 +97,25 @@ class ExecutableStore:
     """Serialized executables under ``directory``, keyed by ``trace_inputs`` (the
     runner's configuration, hashed with :func:`code_fingerprint`) and a piece's key."""
 
-    def __init__(self, directory: Path, trace_inputs: Any) -> None:
+    def __init__(self, directory: Path, trace_inputs: Any, device: jax.Device) -> None:
         digest = hashlib.sha256(code_fingerprint().encode())
         digest.update(repr(trace_inputs).encode())
         self.directory = Path(directory) / digest.hexdigest()[:32]
+        self.device = device
+        """The one device the executables run on (a process may see several)."""
         self.loads = 0
         """Executables loaded from disk."""
         self.saves = 0
 
     @classmethod
-    def for_compilation_cache(cls, trace_inputs: Any) -> ExecutableStore | None:
+    def for_compilation_cache(cls, trace_inputs: Any, device: jax.Device
+                              ) -> ExecutableStore | None:
         """The store inside JAX's persistent cache directory, when one is configured and
         the store is not turned off (``KVPAGE_EXECUTABLE_STORE=0``)."""
         cache_dir = jax.config.jax_compilation_cache_dir
         if not cache_dir or os.environ.get("KVPAGE_EXECUTABLE_STORE", "1") == "0":
             return None
-        return cls(Path(cache_dir) / STORE_DIR_NAME, trace_inputs)
+        return cls(Path(cache_dir) / STORE_DIR_NAME, trace_inputs, device)
 
     def _path(self, piece: Hashable) -> Path:
         name = hashlib.sha256(repr(piece).encode()).hexdigest()[:32]
@@ -135,7 +138,8 @@ class ExecutableStore:
             if stored_piece != repr(piece):
                 raise ValueError(f"the file holds {stored_piece}")
             register_all()  # its host kernels, which no trace registered
-            compiled = deserialize_and_load(serialized, in_tree, out_tree)
+            compiled = deserialize_and_load(serialized, in_tree, out_tree,
+                                            execution_devices=[self.device])
             if signature(compiled.args_info) != signature((args, {})):
                 raise ValueError("its arguments differ from the ones this runner passes")
         except Exception as err:  # a stale or damaged file is a miss, replaced on save

@@ -311,7 +311,8 @@ class ModelRunner:
             jax.device_put(np.int32(i), self._replicated) for i in range(config.num_layers)
         ] if self._stacked else []
         self._store = (
-            ExecutableStore.for_compilation_cache(self.trace_inputs()) if mesh is None else None
+            ExecutableStore.for_compilation_cache(self.trace_inputs(), self.device)
+            if mesh is None else None
         )
         """Executables of earlier starts (:mod:`kvpage.runner.executable_store`); not
         used with a mesh, whose executables are placed on several devices."""
