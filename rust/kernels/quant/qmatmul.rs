@@ -899,13 +899,23 @@ mod avx2 {
         horizontal_sum(acc) + offset
     }
 
-    /// The halves at `at` and `at + 2` as floats (lanes 0 and 1).
+    /// The halves at `at` and `at + 2` as floats (lanes 0 and 1). Reads 4 bytes:
+    /// only where both halves are inside the block ([`one_f16`] for a lone one).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn two_f16(at: *const u8) -> __m128 {
         _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(
             at as *const i32,
         )))
+    }
+
+    /// The half at `at` as a float, reading its 2 bytes only (a Q6_K block ends
+    /// with its scale: a 4-byte read there runs past the buffer's end).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn one_f16(at: *const u8) -> f32 {
+        let half = std::ptr::read_unaligned(at as *const u16);
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(half))))
     }
 
     #[inline]
@@ -1111,7 +1121,7 @@ mod avx2 {
         #[target_feature(enable = "avx2,fma,f16c")]
         unsafe fn sub(block: *const u8, j: usize, _row_scale: f32) -> Sub {
             let (half, chunk) = (j / 4, j % 4);
-            let d = _mm_cvtss_f32(two_f16(block.add(208)));
+            let d = one_f16(block.add(208));
             let low = _mm256_loadu_si256(block.add(64 * half + 32 * (chunk & 1)) as *const __m256i);
             let high = _mm256_loadu_si256(block.add(128 + 32 * half) as *const __m256i);
             let low = if chunk >= 2 {
