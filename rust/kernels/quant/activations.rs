@@ -9,7 +9,10 @@
 //!
 //! Invariant: `q`, `d` and `half_sums` have `rows * inner`, `rows * inner / 32`
 //! and `rows * inner / 16` entries; a block of zeros has `d = 0` and `q = 0`;
-//! `|q| <= 32767`, so a sum of 32 products with weights `|w| <= 128` fits in i32.
+//! `|q| <= 32767`, so a sum of 32 products with weights `|w| <= 128` fits in i32;
+//! a block holding a NaN or an infinity has `d = NaN`, so every product of its
+//! row is NaN, as the float path's is (`f32::max` skips NaN and NaN casts to 0:
+//! a NaN input would otherwise vanish from a one-row product).
 
 use super::formats::SUB;
 
@@ -43,14 +46,17 @@ impl Q16Rows {
             .enumerate()
         {
             let amax = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            let d = amax / 32767.0;
-            let inverse = if d == 0.0 { 0.0 } else { 1.0 / d };
+            let (low, high): (f32, f32) = (xs[..16].iter().sum(), xs[16..].iter().sum());
+            // The sum is NaN exactly when the block holds a NaN (or both infinities).
+            let finite = amax.is_finite() && !(low + high).is_nan();
+            let d = if finite { amax / 32767.0 } else { f32::NAN };
+            let inverse = if d == 0.0 || !finite { 0.0 } else { 1.0 / d };
             for (v, q) in xs.iter().zip(qs.iter_mut()) {
                 *q = (round_ties_even_small(v * inverse) as i32).clamp(-32767, 32767) as i16;
             }
             out.d[b] = d;
-            out.half_sums[2 * b] = xs[..16].iter().sum();
-            out.half_sums[2 * b + 1] = xs[16..].iter().sum();
+            out.half_sums[2 * b] = low;
+            out.half_sums[2 * b + 1] = high;
         }
         out
     }
