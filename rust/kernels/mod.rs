@@ -30,6 +30,10 @@ pub mod cpu_attention;
 mod cpu_attention_avx2;
 pub mod cpu_matmul;
 pub mod decoder_layer;
+#[cfg(test)]
+mod guard_page;
+#[cfg(test)]
+mod guard_page_tests;
 pub mod lazy_zeros;
 pub mod parallel;
 pub mod quant;

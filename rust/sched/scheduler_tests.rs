@@ -587,7 +587,9 @@ fn a_prompt_of_max_model_len_tokens_gets_one_token_and_needs_no_more_kv() {
     let full = sched
         .add_request(&prompt(16, 0), params(u32::MAX), 0, None)
         .unwrap();
-    let scored = sched.add_request(&prompt(16, 5), params(1), 0, None).unwrap();
+    let scored = sched
+        .add_request(&prompt(16, 5), params(1), 0, None)
+        .unwrap();
     let out = run(&mut sched, |_, _| 5);
     for handle in [full, scored] {
         assert_eq!(out.tokens[&(handle, 0)], vec![5]);

@@ -31,4 +31,4 @@ pub mod formats;
 pub mod qmatmul;
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -32,7 +32,13 @@ fn random_block(rng: &mut TestRng, kind: QuantType) -> Vec<u8> {
     block
 }
 
-fn random_weights(rng: &mut TestRng, kind: QuantType, outs: usize, inner: usize) -> Vec<u8> {
+/// Random, well-formed weights of `kind` for `outs` rows of `inner` inputs.
+pub(crate) fn random_weights(
+    rng: &mut TestRng,
+    kind: QuantType,
+    outs: usize,
+    inner: usize,
+) -> Vec<u8> {
     let blocks = outs * inner / kind.block_elems();
     (0..blocks).flat_map(|_| random_block(rng, kind)).collect()
 }
@@ -304,6 +310,52 @@ fn dequantize_tiles_equal_the_reference_unpacking() {
                     (got - want).abs() <= 1e-6 * want.abs().max(1e-3),
                     "{kind:?} {o} {i}"
                 );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_nan_or_infinite_input_gives_a_non_finite_row_on_every_path() {
+    // One row alone takes the 16-bit integer path, where a NaN once vanished
+    // (f32::max skips it, and NaN casts to integer 0).
+    let mut rng = TestRng::new(37);
+    for kind in QuantType::ALL {
+        for rows in [1, 2, 7, 20] {
+            for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+                let shape = QuantShape {
+                    kind,
+                    rows,
+                    inner: 2 * kind.block_elems(),
+                    outs: 9,
+                };
+                let mut x: Vec<f32> = (0..rows * shape.inner)
+                    .map(|_| rng.below(2001) as f32 / 1000.0 - 1.0)
+                    .collect();
+                let poisoned = rows - 1;
+                x[poisoned * shape.inner + 5] = bad;
+                let w = random_weights(&mut rng, kind, shape.outs, shape.inner);
+                let s = if kind.row_scaled() {
+                    vec![0.01; shape.outs]
+                } else {
+                    Vec::new()
+                };
+                let mut y = vec![0.0; rows * shape.outs];
+                qmatmul(&shape, &x, &w, &s, &mut y).unwrap();
+                for (r, row) in y.chunks(shape.outs).enumerate() {
+                    if r == poisoned {
+                        let ok = row.iter().all(|v| {
+                            if bad.is_nan() {
+                                v.is_nan()
+                            } else {
+                                !v.is_finite()
+                            }
+                        });
+                        assert!(ok, "{kind:?}, {rows} rows, input {bad}: {row:?}");
+                    } else {
+                        assert!(row.iter().all(|v| v.is_finite()), "{kind:?} row {r}");
+                    }
+                }
             }
         }
     }
