@@ -33,6 +33,8 @@ WINDOW_S = 5.0
 """Throughput is taken over windows this long (sliding by 0.5 s)."""
 
 _SERVE = "import sys; from kvpage.cli import main; sys.exit(main())"
+"""``kvpage serve`` as a user starts it (``main()`` reads ``sys.argv`` and may run itself
+again with the huge-page tunable, ``kvpage/huge_pages.py``), from this interpreter."""
 
 
 def token_times(records: Sequence[Any]) -> np.ndarray:

@@ -39,11 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from kvpage.bench.common import BenchRequest, format_table, synthetic_requests
+from kvpage.bench.first_minute import kvpage_serve_command, stop
 from kvpage.bench.startup import wait_health
-
-_SERVE = "import sys; from kvpage.cli import main; sys.exit(main())"
-"""``kvpage serve`` as a user starts it (``main()`` reads ``sys.argv`` and may run itself
-again with the huge-page tunable, ``kvpage/huge_pages.py``), from this interpreter."""
 
 
 def _rss_mib(pid: int) -> float | None:
@@ -54,15 +51,6 @@ def _rss_mib(pid: int) -> float | None:
     except OSError:
         return None
     return None
-
-
-def _stop(proc: subprocess.Popen[Any]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(30)
 
 
 def workloads(levels: list[int], input_len: int, output_len: int, vocab: int,
@@ -112,7 +100,7 @@ class _Server:
     def stop(self) -> None:
         if self.log.closed:
             return
-        _stop(self.proc)
+        stop(self.proc)
         self.log.close()
 
 
@@ -179,9 +167,8 @@ def _start_and_run(args: argparse.Namespace, model: str, servers: list[_Server],
 
     for mode in args.quantization:
         port = free_port()
-        command = [sys.executable, "-c", _SERVE, "serve", model, "--host", "127.0.0.1",
-                   "--port", str(port), "--quantization", mode, "--max-num-seqs", str(top),
-                   "--warmup", "full"]
+        command = kvpage_serve_command(model, port, "--quantization", mode,
+                                       "--max-num-seqs", str(top), "--warmup", "full")
         servers.append(_Server(f"kvpage ({mode})", command, f"http://127.0.0.1:{port}",
                                workdir / f"kvpage-{mode}.log"))
         servers[-1].wait_ready()  # one compile at a time: each gets both cores
