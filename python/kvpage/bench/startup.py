@@ -145,13 +145,15 @@ RAMP_CONCURRENCY = 32
 def time_ramp(model: str, cache_home: Path, workdir: Path,
               concurrency: int = RAMP_CONCURRENCY) -> dict[str, Any]:
     """``kvpage serve`` loaded at ``concurrency`` from ``/health``: the first round's
-    throughput, the steady state (same requests once every executable is built) and the
-    seconds from ``/health`` to 90 % of it."""
+    throughput, the steady state (requests of the same mix once every executable is
+    built) and the seconds from ``/health`` to 90 % of it."""
     from kvpage.bench import first_minute as fm
     from kvpage.bench.common import synthetic_requests
     from kvpage.bench.loopback import free_port
 
     requests = synthetic_requests(2 * concurrency, dataset="sharegpt", vocab_size=500, seed=0)
+    # Other prompts of the same mix: the first round's would hit the prefix cache.
+    again = synthetic_requests(2 * concurrency, dataset="sharegpt", vocab_size=500, seed=1)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = fm.start_server(fm.kvpage_serve_command(model, port), workdir / f"ramp-{port}.log",
@@ -159,7 +161,7 @@ def time_ramp(model: str, cache_home: Path, workdir: Path,
     try:
         first = fm.serve_from_health(url, proc, requests, concurrency)
         compiling_s = fm.wait_until_compiled(url)
-        steady = fm.steady_rate(url, requests, concurrency)
+        steady = fm.steady_rate(url, again, concurrency)
     finally:
         fm.stop(proc)
     return {

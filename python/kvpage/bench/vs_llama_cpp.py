@@ -216,8 +216,9 @@ def run_first_minute(args: argparse.Namespace, model: str) -> dict[str, Any]:
     try:
         wait_health(url, proc, time.perf_counter())
         fm.wait_until_compiled(url)
-        for level in levels:
-            fm.steady_rate(url, requests[level], level)
+        for level in levels:  # other prompts of each level's shape (no prefix-cache hits)
+            fm.steady_rate(url, workloads([level], args.input_len, args.output_len, vocab,
+                                          args.seed + 1000)[level], level)
         fm.wait_until_compiled(url)
     finally:
         fm.stop(proc)
