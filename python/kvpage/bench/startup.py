@@ -233,7 +233,10 @@ def run(model: str, llama_server: str | None, skip_hf: bool, ramp: bool = True
         result["transformers"] = time_transformers(model)
     binary = llama_server or shutil.which("llama-server")
     if binary:
-        result["llama_server"] = time_llama_server(binary, model)
+        try:  # a peer that fails to start is reported, not a reason to lose the run
+            result["llama_server"] = time_llama_server(binary, model)
+        except RuntimeError as err:
+            result["llama_server"] = {"skipped": f"{binary} failed: {err}"}
     else:
         result["llama_server"] = {
             "skipped": "llama-server not on PATH (bash ../shared/tools/build_llama_server.sh "
