@@ -115,7 +115,7 @@ def test_background_compile_serves_at_once_with_the_same_tokens(tiny_model_dir: 
     background = runner.background_compiler
     assert background is not None and background.wait(timeout=600)
     assert background.failed == []
-    assert background.pending == 0 and served.engine.get_stats()["step_executables_pending"] == 0
+    assert background.pending == 0 and served.engine.step_executables_pending() == 0
     assert runner.compiled_buckets == sorted(runner.warmup_buckets())
     again = [o.outputs[0].token_ids for o in served.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert again == expected

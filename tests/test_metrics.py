@@ -21,7 +21,7 @@ def _stats(**overrides: float) -> dict[str, float]:
     stats = {"num_requests_running": 3, "num_requests_waiting": 2, "kv_cache_usage_perc": 0.25,
              "prefix_cache_query_tokens": 100, "prefix_cache_hit_tokens": 40,
              "num_preemptions": 1, "last_step_tokens": 17, "prompt_tokens_total": 120,
-             "generation_tokens_total": 30, "step_executables_pending": 7}
+             "generation_tokens_total": 30}
     stats.update(overrides)
     return stats
 
@@ -43,7 +43,12 @@ def test_gauges_and_counters_follow_running_totals() -> None:
     assert _value(m, "kvpage:num_requests_running") == 3
     assert _value(m, "kvpage:num_requests_waiting") == 2
     assert _value(m, "kvpage:kv_cache_usage_perc") == 0.25
+    assert _value(m, "kvpage:step_executables_pending") == 0
+    pending = [7]
+    m.track_pending(lambda: pending[0])  # read at each scrape, steps or not
     assert _value(m, "kvpage:step_executables_pending") == 7
+    pending[0] = 0
+    assert _value(m, "kvpage:step_executables_pending") == 0
     assert _value(m, "kvpage:prefix_cache_queries_total") == 100
     assert _value(m, "kvpage:prefix_cache_hits_total") == 40
     assert _value(m, "kvpage:num_preemptions_total") == 1

@@ -213,6 +213,9 @@ class AsyncLLMEngine:
             model_name, log_interval_s=5.0 if log_stats else None, prefix=metrics_prefix,
             max_model_len=getattr(engine, "max_model_len", 1 << 17),
             cache_config=cache_config_info(engine))
+        pending = getattr(engine, "step_executables_pending", None)  # engines without a runner
+        if pending is not None:  # (the HTTP tests' doubles) have no warm-up to report
+            self.metrics.track_pending(pending)
         self._cond = threading.Condition()
         self._inbox: list[_Add | _Abort | _Call] = []
         self._accepting = True

@@ -876,9 +876,13 @@ class LLMEngine:
         stats["request_success_total"] = dict(self.finished_counts)
         stats["num_unfinished_requests"] = len(self._requests)
         stats["timing"] = self.timing.as_dict()
-        background = self.runner.background_compiler
-        stats["step_executables_pending"] = 0 if background is None else background.pending
+        stats["step_executables_pending"] = self.step_executables_pending()
         return stats
+
+    def step_executables_pending(self) -> int:
+        """Step executables the background warm-up has not built yet (any thread)."""
+        background = self.runner.background_compiler
+        return 0 if background is None else background.pending
 
     def check_invariants(self) -> None:
         """Raise if the KV pool or scheduler state is inconsistent."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -187,6 +187,7 @@ class EngineMetrics:
         self.step_executables_pending = gauge(
             "step_executables_pending",
             "Step executables the background warm-up has not built yet (0: full speed).")
+        """Read at each scrape (:meth:`track_pending`): it changes while no step runs."""
         self.prefix_cache_queries = counter(
             "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter(
@@ -253,6 +254,10 @@ class EngineMetrics:
         self._log_time = time.monotonic()
         self._log_totals: dict[str, float] = {}
 
+    def track_pending(self, pending: Callable[[], int]) -> None:
+        """Report ``pending()`` as ``step_executables_pending`` at every scrape."""
+        self.step_executables_pending.set_function(pending)
+
     # ---- updates (engine thread) ----------------------------------------
 
     def request_success(self, finished_reason: str) -> Any:
@@ -274,7 +279,6 @@ class EngineMetrics:
         self.num_requests_running.set(stats.get("num_requests_running", 0))
         self.num_requests_waiting.set(stats.get("num_requests_waiting", 0))
         self.kv_cache_usage_perc.set(stats.get("kv_cache_usage_perc", 0.0))
-        self.step_executables_pending.set(stats.get("step_executables_pending", 0))
         for attr, key in _CUMULATIVE_STATS.items():
             if key not in stats:
                 continue
