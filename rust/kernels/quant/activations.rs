@@ -45,18 +45,18 @@ impl Q16Rows {
             .zip(out.q.chunks_exact_mut(SUB))
             .enumerate()
         {
+            // `f32::max` skips a NaN: a second, branch-free fold finds one.
             let amax = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            let (low, high): (f32, f32) = (xs[..16].iter().sum(), xs[16..].iter().sum());
-            // The sum is NaN exactly when the block holds a NaN (or both infinities).
-            let finite = amax.is_finite() && !(low + high).is_nan();
+            let nan = xs.iter().fold(false, |seen, v| seen | v.is_nan());
+            let finite = amax.is_finite() && !nan;
             let d = if finite { amax / 32767.0 } else { f32::NAN };
             let inverse = if d == 0.0 || !finite { 0.0 } else { 1.0 / d };
             for (v, q) in xs.iter().zip(qs.iter_mut()) {
                 *q = (round_ties_even_small(v * inverse) as i32).clamp(-32767, 32767) as i16;
             }
             out.d[b] = d;
-            out.half_sums[2 * b] = low;
-            out.half_sums[2 * b + 1] = high;
+            out.half_sums[2 * b] = xs[..16].iter().sum();
+            out.half_sums[2 * b + 1] = xs[16..].iter().sum();
         }
         out
     }
@@ -79,7 +79,28 @@ fn round_ties_even_small(x: f32) -> f32 {
 
 #[cfg(test)]
 mod tests {
-    use super::round_ties_even_small;
+    use super::{round_ties_even_small, Q16Rows};
+
+    #[test]
+    fn a_block_scale_is_nan_exactly_when_the_block_holds_a_nan_or_an_infinity() {
+        let block = |value: f32, at: usize| {
+            let mut xs = [0.5f32; 32];
+            xs[at] = value;
+            Q16Rows::quantize(&xs, 1, 32).d[0]
+        };
+        for at in [0, 17, 31] {
+            for bad in [f32::NAN, -f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+                assert!(block(bad, at).is_nan(), "{bad} at {at}");
+            }
+            assert!(block(-3.0, at).is_finite());
+        }
+        // Finite inputs whose half sums overflow (to +inf and -inf) keep a finite
+        // scale, as their float products stay finite.
+        let huge: Vec<f32> = (0..32).map(|i| if i < 16 { 3e38 } else { -3e38 }).collect();
+        let rows = Q16Rows::quantize(&huge, 1, 32);
+        assert_eq!(rows.d[0], 3e38 / 32767.0);
+        assert_eq!(rows.q[0], 32767);
+    }
 
     #[test]
     fn small_rounding_is_ties_to_even() {
