@@ -98,13 +98,29 @@ pub fn matmul_nt(shape: &MatmulShape, x: &[f32], w: &[f32], y: &mut [f32]) -> Re
 /// `x`, `w` and the buffer behind `y` passed [`validate`] for `shape`; no other
 /// thread writes the same tile concurrently.
 pub unsafe fn matmul_nt_tile(shape: &MatmulShape, x: &[f32], w: &[f32], y: OutPtr, tile: usize) {
+    tile_with(instruction_set(), shape, x, w, y, tile)
+}
+
+/// [`matmul_nt_tile`] with the kernel of `set`, whatever [`instruction_set`]
+/// chose (tests run every kernel the CPU has).
+///
+/// # Safety
+/// As [`matmul_nt_tile`], and the CPU has `set`'s instructions.
+pub(crate) unsafe fn tile_with(
+    set: InstructionSet,
+    shape: &MatmulShape,
+    x: &[f32],
+    w: &[f32],
+    y: OutPtr,
+    tile: usize,
+) {
     let start = tile * OUTS_PER_TILE;
     let end = (start + OUTS_PER_TILE).min(shape.outs);
     if start >= end {
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    match instruction_set() {
+    match set {
         InstructionSet::Avx512 => {
             return vectorized_tile::<avx512::Avx512>(shape, x, w, y, start, end)
         }
@@ -113,6 +129,8 @@ pub unsafe fn matmul_nt_tile(shape: &MatmulShape, x: &[f32], w: &[f32], y: OutPt
         }
         InstructionSet::Portable => {}
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = set;
     portable::tile(shape, x, w, y, start, end);
 }
 
@@ -164,6 +182,22 @@ fn detect() -> InstructionSet {
 #[cfg(not(target_arch = "x86_64"))]
 fn detect() -> InstructionSet {
     InstructionSet::Portable
+}
+
+/// Every kernel this CPU can run, the portable loop first (tests).
+#[cfg(test)]
+pub(crate) fn available_instruction_sets() -> Vec<InstructionSet> {
+    let mut sets = vec![InstructionSet::Portable];
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            sets.push(InstructionSet::Avx2Fma);
+        }
+        if is_x86_feature_detected!("avx512f") {
+            sets.push(InstructionSet::Avx512);
+        }
+    }
+    sets
 }
 
 /// A vectorized kernel's inner product and its register blocking.
@@ -509,6 +543,12 @@ mod tests {
         max: (usize, usize, usize),
         compute: impl Fn(&MatmulShape, &[f32], &[f32], &mut [f32]),
     ) {
+        // Miri (scripts/sanitize.sh) interprets every load: a few small cases.
+        let (cases, max) = if cfg!(miri) {
+            (10, (3, 40, 9))
+        } else {
+            (cases, max)
+        };
         let mut rng = TestRng::new(seed);
         for case in 0..cases {
             let shape = MatmulShape {
@@ -576,6 +616,40 @@ mod tests {
             let mut y = vec![0.0; shape.outs];
             matmul_nt(&one, &x[row * shape.inner..][..shape.inner], &w, &mut y).unwrap();
             assert_eq!(y, all[row * shape.outs..][..shape.outs]);
+        }
+    }
+
+    #[test]
+    fn a_nan_or_infinite_input_gives_a_non_finite_row_in_every_kernel() {
+        let mut rng = TestRng::new(13);
+        for set in available_instruction_sets() {
+            for rows in [1, 2, 9] {
+                for bad in [f32::NAN, f32::INFINITY] {
+                    // A tail of 5 past the lanes: the poisoned input sits in it.
+                    let shape = MatmulShape {
+                        rows,
+                        inner: 37,
+                        outs: 7,
+                    };
+                    let mut x = random(&mut rng, rows * shape.inner);
+                    let w = random(&mut rng, shape.outs * shape.inner);
+                    let poisoned = rows - 1;
+                    x[poisoned * shape.inner + 35] = bad;
+                    let mut y = vec![0.0; rows * shape.outs];
+                    // SAFETY: the sizes are the shape's; one thread; the CPU has `set`.
+                    unsafe { tile_with(set, &shape, &x, &w, OutPtr::new(&mut y), 0) };
+                    for (r, row) in y.chunks(shape.outs).enumerate() {
+                        let ok = if r != poisoned {
+                            row.iter().all(|v| v.is_finite())
+                        } else if bad.is_nan() {
+                            row.iter().all(|v| v.is_nan())
+                        } else {
+                            row.iter().all(|v| !v.is_finite())
+                        };
+                        assert!(ok, "{set:?}, {rows} rows, input {bad}, row {r}: {row:?}");
+                    }
+                }
+            }
         }
     }
 

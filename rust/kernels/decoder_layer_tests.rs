@@ -413,3 +413,90 @@ fn a_bad_slot_or_shape_is_an_error_before_any_write() {
     .is_err());
     assert_eq!((k, v), (case.k_pages.clone(), case.v_pages.clone()));
 }
+
+#[test]
+fn every_buffer_is_read_and_written_within_its_edges() {
+    use crate::kernels::guard_page::{Edge, Guarded};
+    let mut rng = TestRng::new(46);
+    for rows in [1, 3] {
+        let mut case = random_case(&mut rng, rows, 0);
+        while linear_sizes(&case.shape)
+            .iter()
+            .any(|&(_, inner)| inner % 32 != 0)
+        {
+            case = random_case(&mut rng, rows, 0);
+        }
+        // Row 0 fills its table, whose last page is the pool's last (the
+        // scratch page, unused here), and writes its newest K/V at the pool's
+        // last slot; its first page is the pool's first.
+        let s = case.shape;
+        case.kv_lens[0] = (s.table_width * s.block_size) as i32;
+        case.tables[s.table_width - 1] = (s.pages - 1) as i32;
+        case.slots[0] = (s.pages * s.block_size - 1) as i32;
+        let sizes = linear_sizes(&s);
+        let quantized: Vec<Vec<u8>> = sizes
+            .iter()
+            .map(|&(outs, inner)| q8_0_blocks(&mut rng, outs, inner).0)
+            .collect();
+        for quant in [false, true] {
+            let plain = |j: usize| match quant {
+                false => Weight::Float(&case.weights[j]),
+                true => Weight::Quant {
+                    kind: QuantType::Q8_0,
+                    blocks: &quantized[j],
+                    row_scales: &[],
+                },
+            };
+            let want = run(&Sequential, &case, &layer_weights(&case, plain)).unwrap();
+            for edge in Edge::BOTH {
+                let g = |v: &[f32]| Guarded::new(v, edge);
+                let gi = |v: &[i32]| Guarded::new(v, edge);
+                let floats: Vec<_> = case.weights.iter().map(|w| g(w)).collect();
+                let blocks: Vec<_> = quantized.iter().map(|w| Guarded::new(w, edge)).collect();
+                let no_scales = g(&[]);
+                let weight = |j: usize| match quant {
+                    false => Weight::Float(floats[j].as_slice()),
+                    true => Weight::Quant {
+                        kind: QuantType::Q8_0,
+                        blocks: blocks[j].as_slice(),
+                        row_scales: no_scales.as_slice(),
+                    },
+                };
+                let norms = [g(&case.norms[0]), g(&case.norms[1])];
+                let mut weights = layer_weights(&case, weight);
+                (weights.input_norm, weights.post_norm) =
+                    (norms[0].as_slice(), norms[1].as_slice());
+                let (cos, sin, hidden) = (g(&case.cos), g(&case.sin), g(&case.hidden));
+                let (slots, kv_lens, tables) =
+                    (gi(&case.slots), gi(&case.kv_lens), gi(&case.tables));
+                let (mut k, mut v) = (g(&case.k_pages), g(&case.v_pages));
+                let mut out = g(&vec![f32::NAN; case.hidden.len()]);
+                let row_inputs = RowInputs {
+                    cos: cos.as_slice(),
+                    sin: sin.as_slice(),
+                    slots: slots.as_slice(),
+                    kv_lens: kv_lens.as_slice(),
+                    block_tables: tables.as_slice(),
+                };
+                decode_layer(
+                    &Sequential,
+                    &s,
+                    &weights,
+                    CONSTANTS,
+                    &row_inputs,
+                    hidden.as_slice(),
+                    k.as_mut_slice(),
+                    v.as_mut_slice(),
+                    out.as_mut_slice(),
+                )
+                .unwrap();
+                let got = (
+                    out.as_slice().to_vec(),
+                    k.as_slice().to_vec(),
+                    v.as_slice().to_vec(),
+                );
+                assert!(got == want, "{rows} rows, quantized {quant}, {edge:?}");
+            }
+        }
+    }
+}

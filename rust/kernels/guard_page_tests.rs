@@ -1,31 +1,57 @@
-//! Every host kernel that reads a caller's buffer, run with each buffer's end
-//! against an unmapped page ([`super::guard_page::Guarded`]): weights, inputs,
-//! scales, the paged KV pool, block tables and outputs, for every weight
-//! format and every row-count path of the products (1 row: the integer path;
-//! 2-15: the float path; 16-127: the panel; >= 128: the step dequantizes and
-//! XLA multiplies). A read or write past any buffer's end faults the test
-//! process. Results must equal those of the same call on ordinary buffers.
+//! Every host kernel that reads a caller's buffer, run with each buffer
+//! against an unmapped page ([`super::guard_page::Guarded`]), at its end and
+//! then at its start: weights, inputs, scales, the paged KV pool, block tables
+//! and outputs, for every weight format, every kernel the CPU has (the portable
+//! loops included) and every row-count path of the products. A read or write
+//! past either edge of any buffer faults the test process. Results must equal
+//! those of the same call on ordinary buffers.
 //!
-//! The fused decoder layer (`decoder_layer.rs`, opt-in and slated for removal
-//! by issue #42) reads its buffers through these same product and attention
-//! kernels.
+//! The row-count paths: quantized products take the integer path at
+//! `INTEGER_ROWS` (1) row, row groups of up to 10 below 16 rows, the panel from
+//! 16 (`qmatmul.rs`), and from 128 rows the step dequantizes and XLA multiplies
+//! (`DEQUANTIZE_ROWS`, `pallas_kernels/cpu_qmatmul.py`); float products take row
+//! groups of 8. The fused decoder layer's own test is in
+//! `decoder_layer_tests.rs`.
 
 use super::cpu_attention::{paged_decode_attention, Bf16, DecodeShape, KvElement, F16};
-use super::cpu_matmul::{matmul_nt, MatmulShape, OutPtr};
-use super::guard_page::Guarded;
-use super::parallel::{ScopedThreads, Sequential};
+use super::cpu_matmul::{self, matmul_nt, MatmulShape, OutPtr};
+use super::guard_page::{Edge, Guarded};
+use super::parallel::{Parallel, ScopedThreads, Sequential};
 use super::quant::formats::QuantType;
-use super::quant::qmatmul::{self, qmatmul, QuantShape};
+use super::quant::qmatmul::{self, qmatmul, Inputs, QuantShape};
 use super::quant::tests::random_weights;
 use crate::test_rng::SplitMix64 as TestRng;
 
-/// The product's row-count paths (module docs).
-const ROWS: [usize; 5] = [1, 2, 7, 37, 130];
+/// Rows of a call, one or more on each side of every path's threshold (module
+/// docs): 1; 2, 7, 12 (two row groups); 37 (the panel, an odd last block); 130.
+const ROWS: [usize; 6] = [1, 2, 7, 12, 37, 130];
 
 fn floats(rng: &mut TestRng, n: usize) -> Vec<f32> {
     (0..n)
         .map(|_| rng.below(2001) as f32 / 1000.0 - 1.0)
         .collect()
+}
+
+fn row_scales(kind: QuantType, outs: usize) -> Vec<f32> {
+    if kind.row_scaled() {
+        vec![0.01; outs]
+    } else {
+        Vec::new()
+    }
+}
+
+/// A quantized product into `y`: the dispatching kernel, or the portable loop.
+type QuantKernel = fn(&QuantShape, &[f32], &[u8], &[f32], &mut [f32]);
+
+fn dispatched(shape: &QuantShape, x: &[f32], w: &[u8], s: &[f32], y: &mut [f32]) {
+    qmatmul(shape, x, w, s, y).unwrap();
+}
+
+fn portable(shape: &QuantShape, x: &[f32], w: &[u8], s: &[f32], y: &mut [f32]) {
+    qmatmul::validate(shape, x, w, s, y).unwrap();
+    let inputs = Inputs::prepare(shape, x);
+    // SAFETY: validated; one thread.
+    unsafe { qmatmul::portable_for_tests(shape, &inputs, w, s, OutPtr::new(y)) };
 }
 
 #[test]
@@ -42,29 +68,53 @@ fn quantized_products_read_nothing_past_their_buffers() {
             };
             let x = floats(&mut rng, rows * shape.inner);
             let w = random_weights(&mut rng, kind, shape.outs, shape.inner);
-            let scales = if kind.row_scaled() {
-                vec![0.01; shape.outs]
-            } else {
-                Vec::new()
-            };
-            let mut want = vec![0.0; rows * shape.outs];
-            qmatmul(&shape, &x, &w, &scales, &mut want).unwrap();
-            let (gx, gw, gs) = (
-                Guarded::from_slice(&x),
-                Guarded::from_slice(&w),
-                Guarded::from_slice(&scales),
-            );
-            let mut gy = Guarded::filled(rows * shape.outs, f32::NAN);
-            qmatmul(
-                &shape,
-                gx.as_slice(),
-                gw.as_slice(),
-                gs.as_slice(),
-                gy.as_mut_slice(),
-            )
-            .unwrap();
-            assert_eq!(gy.as_slice(), &want[..], "{kind:?}, {rows} rows");
+            let scales = row_scales(kind, shape.outs);
+            for (name, kernel) in [
+                ("dispatched", dispatched as QuantKernel),
+                ("portable", portable),
+            ] {
+                let mut want = vec![0.0; rows * shape.outs];
+                kernel(&shape, &x, &w, &scales, &mut want);
+                for edge in Edge::BOTH {
+                    let (gx, gw, gs) = (
+                        Guarded::new(&x, edge),
+                        Guarded::new(&w, edge),
+                        Guarded::new(&scales, edge),
+                    );
+                    let mut gy = Guarded::new(&vec![f32::NAN; want.len()], edge);
+                    kernel(
+                        &shape,
+                        gx.as_slice(),
+                        gw.as_slice(),
+                        gs.as_slice(),
+                        gy.as_mut_slice(),
+                    );
+                    let at = format!("{kind:?}, {rows} rows, {name}, {edge:?}");
+                    assert_eq!(gy.as_slice(), &want[..], "{at}");
+                }
+            }
         }
+    }
+}
+
+/// Every tile of a dequantization: the dispatching kernel, or the portable loop.
+fn dequantize(portable: bool, kind: QuantType, inner: usize, w: &[u8], s: &[f32], out: &mut [f32]) {
+    qmatmul::validate_dequantize(kind, inner, w, s, out).unwrap();
+    let outs = out.len() / inner;
+    let target = OutPtr::new(out);
+    for index in 0..outs.div_ceil(qmatmul::OUTS_PER_TILE) {
+        let (start, end) = (
+            index * qmatmul::OUTS_PER_TILE,
+            ((index + 1) * qmatmul::OUTS_PER_TILE).min(outs),
+        );
+        // SAFETY: validated; one thread.
+        unsafe {
+            if portable {
+                qmatmul::portable_dequantize_rows(kind, inner, w, s, target, start, end)
+            } else {
+                qmatmul::dequantize_tile(kind, inner, w, s, target, outs, index)
+            }
+        };
     }
 }
 
@@ -73,55 +123,78 @@ fn dequantization_reads_nothing_past_its_buffers() {
     let mut rng = TestRng::new(47);
     for kind in QuantType::ALL {
         let (outs, inner) = (19, 3 * kind.block_elems());
-        let w = Guarded::from_slice(&random_weights(&mut rng, kind, outs, inner));
-        let scales = Guarded::from_slice(&if kind.row_scaled() {
-            vec![0.02; outs]
-        } else {
-            Vec::new()
-        });
-        let mut out = Guarded::filled(outs * inner, f32::NAN);
-        qmatmul::validate_dequantize(kind, inner, w.as_slice(), scales.as_slice(), out.as_slice())
-            .unwrap();
-        let target = OutPtr::new(out.as_mut_slice());
-        for index in 0..outs.div_ceil(qmatmul::OUTS_PER_TILE) {
-            // SAFETY: validated; one thread.
-            unsafe {
-                qmatmul::dequantize_tile(
+        let w = random_weights(&mut rng, kind, outs, inner);
+        let scales = row_scales(kind, outs);
+        for portable in [false, true] {
+            let mut want = vec![f32::NAN; outs * inner];
+            dequantize(portable, kind, inner, &w, &scales, &mut want);
+            assert!(want.iter().all(|v| v.is_finite()), "{kind:?}");
+            for edge in Edge::BOTH {
+                let (gw, gs) = (Guarded::new(&w, edge), Guarded::new(&scales, edge));
+                let mut out = Guarded::new(&vec![f32::NAN; want.len()], edge);
+                dequantize(
+                    portable,
                     kind,
                     inner,
-                    w.as_slice(),
-                    scales.as_slice(),
-                    target,
-                    outs,
-                    index,
-                )
-            };
+                    gw.as_slice(),
+                    gs.as_slice(),
+                    out.as_mut_slice(),
+                );
+                let at = format!("{kind:?}, portable {portable}, {edge:?}");
+                assert_eq!(out.as_slice(), &want[..], "{at}");
+            }
         }
-        assert!(out.as_slice().iter().all(|v| v.is_finite()), "{kind:?}");
     }
 }
 
 #[test]
 fn float_products_read_nothing_past_their_buffers() {
     let mut rng = TestRng::new(48);
-    for rows in ROWS {
-        for (inner, outs) in [(64, 19), (37, 5), (128, 33)] {
-            let shape = MatmulShape { rows, inner, outs };
-            let x = floats(&mut rng, rows * inner);
-            let w = floats(&mut rng, outs * inner);
-            let mut want = vec![0.0; rows * outs];
-            matmul_nt(&shape, &x, &w, &mut want).unwrap();
-            let (gx, gw) = (Guarded::from_slice(&x), Guarded::from_slice(&w));
-            let mut gy = Guarded::filled(rows * outs, f32::NAN);
-            matmul_nt(&shape, gx.as_slice(), gw.as_slice(), gy.as_mut_slice()).unwrap();
-            assert_eq!(gy.as_slice(), &want[..], "{rows} x {inner} x {outs}");
+    for set in cpu_matmul::available_instruction_sets() {
+        let product = |shape: &MatmulShape, x: &[f32], w: &[f32], y: &mut [f32]| {
+            cpu_matmul::validate(shape, x, w, y).unwrap();
+            let out = OutPtr::new(y);
+            for tile in 0..cpu_matmul::tiles(shape) {
+                // SAFETY: validated; one thread; the CPU has `set`.
+                unsafe { cpu_matmul::tile_with(set, shape, x, w, out, tile) };
+            }
+        };
+        for rows in ROWS {
+            // A tail of 5 lanes (37), two tiles (70 weight rows).
+            for (inner, outs) in [(64, 19), (37, 5), (128, 70)] {
+                let shape = MatmulShape { rows, inner, outs };
+                let x = floats(&mut rng, rows * inner);
+                let w = floats(&mut rng, outs * inner);
+                let mut want = vec![0.0; rows * outs];
+                product(&shape, &x, &w, &mut want);
+                for edge in Edge::BOTH {
+                    let (gx, gw) = (Guarded::new(&x, edge), Guarded::new(&w, edge));
+                    let mut gy = Guarded::new(&vec![f32::NAN; want.len()], edge);
+                    product(&shape, gx.as_slice(), gw.as_slice(), gy.as_mut_slice());
+                    let at = format!("{set:?}, {rows} x {inner} x {outs}, {edge:?}");
+                    assert_eq!(gy.as_slice(), &want[..], "{at}");
+                }
+            }
         }
     }
+    // The entry point, with whichever kernel it chose.
+    let shape = MatmulShape {
+        rows: 3,
+        inner: 37,
+        outs: 5,
+    };
+    let (x, w) = (floats(&mut rng, 3 * 37), floats(&mut rng, 5 * 37));
+    let (gx, gw) = (Guarded::from_slice(&x), Guarded::from_slice(&w));
+    let mut gy = Guarded::from_slice(&[0.0; 15]);
+    matmul_nt(&shape, gx.as_slice(), gw.as_slice(), gy.as_mut_slice()).unwrap();
 }
 
-/// Decode attention whose rows read the pool's last block to its last slot.
+/// Decode attention whose rows read the pool's last block to its last slot
+/// (and its first block from its first slot).
 fn attention_reads_nothing_past_its_buffers<T: KvElement + Copy>(narrow: fn(f32) -> T) {
     let mut rng = TestRng::new(49);
+    // head_dim 13 takes the generic loop, the others the AVX2 kernel where the
+    // CPU has it.
     for (rows, head_dim, block_size) in [(1, 64, 16), (3, 13, 4), (9, 128, 32)] {
         let shape = DecodeShape {
             rows,
@@ -136,8 +209,8 @@ fn attention_reads_nothing_past_its_buffers<T: KvElement + Copy>(narrow: fn(f32)
         let k: Vec<T> = floats(&mut rng, pool_len).into_iter().map(narrow).collect();
         let v: Vec<T> = floats(&mut rng, pool_len).into_iter().map(narrow).collect();
         let q = floats(&mut rng, rows * shape.q_heads * head_dim);
-        // Every row ends in the last page, full; the last row's table is the
-        // buffer's last entry.
+        // Every row's context fills its three pages, the first and the last of
+        // the pool among them; the last row's table is the buffer's last entry.
         let tables: Vec<i32> = (0..rows * shape.table_width)
             .map(|i| [0, 3, 4][i % 3])
             .collect();
@@ -154,33 +227,29 @@ fn attention_reads_nothing_past_its_buffers<T: KvElement + Copy>(narrow: fn(f32)
             &mut want,
         )
         .unwrap();
-        let (gq, gk, gv) = (
-            Guarded::from_slice(&q),
-            Guarded::from_slice(&k),
-            Guarded::from_slice(&v),
-        );
-        let (glens, gtables) = (Guarded::from_slice(&kv_lens), Guarded::from_slice(&tables));
-        for threads in [
-            &Sequential as &dyn super::parallel::Parallel,
-            &ScopedThreads,
-        ] {
-            let mut out = Guarded::filled(q.len(), f32::NAN);
-            paged_decode_attention(
-                threads,
-                &shape,
-                gq.as_slice(),
-                gk.as_slice(),
-                gv.as_slice(),
-                glens.as_slice(),
-                gtables.as_slice(),
-                out.as_mut_slice(),
-            )
-            .unwrap();
-            assert_eq!(
-                out.as_slice(),
-                &want[..],
-                "{rows} rows, head_dim {head_dim}"
+        for edge in Edge::BOTH {
+            let (gq, gk, gv) = (
+                Guarded::new(&q, edge),
+                Guarded::new(&k, edge),
+                Guarded::new(&v, edge),
             );
+            let (glens, gtables) = (Guarded::new(&kv_lens, edge), Guarded::new(&tables, edge));
+            for threads in [&Sequential as &dyn Parallel, &ScopedThreads] {
+                let mut out = Guarded::new(&vec![f32::NAN; q.len()], edge);
+                paged_decode_attention(
+                    threads,
+                    &shape,
+                    gq.as_slice(),
+                    gk.as_slice(),
+                    gv.as_slice(),
+                    glens.as_slice(),
+                    gtables.as_slice(),
+                    out.as_mut_slice(),
+                )
+                .unwrap();
+                let at = format!("{rows} rows, head_dim {head_dim}, {edge:?}");
+                assert_eq!(out.as_slice(), &want[..], "{at}");
+            }
         }
     }
 }
@@ -200,38 +269,54 @@ fn attention_over_a_bfloat16_pool_reads_nothing_past_it() {
     attention_reads_nothing_past_its_buffers::<Bf16>(|x| Bf16((x.to_bits() >> 16) as u16));
 }
 
-/// Run by [`the_guard_page_faults_a_read_one_byte_past`] in a child process.
+/// Run by [`the_guard_pages_fault_a_read_one_byte_outside`] in a child process.
 #[test]
 #[ignore = "faults on purpose; run in a child process by the test below"]
 fn reading_one_byte_past_a_guarded_buffer() {
-    let buffer = Guarded::from_slice(&[1u8, 2, 3]);
+    let buffer = Guarded::new(&[1u8, 2, 3], Edge::End);
     // SAFETY: none; this read must fault (the guard page follows the buffer).
     let past = unsafe { std::ptr::read_volatile(buffer.as_slice().as_ptr().add(3)) };
     println!("read {past} past the end: the guard page did not fault");
 }
 
+/// Run by [`the_guard_pages_fault_a_read_one_byte_outside`] in a child process.
 #[test]
-fn the_guard_page_faults_a_read_one_byte_past() {
+#[ignore = "faults on purpose; run in a child process by the test below"]
+fn reading_one_byte_before_a_guarded_buffer() {
+    let buffer = Guarded::new(&[1u8, 2, 3], Edge::Start);
+    // SAFETY: none; this read must fault (the guard page precedes the buffer).
+    let before = unsafe { std::ptr::read_volatile(buffer.as_slice().as_ptr().sub(1)) };
+    println!("read {before} before the start: the guard page did not fault");
+}
+
+#[test]
+fn the_guard_pages_fault_a_read_one_byte_outside() {
     use std::os::unix::process::ExitStatusExt;
 
-    let name = "kernels::guard_page_tests::reading_one_byte_past_a_guarded_buffer";
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            name,
-            "--exact",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    let faulted = out.status.signal() == Some(libc::SIGSEGV)
-        || (!out.status.success() && stderr.contains("SEGV")); // under AddressSanitizer
-    assert!(
-        faulted,
-        "{:?}\n{}{stderr}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout)
-    );
+    for test in [
+        "reading_one_byte_past_a_guarded_buffer",
+        "reading_one_byte_before_a_guarded_buffer",
+    ] {
+        let name = format!("kernels::guard_page_tests::{test}");
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                &name,
+                "--exact",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .output()
+            .unwrap();
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        // The child ran the test (a filter matching nothing would pass), and
+        // died of the fault: SIGSEGV, or AddressSanitizer's report of it.
+        assert!(stdout.contains("running 1 test"), "{test}: {stdout}");
+        let faulted = out.status.signal() == Some(libc::SIGSEGV)
+            || (!out.status.success() && stderr.contains("SEGV"));
+        assert!(faulted, "{test}: {:?}\n{stdout}{stderr}", out.status);
+    }
 }

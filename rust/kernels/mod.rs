@@ -20,6 +20,11 @@
 //! - every buffer is checked for its size (and at the FFI boundary, count,
 //!   dtype and rank) before any element is read, so a bad plan is an error,
 //!   never an out-of-bounds read;
+//! - no load or store, whatever its width, reaches past a buffer's first or
+//!   last byte: weights are read in place from a read-only mapping of the
+//!   file, which may end where they do (`guard_page_tests.rs` places every
+//!   buffer against an unmapped page; `scripts/sanitize.sh` runs the tests
+//!   under AddressSanitizer and Miri);
 //! - every unit of parallel work runs exactly once before `run` returns, and
 //!   a panicking unit is reported as an error, never unwound through the
 //!   caller; a handler never panics across the FFI boundary;

@@ -19,6 +19,9 @@
 //! Invariants:
 //! - a weight buffer has exactly `outs * row_bytes(inner)` bytes and `inner` is a
 //!   multiple of the type's block (checked before any read);
+//! - every load of a block lies inside that block, so the last block of a
+//!   buffer is read to its last byte and no further (a 2-byte field is read
+//!   with 2 bytes: the AVX2 Q6_K kernel once read its trailing `f16 d` with 4);
 //! - every weight of a sub-block is `scale[i / 16] * q[i] + min[i / 16]` with the
 //!   values [`formats::unpack`] gives; the vectorized kernels read the same
 //!   values;

@@ -173,6 +173,22 @@ pub unsafe fn dequantize_tile(
     if vectorized() {
         return avx2::dequantize_rows(kind, inner, w, row_scales, out, start, end);
     }
+    portable_dequantize_rows(kind, inner, w, row_scales, out, start, end)
+}
+
+/// Weight rows `start..end` of [`dequantize_tile`] through the portable loop.
+///
+/// # Safety
+/// As [`dequantize_tile`], for rows `start..end`.
+pub(crate) unsafe fn portable_dequantize_rows(
+    kind: QuantType,
+    inner: usize,
+    w: &[u8],
+    row_scales: &[f32],
+    out: OutPtr,
+    start: usize,
+    end: usize,
+) {
     let row_bytes = kind.row_bytes(inner).expect("validated");
     for o in start..end {
         let scale = if kind.row_scaled() {
@@ -273,7 +289,7 @@ fn row_scale(shape: &QuantShape, row_scales: &[f32], out: usize) -> f32 {
 /// # Safety
 /// As [`tile`], for every tile.
 #[cfg(test)]
-pub(super) unsafe fn portable_for_tests(
+pub(crate) unsafe fn portable_for_tests(
     shape: &QuantShape,
     inputs: &Inputs,
     w: &[u8],
@@ -899,8 +915,9 @@ mod avx2 {
         horizontal_sum(acc) + offset
     }
 
-    /// The halves at `at` and `at + 2` as floats (lanes 0 and 1). Reads 4 bytes:
-    /// only where both halves are inside the block ([`one_f16`] for a lone one).
+    /// The halves at `at` and `at + 2` as floats (lanes 0 and 1), for the two
+    /// adjacent f16 fields of Q4_1 and Q4_K (`d`, then `m` or `dmin`). Reads 4
+    /// bytes: a lone half is read with [`one_f16`].
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn two_f16(at: *const u8) -> __m128 {
@@ -910,7 +927,7 @@ mod avx2 {
     }
 
     /// The half at `at` as a float, reading its 2 bytes only (a Q6_K block ends
-    /// with its scale: a 4-byte read there runs past the buffer's end).
+    /// with its scale: a 4-byte read there ran past the end of the weights).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn one_f16(at: *const u8) -> f32 {
@@ -961,10 +978,9 @@ mod avx2 {
         #[inline]
         #[target_feature(enable = "avx2,fma,f16c")]
         unsafe fn sub(block: *const u8, _j: usize, _row_scale: f32) -> Sub {
-            let d = two_f16(block);
             Sub {
                 q: _mm256_loadu_si256(block.add(2) as *const __m256i),
-                scale: [_mm_cvtss_f32(d); 2],
+                scale: [one_f16(block); 2],
                 min: [0.0; 2],
             }
         }
@@ -973,7 +989,7 @@ mod avx2 {
         unsafe fn wide_sub(block: *const u8, _j: usize, _row_scale: f32) -> WideSub {
             WideSub {
                 q: [signed_16(block.add(2)), signed_16(block.add(18))],
-                scale: [_mm_cvtss_f32(two_f16(block)); 2],
+                scale: [one_f16(block); 2],
                 min: [0.0; 2],
             }
         }
@@ -1010,18 +1026,17 @@ mod avx2 {
         #[inline]
         #[target_feature(enable = "avx2,fma,f16c")]
         unsafe fn sub(block: *const u8, _j: usize, _row_scale: f32) -> Sub {
-            let d = two_f16(block);
-            let min = -8.0 * _mm_cvtss_f32(d);
+            let d = one_f16(block);
             Sub {
                 q: nibbles_16(block.add(2)),
-                scale: [_mm_cvtss_f32(d); 2],
-                min: [min; 2],
+                scale: [d; 2],
+                min: [-8.0 * d; 2],
             }
         }
         #[inline]
         #[target_feature(enable = "avx2,fma,f16c")]
         unsafe fn wide_sub(block: *const u8, _j: usize, _row_scale: f32) -> WideSub {
-            let d = _mm_cvtss_f32(two_f16(block));
+            let d = one_f16(block);
             WideSub {
                 q: nibbles_wide(block.add(2)),
                 scale: [d; 2],
