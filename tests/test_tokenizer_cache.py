@@ -108,3 +108,24 @@ def test_a_damaged_or_stale_cache_is_a_miss(
     os.utime(gguf_file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
     assert not isinstance(load_through_cache(gguf_file, tmp_path, build), CachedTokenizer)
     assert len(list(tmp_path.glob("*.json"))) == 2
+
+
+def test_the_background_build_waits_for_its_signal(gguf_file: Path, tmp_path: Path) -> None:
+    """``kvpage serve`` builds the Hugging Face tokenizer once the warm-up is done."""
+    import threading
+    import time
+
+    load_through_cache(gguf_file, tmp_path, lambda: load_gguf_tokenizer(gguf_file))
+    built = threading.Event()
+
+    def build() -> Any:
+        built.set()
+        return load_gguf_tokenizer(gguf_file)
+
+    cached = load_through_cache(gguf_file, tmp_path, build)
+    ready = threading.Event()
+    cached.prepare_in_background(after=ready.is_set, poll_s=0.01)
+    time.sleep(0.2)
+    assert not built.is_set()
+    ready.set()
+    assert built.wait(30)

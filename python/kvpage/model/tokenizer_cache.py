@@ -30,6 +30,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -95,10 +96,17 @@ class CachedTokenizer:
                 self._hf = self._build()
             return self._hf
 
-    def prepare_in_background(self) -> None:
-        """Start building the Hugging Face tokenizer on a daemon thread, so a later chat
-        template (say) does not wait for it."""
-        threading.Thread(target=self.hf, name="kvpage-tokenizer", daemon=True).start()
+    def prepare_in_background(self, after: Callable[[], bool] = lambda: True,
+                              poll_s: float = 0.5) -> None:
+        """Build the Hugging Face tokenizer on a daemon thread once ``after()`` is true
+        (polled), so a later chat template (say) does not wait for it."""
+
+        def build() -> None:
+            while not after():
+                time.sleep(poll_s)
+            self.hf()
+
+        threading.Thread(target=build, name="kvpage-tokenizer", daemon=True).start()
 
     def __call__(self, text: Any = None, *args: Any, **kwargs: Any) -> Any:
         if isinstance(text, str) and not args and not kwargs:

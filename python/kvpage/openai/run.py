@@ -131,7 +131,10 @@ def run_server(
     engine = AsyncLLMEngine.from_config(config, model_name=first, metrics_prefix=metrics_prefix)
     tokenizer = engine.tokenizer
     if isinstance(tokenizer, CachedTokenizer):  # chat templates need the HF tokenizer:
-        tokenizer.prepare_in_background()  # built while the first requests run
+        # built once the warm-up is done (its import holds the GIL for ~1.5 s, which the
+        # first requests' steps need more), or by the first chat request, if earlier
+        tokenizer.prepare_in_background(after=lambda: engine.engine.step_executables_pending()
+                                        == 0)
     signalled: list[float] = []
 
     def on_signal() -> None:
