@@ -105,6 +105,7 @@ def time_serve(model: str, cache_home: Path, workdir: Path) -> dict[str, Any]:
     """``kvpage serve`` in a fresh process: seconds to /health and to a first completion."""
     import httpx
 
+    from kvpage.bench.first_minute import stop
     from kvpage.bench.loopback import free_port
 
     report = workdir / f"serve-{time.monotonic_ns()}.json"
@@ -129,12 +130,7 @@ def time_serve(model: str, cache_home: Path, workdir: Path) -> dict[str, Any]:
         response.raise_for_status()
         first_s = time.perf_counter() - start
     finally:
-        proc.terminate()
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(30)
+        stop(proc)
         log.close()
     return {"health_s": health_s, "first_completion_s": first_s, **_report(report)}
 
