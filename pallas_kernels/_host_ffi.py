@@ -3,9 +3,8 @@
 Owns :func:`register`: the one place that finds a handler symbol in the compiled core
 (``rust/kernels/xla_ffi.rs`` exports them from ``kvpage._core``'s shared library) and registers
 it with JAX. The kernels that use it (``cpu_decode_attention.py``, ``cpu_matmul.py``)
-only ask whether their target is there, when they are traced. An executable loaded
-without a trace (``kvpage.runner.executable_store``) needs every target registered first:
-:func:`register_all`.
+only ask whether their target is there, when they are traced (an executable loaded
+without a trace registers its targets itself: ``kvpage.runner.executable_store``).
 """
 
 from __future__ import annotations
@@ -37,14 +36,3 @@ def register(target: str) -> bool:
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
     return True
 
-
-def register_all() -> None:
-    """Register every handler the core exports (:func:`register` of each name)."""
-    from pallas_kernels import cpu_decode_attention, cpu_decode_layer, cpu_matmul, cpu_qmatmul
-
-    names = [cpu_decode_attention.TARGET, cpu_decode_layer.TARGET, cpu_matmul.TARGET,
-             "kvpage_zeros"]
-    for kind in cpu_qmatmul.KINDS:
-        names += [cpu_qmatmul.target(kind), f"kvpage_dequantize_{kind}"]
-    for name in names:
-        register(name)

@@ -93,12 +93,27 @@ def stop(proc: subprocess.Popen[Any]) -> None:
         proc.wait(30)
 
 
+def wait_health(url: str, proc: subprocess.Popen[Any], start: float) -> float:
+    import httpx
+
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before /health")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return time.perf_counter() - start
+        except httpx.TransportError:
+            pass
+        if time.perf_counter() - start > 1800:
+            raise RuntimeError("no /health within 30 minutes")
+        time.sleep(0.05)
+
+
 def serve_from_health(url: str, proc: subprocess.Popen[Any], requests: list[BenchRequest],
                       concurrency: int) -> dict[str, Any]:
     """Wait for ``/health``, then at once send ``requests`` (``concurrency`` in flight);
     the run's figures with its start (``health_at``, perf_counter) and token times."""
     from kvpage.bench.serve import run_requests_online, server_info, summarize
-    from kvpage.bench.startup import wait_health
 
     launched = time.perf_counter()
     wait_health(url, proc, launched)

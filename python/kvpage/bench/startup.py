@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvpage.bench.first_minute import stop, wait_health
+
 PROMPT = "The capital of France is"
 MAX_TOKENS = 32
 
@@ -105,7 +107,6 @@ def time_serve(model: str, cache_home: Path, workdir: Path) -> dict[str, Any]:
     """``kvpage serve`` in a fresh process: seconds to /health and to a first completion."""
     import httpx
 
-    from kvpage.bench.first_minute import stop
     from kvpage.bench.loopback import free_port
 
     report = workdir / f"serve-{time.monotonic_ns()}.json"
@@ -182,22 +183,6 @@ def time_llama_server(binary: str, model: str) -> dict[str, Any]:
     finally:
         proc.terminate()
         proc.wait(30)
-
-
-def wait_health(url: str, proc: subprocess.Popen[Any], start: float) -> float:
-    import httpx
-
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode} before /health")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return time.perf_counter() - start
-        except httpx.TransportError:
-            pass
-        if time.perf_counter() - start > 1800:
-            raise RuntimeError("no /health within 30 minutes")
-        time.sleep(0.05)
 
 
 def time_transformers(model: str) -> dict[str, Any]:

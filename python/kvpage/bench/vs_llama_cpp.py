@@ -39,8 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpage.bench.common import BenchRequest, format_table, synthetic_requests
-from kvpage.bench.first_minute import kvpage_serve_command, stop
-from kvpage.bench.startup import wait_health
+from kvpage.bench.first_minute import kvpage_serve_command, stop, wait_health
 
 
 def _rss_mib(pid: int) -> float | None:

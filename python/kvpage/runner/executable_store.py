@@ -87,6 +87,21 @@ def _cpu_flags() -> str:
         return ""
 
 
+def register_host_kernels() -> None:
+    """Register every XLA FFI handler kvpage's core exports: a stored executable may call
+    any of them, and only a trace registers them otherwise."""
+    from kvpage.runner.kv_cache import LAZY_ZEROS_TARGET
+    from pallas_kernels import cpu_decode_attention, cpu_decode_layer, cpu_matmul, cpu_qmatmul
+    from pallas_kernels._host_ffi import register
+
+    names = [cpu_decode_attention.TARGET, cpu_decode_layer.TARGET, cpu_matmul.TARGET,
+             LAZY_ZEROS_TARGET]
+    for kind in cpu_qmatmul.KINDS:
+        names += [cpu_qmatmul.target(kind), f"kvpage_dequantize_{kind}"]
+    for name in names:
+        register(name)
+
+
 def signature(tree: Any) -> tuple[Any, ...]:
     """Structure, shapes and dtypes of ``tree`` (arrays or ShapeDtypeStructs)."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
@@ -126,8 +141,6 @@ class ExecutableStore:
         structure, shapes and dtypes; else None."""
         from jax.experimental.serialize_executable import deserialize_and_load
 
-        from pallas_kernels._host_ffi import register_all
-
         path = self._path(piece)
         try:
             blob = path.read_bytes()
@@ -137,7 +150,7 @@ class ExecutableStore:
             stored_piece, serialized, in_tree, out_tree = pickle.loads(blob)
             if stored_piece != repr(piece):
                 raise ValueError(f"the file holds {stored_piece}")
-            register_all()  # its host kernels, which no trace registered
+            register_host_kernels()  # which no trace registered
             compiled = deserialize_and_load(serialized, in_tree, out_tree,
                                             execution_devices=[self.device])
             if signature(compiled.args_info) != signature((args, {})):
