@@ -340,18 +340,25 @@ fn q8_0_blocks(rng: &mut TestRng, outs: usize, inner: usize) -> (Vec<u8>, Vec<f3
     (blocks, floats)
 }
 
+/// A random case whose every linear layer can hold quantized rows: inner sizes in
+/// whole blocks of 32 (redrawn until they are).
+fn quantizable_case(rng: &mut TestRng, rows: usize) -> Case {
+    loop {
+        let case = random_case(rng, rows, 0);
+        if linear_sizes(&case.shape)
+            .iter()
+            .all(|&(_, inner)| inner % 32 == 0)
+        {
+            return case;
+        }
+    }
+}
+
 #[test]
 fn quantized_layers_match_the_layer_of_their_float_values() {
     let mut rng = TestRng::new(23);
     for rows in [1, 3] {
-        // Quantized rows hold whole blocks of 32: redraw until every inner size does.
-        let mut case = random_case(&mut rng, rows, 0);
-        while linear_sizes(&case.shape)
-            .iter()
-            .any(|&(_, inner)| inner % 32 != 0)
-        {
-            case = random_case(&mut rng, rows, 0);
-        }
+        let mut case = quantizable_case(&mut rng, rows);
         let sizes = linear_sizes(&case.shape);
         let (blocks, floats): (Vec<_>, Vec<_>) = sizes
             .iter()
@@ -419,13 +426,7 @@ fn every_buffer_is_read_and_written_within_its_edges() {
     use crate::kernels::guard_page::{Edge, Guarded};
     let mut rng = TestRng::new(46);
     for rows in [1, 3] {
-        let mut case = random_case(&mut rng, rows, 0);
-        while linear_sizes(&case.shape)
-            .iter()
-            .any(|&(_, inner)| inner % 32 != 0)
-        {
-            case = random_case(&mut rng, rows, 0);
-        }
+        let mut case = quantizable_case(&mut rng, rows);
         // Row 0 fills its table, whose last page is the pool's last (the
         // scratch page, unused here), and writes its newest K/V at the pool's
         // last slot; its first page is the pool's first.
