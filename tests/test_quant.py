@@ -408,11 +408,10 @@ def test_vs_llama_cpp_bench_refuses_a_model_that_is_not_gguf(tmp_path: Path) -> 
 
 
 def test_kv_cache_dtype_auto_is_float16_for_quantized_weights_on_cpu(
-    quantized_gguf: Path, monkeypatch: pytest.MonkeyPatch
+    quantized_gguf: Path,
 ) -> None:
     """``kv_cache_dtype="auto"``: float16 pools under quantized weights on CPU (as
-    llama.cpp keeps its cache), the weights' dtype otherwise and under the opt-in fused
-    decoder layer (float32 pools only); an explicit dtype wins."""
+    llama.cpp keeps its cache), the weights' dtype otherwise; an explicit dtype wins."""
     from kvpage.engine_config import EngineConfig
     from kvpage.model.gguf_loader import load_gguf
     from kvpage.runner.kv_cache import resolve_kv_cache_dtype
@@ -425,8 +424,6 @@ def test_kv_cache_dtype_auto_is_float16_for_quantized_weights_on_cpu(
     assert resolve_kv_cache_dtype("auto", kept, "gpu") == "float32"
     assert resolve_kv_cache_dtype("float32", kept, "cpu") == "float32"
     assert resolve_kv_cache_dtype("bfloat16", dense, "cpu") == "bfloat16"
-    monkeypatch.setenv("KVPAGE_CPU_DECODE_LAYER", "1")
-    assert resolve_kv_cache_dtype("auto", kept, "cpu") == "float32"
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         EngineConfig(model="m", kv_cache_dtype="fp8")
 

@@ -5,9 +5,6 @@
 //! - [`cpu_matmul`]: linear layers of few rows (decode steps): `y = x · wᵀ`.
 //! - [`quant`]: linear layers with quantized weights (GGUF blocks, int8),
 //!   read as they are stored: `y = x · dequant(w)ᵀ`.
-//! - [`decoder_layer`]: a whole Llama-family decoder layer of a decode step
-//!   (norms, products, RoPE, K/V write, attention, MLP) in one call, so XLA:CPU
-//!   runs one op per layer instead of ~30.
 //! - [`lazy_zeros`]: zero-filling the KV pools without writing their pages,
 //!   so a pool costs memory only where blocks are used.
 //! - [`parallel`]: where those kernels' parallel work runs (XLA's intra-op
@@ -34,7 +31,6 @@ pub mod cpu_attention;
 #[cfg(target_arch = "x86_64")]
 mod cpu_attention_avx2;
 pub mod cpu_matmul;
-pub mod decoder_layer;
 #[cfg(test)]
 mod guard_page;
 #[cfg(test)]
@@ -43,6 +39,5 @@ pub mod lazy_zeros;
 pub mod parallel;
 pub mod quant;
 pub mod xla_ffi;
-pub mod xla_ffi_layer;
 pub mod xla_ffi_quant;
 pub mod xla_ffi_zeros;

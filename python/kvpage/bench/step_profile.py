@@ -10,10 +10,7 @@ Two measurements on the same model and shapes (``--rows`` sequences decoding wit
    idles). Where multi-step decode applies (``num_scheduler_steps``, small batches on
    CPU), the same decode is timed again with several steps per call, per token.
 2. Component executables at the step's padded shapes, each compiled on its own and timed
-   by the median of ``--repeats`` runs: where a pure-decode step runs each layer as one
-   host call (``kvpage/model/host_decode_layer.py``), those calls; then, as the traced
-   layers would run (``(traced layers, not in this step)`` when the host calls run
-   instead): the decoder layers without attention (the
+   by the median of ``--repeats`` runs: the decoder layers without attention (the
    matmuls, norms, RoPE, residuals), the K/V write, the paged attention (the decoder
    with the backend's attention minus without), the final norm + vocabulary projection
    at the sampled rows, and the sampler (gathering the per-request sampling state,
@@ -147,19 +144,14 @@ def _component_times(llm: Any, rows: int, context: int, repeats: int) -> dict[st
         "write_only": AttentionBackend("write", no_attend, backend.write_kv, False),
         "dense": AttentionBackend("none", no_attend, no_write, False),
     }
-    # A pure-decode step of this size runs each layer as one host call.
-    host_layers = rows == t_pad == s_pad and s_pad <= runner._host_decode_rows
-    runs = [(name, variant, False) for name, variant in variants.items()]
-    if host_layers:
-        runs.append(("host", backend, True))
     layer_ms = {}
     state = {"pools": pools}
-    for name, variant, decode_only in runs:
+    for name, variant in variants.items():
         # The pools are donated and threaded through, as in the step: a scatter into
         # non-donated pools would copy them and bill the copy to attention.
         fn = jax.jit(
-            lambda p, pl, v=variant, d=decode_only: decoder_hidden_states(
-                p, config, tokens, positions, pl, meta, v, d
+            lambda p, pl, v=variant: decoder_hidden_states(
+                p, config, tokens, positions, pl, meta, v
             ),
             donate_argnums=1,
         )
@@ -198,17 +190,10 @@ def _component_times(llm: Any, rows: int, context: int, repeats: int) -> dict[st
         tokens, state["table"] = fn(state["table"], logits)
         return tokens
 
-    traced = "" if not host_layers else " (traced layers, not in this step)"
-    layers = {
-        f"dense layers (matmuls, norms, rope){traced}": layer_ms["dense"],
-        f"KV write{traced}": max(layer_ms["write_only"] - layer_ms["dense"], 0.0),
-        f"paged attention{traced}": max(layer_ms["full"] - layer_ms["write_only"], 0.0),
-    }
-    if host_layers:
-        layers = {"decoder layers, one host call each (all of the layer)": layer_ms["host"],
-                  **layers}
     return {
-        **layers,
+        "dense layers (matmuls, norms, rope)": layer_ms["dense"],
+        "KV write": max(layer_ms["write_only"] - layer_ms["dense"], 0.0),
+        "paged attention": max(layer_ms["full"] - layer_ms["write_only"], 0.0),
         "lm_head (final norm + vocab projection)": _median_ms(
             lambda: lm_head(params, hidden), repeats
         ),

@@ -20,12 +20,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kvpage.model import host_decode_layer
 from kvpage.model.attention import AttentionBackend
 from kvpage.model.config import ModelConfig
 from kvpage.model.linear_kernels import (
     embedding_rows,
-    host_kernels_enabled,
     live_rows,
     matmul_nt,
 )
@@ -130,31 +128,19 @@ def decoder_layer(
 ) -> tuple[jax.Array, KVPool]:
     """One decoder layer: attention (writing this step's K/V into ``pool``) then the MLP,
     each with its residual. Every layer of a model has the same shapes, so the model
-    runner compiles this once and calls it per layer (compile time independent of depth).
-
-    In a decode step on the host CPU, with the host kernels on, a layer that
-    :mod:`kvpage.model.host_decode_layer` supports is one custom call."""
+    runner compiles this once and calls it per layer (compile time independent of depth)."""
     eps = config.rms_norm_eps
     cos, sin = rope_cos_sin(positions, config_inverse_frequencies(config))
 
-    def traced() -> tuple[jax.Array, KVPool]:
-        # Tokens past cu_q_lens[num_seqs] are padding (their rows' outputs are never read).
-        with live_rows(hidden.shape[0], meta.cu_q_lens[meta.num_seqs[0]]):
-            normed = rms_norm(hidden, layer["input_layernorm"]["weight"], eps)
-            attn_out, new_pool = _attention_block(
-                config, layer["self_attn"], normed, cos, sin, pool, meta, backend, decode_only
-            )
-            residual = hidden + attn_out
-            normed = rms_norm(residual, layer["post_attention_layernorm"]["weight"], eps)
-            return residual + _mlp(layer["mlp"], normed), new_pool
-
-    if decode_only and host_kernels_enabled() and host_decode_layer.applies(
-        config, layer, hidden, pool, meta
-    ):
-        return host_decode_layer.decode_layer(
-            config, layer, hidden, cos, sin, pool, meta, otherwise=traced
+    # Tokens past cu_q_lens[num_seqs] are padding (their rows' outputs are never read).
+    with live_rows(hidden.shape[0], meta.cu_q_lens[meta.num_seqs[0]]):
+        normed = rms_norm(hidden, layer["input_layernorm"]["weight"], eps)
+        attn_out, new_pool = _attention_block(
+            config, layer["self_attn"], normed, cos, sin, pool, meta, backend, decode_only
         )
-    return traced()
+        residual = hidden + attn_out
+        normed = rms_norm(residual, layer["post_attention_layernorm"]["weight"], eps)
+        return residual + _mlp(layer["mlp"], normed), new_pool
 
 
 def decoder_hidden_states(

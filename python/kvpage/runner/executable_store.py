@@ -91,11 +91,10 @@ def register_host_kernels() -> None:
     """Register every XLA FFI handler kvpage's core exports: a stored executable may call
     any of them, and only a trace registers them otherwise."""
     from kvpage.runner.kv_cache import LAZY_ZEROS_TARGET
-    from pallas_kernels import cpu_decode_attention, cpu_decode_layer, cpu_matmul, cpu_qmatmul
+    from pallas_kernels import cpu_decode_attention, cpu_matmul, cpu_qmatmul
     from pallas_kernels._host_ffi import register
 
-    names = [cpu_decode_attention.TARGET, cpu_decode_layer.TARGET, cpu_matmul.TARGET,
-             LAZY_ZEROS_TARGET]
+    names = [cpu_decode_attention.TARGET, cpu_matmul.TARGET, LAZY_ZEROS_TARGET]
     for kind in cpu_qmatmul.KINDS:
         names += [cpu_qmatmul.target(kind), f"kvpage_dequantize_{kind}"]
     for name in names:

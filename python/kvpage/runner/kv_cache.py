@@ -22,7 +22,6 @@ import numpy as np
 from kvpage.model.config import ModelConfig
 from kvpage.model.params import Params, jnp_dtype
 from kvpage.quant.weights import is_quantized
-from pallas_kernels import cpu_decode_layer
 
 KVPools = list[tuple[jax.Array, jax.Array]]
 
@@ -34,16 +33,14 @@ def resolve_kv_cache_dtype(requested: str | None, params: Params, platform: str)
     CPU, as llama.cpp keeps its cache: the host attention kernel widens f16 in registers,
     so a decode step reads half the K/V bytes (``cargo bench --bench cpu_attention``,
     ``*_f16``) and the same memory holds twice the tokens. Otherwise it is the weights'
-    dtype, so float checkpoints keep their exact parity with transformers, and so is it
-    under the opt-in fused decoder layer (``KVPAGE_CPU_DECODE_LAYER=1``), which reads
-    float32 pools only."""
+    dtype, so float checkpoints keep their exact parity with transformers."""
     weights = str(jnp.dtype(params["embed_tokens"]["weight"].dtype))
     if requested not in (None, "auto"):
         return requested
     leaves = jax.tree_util.tree_leaves(params["layers"], is_leaf=is_quantized)
     quantized = any(map(is_quantized, leaves))
     if platform == "cpu" and weights == "float32" and quantized:
-        return weights if cpu_decode_layer.enabled() else "float16"
+        return "float16"
     return weights
 
 

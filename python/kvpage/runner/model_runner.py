@@ -42,7 +42,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from kvpage.model import host_decode_layer
 from kvpage.model.attention import get_attention_backend
 from kvpage.model.config import ModelConfig
 from kvpage.model.linear_kernels import host_matmuls
@@ -299,14 +298,6 @@ class ModelRunner:
             [None] * config.num_layers if self._stacked
             else [layer_signature(layer) for layer in self.params["layers"]]
         )
-        self._host_decode_rows = (
-            min(host_decode_layer.max_rows(config, layer, kv_dtype)
-                for layer in self.params["layers"])
-            if mesh is None and platform == "cpu" and not self._stacked
-            else 0
-        )
-        """Decode steps of up to this many rows run each layer as one host call
-        (:mod:`kvpage.model.host_decode_layer`), in pure-decode buckets of their own."""
         self._layer_indices = [
             jax.device_put(np.int32(i), self._replicated) for i in range(config.num_layers)
         ] if self._stacked else []
@@ -381,9 +372,9 @@ class ModelRunner:
         return keys + sorted(k for k in decode if self._has_decode_variant(k[1]))
 
     def _has_decode_variant(self, padded_seqs: int) -> bool:
-        """Whether pure-decode steps of this sequence bucket get executables of their own:
-        the attention backend has a decode kernel, or the layers run as one host call."""
-        return self.backend.decode_specialized or padded_seqs <= self._host_decode_rows
+        """Whether pure-decode steps of this sequence bucket get executables of their own
+        (the attention backend has a decode kernel)."""
+        return self.backend.decode_specialized
 
     def padded_sizes(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
         """The (token, sequence) buckets a step of this size runs in."""
@@ -471,7 +462,6 @@ class ModelRunner:
             "enable_penalties": self.enable_penalties,
             "seed": self._base_key_seed,
             "backend": (self.backend.name, self.backend.decode_specialized),
-            "host_decode_rows": self._host_decode_rows,
             "layer_plan": self._layer_plan,
             "sampling_table": store_signature(self.sampling_table),
             "padding": self._padding,
