@@ -22,7 +22,7 @@ import threading
 import time
 from types import SimpleNamespace
 
-from kvpage.async_engine import AsyncLLMEngine, RequestStream
+from kvpage.engine.async_engine import AsyncLLMEngine, RequestStream
 from kvpage.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 

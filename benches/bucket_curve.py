@@ -27,7 +27,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
-    from kvpage.engine import load_model_and_tokenizer
+    from kvpage.engine.llm_engine import load_model_and_tokenizer
     from kvpage.model.real_models import find_or_fetch_smollm2
     from kvpage.runner.layered_step import embed_weight, head_params, layer_groups
     from kvpage.runner.model_runner import ModelRunner

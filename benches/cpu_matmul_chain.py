@@ -2,7 +2,7 @@
 
 A chain of 120 products of SmolLM2-135M's MLP shapes (30 layers of
 ``[T, 576] x [1536, 576]^T`` then ``[T, 1536] x [576, 1536]^T``, twice), jitted
-once with XLA's dot and once through ``pallas_kernels.cpu_matmul`` (which
+once with XLA's dot and once through ``kvpage.kernels.host.cpu_matmul`` (which
 routes to the Rust kernel only inside its row range; ``KVPAGE_CPU_MATMUL=1``
 forces it for every T to measure outside that range). Median of 7 runs.
 
@@ -17,8 +17,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from pallas_kernels import cpu_matmul
+from kvpage.kernels.host import cpu_matmul
 
 
 def chain(use_kernel: bool):

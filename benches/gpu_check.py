@@ -3,9 +3,9 @@
     python benches/gpu_check.py [--quick] [--skip-e2e]
 
 1. Correctness on the GPU: the compiled Pallas kernels (decode, ragged, mixed)
-   against ``pallas_kernels/reference.py`` at Llama-3-8B and GQA-odd shapes,
+   against ``python/kvpage/kernels/xla/reference.py`` at Llama-3-8B and GQA-odd shapes,
    bf16 and f32.
-2. sm_90a build report (``pallas_kernels.triton_build``), for comparison with
+2. sm_90a build report (``kvpage.kernels.pallas.triton_build``), for comparison with
    the CPU-side prediction in benches/RESULTS.md.
 3. Timing: measured copy bandwidth (the practical HBM roofline), the decode
    kernel's achieved KV bandwidth at several (batch, context) points, and
@@ -66,8 +66,8 @@ def make_inputs(rng, q_lens, kv_lens, hq, hkv, d, b, dtype):
 
 
 def check_correctness(quick: bool) -> bool:
-    from pallas_kernels import dispatch
-    from pallas_kernels.reference import ragged_paged_attention_reference as ref
+    from kvpage.kernels import dispatch
+    from kvpage.kernels.xla.reference import ragged_paged_attention_reference as ref
 
     rng = np.random.default_rng(0)
     ok = True
@@ -104,8 +104,7 @@ def copy_bandwidth() -> float:
 
 def time_decode(copy_bw: float) -> None:
     from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
-
-    from pallas_kernels.paged_decode_attention import paged_decode_attention
+    from kvpage.kernels.pallas.paged_decode_attention import paged_decode_attention
 
     rng = np.random.default_rng(1)
     hq, hkv, d, b = 32, 8, 128, 16
@@ -143,7 +142,7 @@ def main() -> int:
     print("1. kernels vs reference (compiled Pallas on this GPU)")
     ok = check_correctness(args.quick)
     print("2. sm_90a build report")
-    from pallas_kernels import triton_build
+    from kvpage.kernels.pallas import triton_build
 
     print(triton_build.format_table(triton_build.kernel_report(use_cache=False)))
     print("3. timings")

@@ -5,7 +5,7 @@ Each layer of SmolLM2-135M's matmuls (q, k, v, o, gate, up, down: ``[T, 576]`` a
 (``kvpage.model.linear_kernels.host_matmuls``), once with float32 weights (XLA's dot
 or the host small-batch kernel) and once with Q4_1 blocks (``rust/kernels/quant``: the
 one-row integer path, the float-expansion path, or dequantize + XLA's GEMM from
-``pallas_kernels.cpu_qmatmul.DEQUANTIZE_ROWS``). The 7 weights are reused by every
+``kvpage.kernels.host.cpu_qmatmul.DEQUANTIZE_ROWS``). The 7 weights are reused by every
 layer, so they stay in cache: this measures compute, not weight streaming. Mean of 5
 runs after one warm-up.
 

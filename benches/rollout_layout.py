@@ -18,7 +18,7 @@ import time
 
 from kvpage import LLM, SamplingParams
 from kvpage.bench.rollout import PROMPTS
-from kvpage.engine import load_model_and_tokenizer
+from kvpage.engine.llm_engine import load_model_and_tokenizer
 from kvpage.integrations.tunix_layout import params_from_tunix, tunix_arrays_from_params
 from kvpage.model.real_models import find_or_fetch_smollm2
 

@@ -111,8 +111,8 @@ def _run_client(port: int, streams: int, output_len: int) -> dict[str, Any]:
 def measure(streams: int, output_len: int, http: str, loop: str) -> dict[str, Any]:
     """Serve ``streams`` streaming requests at once; timings and thread CPU."""
     import uvicorn
-    from kvpage.async_engine import AsyncLLMEngine
     from kvpage.bench.host import HOST_MAX_MODEL_LEN, build_host_engine
+    from kvpage.engine.async_engine import AsyncLLMEngine
     from kvpage.openai.app import build_app
 
     if PROMPT_LEN + output_len > HOST_MAX_MODEL_LEN:

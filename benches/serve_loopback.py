@@ -46,9 +46,9 @@ def main() -> int:
     args = p.parse_args()
 
     import uvicorn
-    from kvpage.async_engine import AsyncLLMEngine
-    from kvpage.engine import LLMEngine
-    from kvpage.engine_config import EngineConfig
+    from kvpage.engine.async_engine import AsyncLLMEngine
+    from kvpage.engine.config import EngineConfig
+    from kvpage.engine.llm_engine import LLMEngine
     from kvpage.openai.app import build_app
 
     model = args.model or default_model_dir()

@@ -24,11 +24,11 @@ from structured_host import SCHEMA  # noqa: E402
 
 def tokenizer(name: str) -> tuple[Any, int]:
     if name == "tiny":
-        from kvpage.tiny_model import build_tokenizer
+        from kvpage.model.tiny_model import build_tokenizer
 
         tok = build_tokenizer()
         return tok, len(tok)
-    from kvpage.engine import load_model_and_tokenizer
+    from kvpage.engine.llm_engine import load_model_and_tokenizer
 
     config, _, tok, _ = load_model_and_tokenizer(name)
     return tok, config.vocab_size

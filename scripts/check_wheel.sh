@@ -52,7 +52,7 @@ echo "== kvpage --help"
 "$kvpage" bench --help >/dev/null
 
 echo "== the host decode-attention kernel is exported and registers with XLA"
-JAX_PLATFORMS=cpu "$py" -c 'from pallas_kernels import cpu_decode_attention as k; assert k.available(), "kvpage_paged_decode_attention missing from _core"'
+JAX_PLATFORMS=cpu "$py" -c 'from kvpage.kernels.host import cpu_decode_attention as k; assert k.available(), "kvpage_paged_decode_attention missing from _core"'
 
 echo "== kvpage generate (the shipped tiny model)"
 JAX_PLATFORMS=cpu "$kvpage" generate --prompt "The module" --max-tokens 8 --temperature 0 \

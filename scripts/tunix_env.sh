@@ -3,7 +3,7 @@
 # transformers/safetensors than requirements-dev.txt, so it gets its own
 # virtualenv (.venv-tunix) that sees this checkout's python/ (built by the
 # README's setup) instead of a second build. scripts/test.sh runs
-# tests/test_tunix_rollout.py in it when it exists.
+# tests/integrations/test_tunix_rollout.py in it when it exists.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv-tunix

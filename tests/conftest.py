@@ -32,7 +32,7 @@ def no_executable_store() -> Iterator[None]:
     """Keep the executable store (``kvpage.runner.executable_store``) off unless a test
     turns it on: a stored executable skips the trace, so a test that patches a function
     the trace calls (``dispatch.on_gpu``, a kernel) would run another test's program.
-    ``tests/test_executable_store.py`` tests the store itself; the wheel check runs
+    ``tests/runner/test_executable_store.py`` tests the store itself; the wheel check runs
     ``kvpage generate`` and ``kvpage serve`` with it."""
     previous = os.environ.get("KVPAGE_EXECUTABLE_STORE")
     os.environ["KVPAGE_EXECUTABLE_STORE"] = "0"
@@ -61,6 +61,6 @@ def release_compiled_executables() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvpage.tiny_model import build_tiny_model
+    from kvpage.model.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))

@@ -4,11 +4,11 @@ bounded time, then the checks that nothing was lost, leaked or let grow.
     python tests/loadtest.py --clients 300 --duration 60      # spawns kvpage serve
     python tests/loadtest.py --url http://127.0.0.1:8000 --model-name NAME
 
-By default it builds (once) the tiny random Llama of ``kvpage.tiny_model``,
+By default it builds (once) the tiny random Llama of ``kvpage.model.tiny_model``,
 starts ``python -m kvpage.cli serve`` on it on 127.0.0.1 and a free port, and
 stops it with SIGTERM at the end. ``--url`` drives a server that is already
 running instead (loopback addresses only). ``run_load`` and
-``InProcessServer`` are the same machinery for tests (``tests/test_load_smoke.py``
+``InProcessServer`` are the same machinery for tests (``tests/openai/test_load_smoke.py``
 imports this file). A test harness, not part of the installed package: it needs
 kvpage importable (installed, or ``PYTHONPATH=python``) and ``httpx``.
 

@@ -248,8 +248,8 @@ class InProcessServer:
         **app_kwargs: Any,
     ) -> None:
         import uvicorn
-        from kvpage.async_engine import AsyncLLMEngine
-        from kvpage.engine import LLMEngine
+        from kvpage.engine.async_engine import AsyncLLMEngine
+        from kvpage.engine.llm_engine import LLMEngine
         from kvpage.openai.app import build_app
 
         self.model_name = model_name

@@ -13,8 +13,8 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "LLM": "kvpage.llm",
-    "LLMEngine": "kvpage.engine",
-    "EngineConfig": "kvpage.engine_config",
+    "LLMEngine": "kvpage.engine.llm_engine",
+    "EngineConfig": "kvpage.engine.config",
     "SamplingParams": "kvpage.sampling.params",
     "RequestOutput": "kvpage.outputs",
     "CompletionOutput": "kvpage.outputs",

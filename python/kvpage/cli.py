@@ -43,7 +43,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompts:
         print("error: give --prompt and/or --prompts-file", file=sys.stderr)
         return 2
-    from kvpage.engine_config import engine_config_from_args
+    from kvpage.engine.config import engine_config_from_args
 
     config = engine_config_from_args(args, _resolve_model(args.model))
     llm = LLM(**{f.name: getattr(config, f.name) for f in fields(config)})
@@ -72,14 +72,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from kvpage.extras import SERVE_MODULES, require
+    from kvpage.system.extras import SERVE_MODULES, require
 
     require("kvpage serve", SERVE_MODULES)  # before the model loads, not at the first request
     from kvpage.openai.run import run_server
 
     if args.warmup is None:
         args.warmup = "background"  # serve at once; the other buckets compile meanwhile
-    from kvpage.engine_config import engine_config_from_args
+    from kvpage.engine.config import engine_config_from_args
 
     config = engine_config_from_args(args, args.model)
     run_server(args.model, args.host, args.port, args.api_key, config,
@@ -89,14 +89,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
-    from kvpage.tiny_model import build_tiny_model
+    from kvpage.model.tiny_model import build_tiny_model
 
     print(build_tiny_model(args.path, seed=args.seed))
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvpage.engine_config import add_engine_args
+    from kvpage.engine.config import add_engine_args
 
     parser = argparse.ArgumentParser(
         prog="kvpage", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -152,10 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     if argv is None:  # the command itself, not a caller in this process
-        from kvpage.huge_pages import reexec_with_huge_pages
+        from kvpage.system.huge_pages import reexec_with_huge_pages
 
         reexec_with_huge_pages(sys.argv[1:])  # before JAX is imported
-    from kvpage.extras import MissingExtraError
+    from kvpage.system.extras import MissingExtraError
 
     args = build_parser().parse_args(argv)
     try:

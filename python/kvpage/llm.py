@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from kvpage.engine import LLMEngine, PromptType
-from kvpage.engine_config import EngineConfig
+from kvpage.engine.config import EngineConfig
+from kvpage.engine.llm_engine import LLMEngine, PromptType
 from kvpage.model.config import ModelConfig
 from kvpage.outputs import RequestOutput
-from kvpage.rollout import (
+from kvpage.outputs.rollout import (
     SCORE_PARAMS,
     RolloutBatch,
     build_rollout_batch,
@@ -57,7 +57,7 @@ class LLM:
 
         ``params`` follows :mod:`kvpage.model.params` (e.g. a JAX training run's
         pytree). Leaves that already are device arrays in the engine's layout (one
-        device, or :func:`kvpage.parallel.shard_params` for ``tensor_parallel_size``
+        device, or :func:`kvpage.runner.tensor_parallel.shard_params` for ``tensor_parallel_size``
         > 1) are used as they are, without a copy; others are moved there once.
 
         ``mesh``: a trainer's ``jax.sharding.Mesh`` with a ``"tp"`` axis, used as it
@@ -146,7 +146,7 @@ class LLM:
         """Sample like :meth:`generate` (one ``sampling_params`` or one per prompt),
         returning arrays for an RL loop: per sample (``n`` per prompt, rows in input
         order) the token ids without the stop token, each token's logprob in
-        ``logprobs_mode`` and the lengths, as one :class:`~kvpage.rollout.RolloutBatch`.
+        ``logprobs_mode`` and the lengths, as one :class:`~kvpage.outputs.rollout.RolloutBatch`.
         No Python object is made per token. Padding is ``pad_id`` (default: the
         tokenizer's pad token, else the first EOS id, else 0)."""
         prompts, params_list = _pair_params(prompts, sampling_params)

@@ -148,7 +148,7 @@ pub enum InstructionSet {
 /// f32 lanes of one vector register of the kernel this CPU runs: 16 (AVX-512), 8
 /// (AVX2 + FMA), 0 (the portable loop, correct but slower than XLA's dot: callers
 /// should not route to it). Callers size the row range they route here by it
-/// (`pallas_kernels/cpu_matmul.py`).
+/// (`python/kvpage/kernels/host/cpu_matmul.py`).
 pub fn lanes() -> usize {
     match instruction_set() {
         InstructionSet::Avx512 => 16,

@@ -9,7 +9,7 @@
 //! The row-count paths: quantized products take the integer path at
 //! `INTEGER_ROWS` (1) row, row groups of up to 10 below 16 rows, the panel from
 //! 16 (`qmatmul.rs`), and from 128 rows the step dequantizes and XLA multiplies
-//! (`DEQUANTIZE_ROWS`, `pallas_kernels/cpu_qmatmul.py`); float products take row
+//! (`DEQUANTIZE_ROWS`, `python/kvpage/kernels/host/cpu_qmatmul.py`); float products take row
 //! groups of 8.
 
 use super::cpu_attention::{paged_decode_attention, Bf16, DecodeShape, KvElement, F16};

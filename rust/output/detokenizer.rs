@@ -1,8 +1,8 @@
 //! Incremental detokenization with stop strings, for many sequences at once.
 //!
-//! This is the Rust twin of `python/kvpage/detokenizer.py` and produces the
+//! This is the Rust twin of `python/kvpage/outputs/detokenizer.py` and produces the
 //! same text, character for character (a differential test in
-//! `tests/test_detokenizer_rust.py` holds it to that). The algorithm:
+//! `tests/outputs/test_detokenizer_rust.py` holds it to that). The algorithm:
 //!
 //! - Each sequence decodes a sliding window of its ids, seeded with the last
 //!   [`PROMPT_CONTEXT_TOKENS`] prompt ids (so leading spaces come out right).

@@ -4,7 +4,7 @@
 //! handed out.
 //!
 //! - [`detokenizer`]: incremental detokenization with stop strings, for many
-//!   sequences at once; the Rust twin of `python/kvpage/detokenizer.py`,
+//!   sequences at once; the Rust twin of `python/kvpage/outputs/detokenizer.py`,
 //!   producing the same text, character for character.
 //! - [`output_streams`]: every request's generated tokens (cut at a stop
 //!   string), their text, the cumulative logprob, the finish and stop

@@ -18,7 +18,7 @@
 //! | seat | `u32` in `0..max_num_seqs` | the scheduler's seat pool | a row of the runner's sampling table (`StepPlan::sample_rows`), held by a running sequence from its first sampled row until it finishes or is preempted | reused at once; freed seats are listed in the next plan |
 //! | KV `SeqId` | `u64` | `KvCacheManager` | one page table | while the sequence holds KV |
 //!
-//! The engine's string `request_id` maps to a handle in `python/kvpage/engine.py`;
+//! The engine's string `request_id` maps to a handle in `python/kvpage/engine/llm_engine.py`;
 //! nothing else crosses the boundary.
 
 use crate::grammar::structured_output::GrammarMatcher;

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from kvpage.engine import LLMEngine
-    from kvpage.engine_config import EngineConfig
+    from kvpage.engine.config import EngineConfig
+    from kvpage.engine.llm_engine import LLMEngine
 
 TINY_MODEL_DIR = Path.home() / ".cache" / "kvpage" / "tiny-llama"
 """Where the benchmarks build their default model, the tiny random Llama."""
@@ -106,10 +106,10 @@ def mean(values: Sequence[float]) -> float:
 
 def default_model_dir() -> str:
     """The benchmarks' default model: the tiny random Llama of
-    :mod:`kvpage.tiny_model` (2 layers, hidden 64, vocab 512), built on first
+    :mod:`kvpage.model.tiny_model` (2 layers, hidden 64, vocab 512), built on first
     use at :data:`TINY_MODEL_DIR`. Fixed, so figures stay comparable."""
     if not (TINY_MODEL_DIR / "config.json").is_file():
-        from kvpage.tiny_model import build_tiny_model
+        from kvpage.model.tiny_model import build_tiny_model
 
         print(f"building a tiny random Llama at {TINY_MODEL_DIR} ...", file=sys.stderr)
         build_tiny_model(TINY_MODEL_DIR)
@@ -161,7 +161,7 @@ def load(model: str | None, random_weights: str | None = None, dtype: str = "aut
         config = random_weights_config(random_weights)
         params = random_params(config, seed=seed, dtype=dtype)
         return LoadedModel(config, params, None, None, f"random weights: {random_weights}")
-    from kvpage.engine import load_model_and_tokenizer
+    from kvpage.engine.llm_engine import load_model_and_tokenizer
 
     source = model or default_model_dir()
     config, params, tokenizer, model_dir = load_model_and_tokenizer(source, dtype=dtype)
@@ -171,7 +171,7 @@ def load(model: str | None, random_weights: str | None = None, dtype: str = "aut
 def build_engine(loaded: LoadedModel, config: EngineConfig, warmup: bool = True) -> LLMEngine:
     """An engine over already loaded weights; ``warmup`` compiles every step
     bucket first, so compilation stays out of the timed run."""
-    from kvpage.engine import LLMEngine
+    from kvpage.engine.llm_engine import LLMEngine
 
     if "warmup" in getattr(config, "__dataclass_fields__", {}):
         config = replace(config, warmup=False)  # warmed up below, without a progress bar
@@ -223,14 +223,14 @@ def synthetic_requests(
     output_lens: Sequence[int] | None = None,
     request_rate: float = float("inf"),
 ) -> list[BenchRequest]:
-    """Requests from :func:`kvpage.workload.make_workload`.
+    """Requests from :func:`kvpage.bench.workload.make_workload`.
 
     ``random``: lengths fixed at the means, or uniform within mean*(1 +/-
     ``range_ratio``); ``sharegpt``: the long-tailed ShareGPT-like draw (means
     ``input_len``/``output_len``, default 230/200). ``prefix_len`` tokens
     shared by every prompt. Token ids are drawn from [10, ``vocab_size``).
     Arrivals are Poisson at ``request_rate`` per second (inf: all at 0)."""
-    from kvpage.workload import make_workload
+    from kvpage.bench.workload import make_workload
 
     if dataset == "random":
         dist = "uniform" if range_ratio > 0 else "fixed"
@@ -350,7 +350,7 @@ def run_requests(
 
     ``record``: read the scheduler's counters after every step (KV blocks in
     use, reserved vs used KV slots). ``time_limit_s``: raise if exceeded."""
-    from kvpage.engine import StepTiming
+    from kvpage.engine.llm_engine import StepTiming
 
     if engine.has_unfinished_requests():
         raise ValueError("the engine must be idle")

@@ -61,8 +61,8 @@ def static_slot_efficiency(output_lens: list[int] | tuple[int, ...]) -> float:
 def seeds_example_sim(output_lens: tuple[int, ...] = SEEDS_OUTPUT_LENS) -> dict[str, Any]:
     """The worked example through the real scheduler (simulator): one batch
     of 4 short prompts with these output lengths, static vs fcfs."""
-    from kvpage.sim import simulate
-    from kvpage.workload import make_workload
+    from kvpage.bench.sim import simulate
+    from kvpage.bench.workload import make_workload
 
     work = make_workload(len(output_lens), input_len=8, dist="fixed",
                          output_lens=list(output_lens), seed=0)
@@ -94,7 +94,7 @@ def sim_policies(
     """Static (reserving prompt + max_tokens = ``max_model_len``) vs fcfs on
     ``requests`` in the simulator; optionally a static run that knows every
     output length in advance (reserves exactly prompt + output)."""
-    from kvpage.sim import simulate
+    from kvpage.bench.sim import simulate
 
     runs = [("static", max_model_len, "static + contiguous (reserve max_model_len)"),
             ("fcfs", max_model_len, "continuous + paged")]
@@ -117,7 +117,7 @@ def sim_concurrency_sweep(requests: list[Any], *, num_blocks: int, max_model_len
                           levels: list[int]) -> list[dict[str, Any]]:
     """Output tokens per step vs batch width (max_num_seqs), both policies,
     same pool; static reserves ``max_model_len`` per request."""
-    from kvpage.sim import simulate
+    from kvpage.bench.sim import simulate
 
     rows = []
     for c in levels:
@@ -132,13 +132,13 @@ def sim_concurrency_sweep(requests: list[Any], *, num_blocks: int, max_model_len
 
 
 def sharegpt_requests(num: int, seed: int = 0) -> list[Any]:
-    from kvpage.workload import make_workload
+    from kvpage.bench.workload import make_workload
 
     return make_workload(num, input_len=230, output_len=200, dist="sharegpt", seed=seed)
 
 
 def variable_requests_sim(num: int, seed: int = 0) -> list[Any]:
-    from kvpage.workload import make_workload
+    from kvpage.bench.workload import make_workload
 
     return make_workload(num, input_len=40, range_ratio=0.6, dist="uniform", seed=seed,
                          output_lens=log_uniform_lengths(num, 20, 800, seed=seed + 1))
@@ -148,7 +148,7 @@ def waste_by_max_len(requests: list[Any], lens: tuple[int, ...] = (1024, 2048, 4
                      blocks_tokens: int = 1 << 17, max_num_seqs: int = 256) -> list[dict]:
     """KV waste of static+contiguous vs paged for several reservation sizes
     (max_model_len), same pool of ``blocks_tokens`` token slots."""
-    from kvpage.sim import simulate
+    from kvpage.bench.sim import simulate
 
     rows = []
     for max_len in lens:
@@ -255,7 +255,7 @@ def engine_config_for(loaded: Any, args: argparse.Namespace, policy: str) -> Any
 
     The token budget is sized so a static batch's prompts prefill in one
     step, as padded static batching does (both policies get the same budget)."""
-    from kvpage.engine_config import EngineConfig
+    from kvpage.engine.config import EngineConfig
 
     max_len = min(args.max_model_len, loaded.model_config.max_position_embeddings)
     static_seats = min(args.max_num_seqs, args.num_gpu_blocks * 16 // max_len)

@@ -34,7 +34,7 @@ WINDOW_S = 5.0
 
 _SERVE = "import sys; from kvpage.cli import main; sys.exit(main())"
 """``kvpage serve`` as a user starts it (``main()`` reads ``sys.argv`` and may run itself
-again with the huge-page tunable, ``kvpage/huge_pages.py``), from this interpreter."""
+again with the huge-page tunable, ``kvpage/system/huge_pages.py``), from this interpreter."""
 
 
 def token_times(records: Sequence[Any]) -> np.ndarray:

@@ -13,7 +13,7 @@ asks for them: ``delta=True``) and ``final`` (``final_only``, as ``LLM.generate`
 does: text is still made every step, outputs only at the end).
 
 The engine runs as a server runs it: detokenization in the Rust core and the
-startup heap frozen for the garbage collector (``kvpage.gc_heap``, done by
+startup heap frozen for the garbage collector (``kvpage.system.gc_heap``, done by
 ``AsyncLLMEngine.start``); ``--python-detokenizer`` and ``--no-gc-freeze`` undo
 either, to measure what each is worth.
 
@@ -228,7 +228,7 @@ HEADERS = [
 def load_tokenizer_and_config() -> tuple[Any, Any]:
     """The default model's byte-level BPE tokenizer and its model config."""
     from kvpage.assets import default_model_dir
-    from kvpage.engine import load_tokenizer
+    from kvpage.engine.llm_engine import load_tokenizer
     from kvpage.model.config import ModelConfig
 
     path = default_model_dir()
@@ -240,8 +240,8 @@ def build_host_engine(
     model_config: Any = None,
 ) -> Any:
     """An ``LLMEngine`` over :class:`InstantRunner`, sized for ``running`` sequences."""
-    from kvpage.engine import LLMEngine
-    from kvpage.engine_config import EngineConfig
+    from kvpage.engine.config import EngineConfig
+    from kvpage.engine.llm_engine import LLMEngine
 
     if tokenizer is None or model_config is None:
         tokenizer, model_config = load_tokenizer_and_config()
@@ -270,7 +270,7 @@ def measure(
 ) -> HostResult:
     """Host microseconds per step with ``running`` sequences decoding; with
     ``gc_freeze`` the startup heap is frozen while it runs, as a server's is."""
-    from kvpage.gc_heap import freeze_startup_heap, release_startup_heap
+    from kvpage.system.gc_heap import freeze_startup_heap, release_startup_heap
 
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -412,7 +412,7 @@ def add_parser(sub: Any) -> None:
                    help="runs per configuration, each on a fresh engine; the fastest is shown")
     p.add_argument("--python-detokenizer", action="store_true",
                    help="stream outputs through the Python twin of the output streams "
-                        "(kvpage.output_streams), not the Rust core")
+                        "(kvpage.outputs.output_streams), not the Rust core")
     p.add_argument("--no-gc-freeze", action="store_true",
                    help="leave the startup heap to the garbage collector (no gc.freeze)")
     p.add_argument("--constrained-fraction", type=float, default=0.0,

@@ -101,9 +101,9 @@ def main(args: argparse.Namespace) -> int:
     import jax
     import jax.numpy as jnp
 
-    from kvpage.compilation_cache import compile_counts
     from kvpage.integrations.tunix import KvpageRollout, tunix_llama_from_checkpoint
     from kvpage.model.real_models import model_or_smollm2
+    from kvpage.system.compilation_cache import compile_counts
 
     path = model_or_smollm2(args.model)
     original_rope = tunix_llama.apply_rope

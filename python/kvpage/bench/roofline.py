@@ -2,7 +2,7 @@
 
 Nothing here runs on a GPU: every figure it prints is a *prediction* of a
 roofline model, labelled as such. The trace comes from the real Rust
-scheduler (the same loop as :mod:`kvpage.sim`): for each step, each row's
+scheduler (the same loop as :mod:`kvpage.bench.sim`): for each step, each row's
 new tokens (``q_len``) and KV length after the step. Per step the model counts
 
 * bytes: all weights once (bf16) + the KV each row's attention reads + the
@@ -168,7 +168,7 @@ def predict(
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from kvpage.workload import make_workload
+    from kvpage.bench.workload import make_workload
 
     m = ModelShape.from_preset(args.model)
     a = Assumptions(eff_bw=args.eff_bw, eff_mma=args.eff_mma, launch_us=args.launch_us)

@@ -208,7 +208,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
         "add_request_per_s": rate,
     }
     if not args.no_engine:
-        from kvpage.engine_config import EngineConfig
+        from kvpage.engine.config import EngineConfig
 
         loaded = load(args.model)
         # The engine shape of `bench compare`, so its compiled steps are reused.

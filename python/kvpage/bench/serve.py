@@ -336,7 +336,7 @@ def add_parser(sub: Any) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvpage.bench.throughput import workload_from_args
-    from kvpage.extras import BENCH_SERVE_MODULES, require
+    from kvpage.system.extras import BENCH_SERVE_MODULES, require
 
     require("kvpage bench serve", BENCH_SERVE_MODULES)
 

@@ -9,7 +9,7 @@ In one run, on one model (default: SmolLM2-135M-Instruct GGUF from PyPI's
 * ``kvpage serve MODEL``: time to ``/health`` and to the first completion (32 tokens),
   empty and filled cache;
 * for every kvpage run: XLA executables compiled and loaded from the cache
-  (:mod:`kvpage.compilation_cache`) and peak RSS;
+  (:mod:`kvpage.system.compilation_cache`) and peak RSS;
 * ``kvpage serve MODEL`` under load from the moment ``/health`` answers (c=32, the
   ShareGPT-like mix of ``bench serve``): the time until the throughput over 5 s reaches
   90 % of the steady state (the same requests again once the background warm-up is
@@ -42,7 +42,7 @@ MAX_TOKENS = 32
 
 _CHILD = """
 import atexit, json, os, resource, sys
-from kvpage.compilation_cache import compile_counts
+from kvpage.system.compilation_cache import compile_counts
 compile_counts()
 def _report():
     c = compile_counts()

@@ -49,7 +49,7 @@ def _median_ms(fn: Callable[[], Any], repeats: int) -> float:
 def engine_decode_step(llm: Any, rows: int, context: int, steps: int) -> dict[str, float]:
     """Prefill ``rows`` requests of ``context`` tokens, then time ``steps`` decode steps
     (per token: with multi-step decode one ``engine.step()`` runs several)."""
-    from kvpage.engine import StepTiming
+    from kvpage.engine.llm_engine import StepTiming
     from kvpage.sampling.params import SamplingParams
 
     engine = llm.engine

@@ -68,7 +68,7 @@ def run_throughput(
 
 def add_parser(sub: Any) -> None:
     """Add ``throughput`` to the ``kvpage bench`` subcommands."""
-    from kvpage.engine_config import add_engine_args
+    from kvpage.engine.config import add_engine_args
 
     p = sub.add_parser(
         "throughput",
@@ -163,7 +163,7 @@ def workload_from_args(
 
 
 def cmd_throughput(args: argparse.Namespace) -> int:
-    from kvpage.engine_config import engine_config_from_args
+    from kvpage.engine.config import engine_config_from_args
 
     loaded = load(args.model, args.random_weights, dtype=args.dtype, seed=args.seed)
     config = engine_config_from_args(args, str(loaded.model_dir) if loaded.model_dir else None)

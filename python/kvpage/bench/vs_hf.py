@@ -39,7 +39,7 @@ TARGETS = {"batch1": 1.0, "64x64": 1.5, "mix": 4.0}
 
 def scenario(name: str, seed: int = 0, num_requests: int | None = None) -> dict[str, Any]:
     """The requests of a named scenario: prompt lengths, output lengths, batching."""
-    from kvpage.workload import sample_lengths
+    from kvpage.bench.workload import sample_lengths
 
     if name == "batch1":
         prompts, outputs = [16, 64, 128, 256], [64, 64, 64, 64]

@@ -90,7 +90,7 @@ def run_kvpage(spec: dict[str, Any]) -> dict[str, Any]:
 def host_kernels() -> str:
     """Which of kvpage's host CPU kernels this process routes to (a figure is only
     comparable with figures taken with the same ones)."""
-    from pallas_kernels import cpu_decode_attention, cpu_matmul
+    from kvpage.kernels.host import cpu_decode_attention, cpu_matmul
 
     used = [
         name

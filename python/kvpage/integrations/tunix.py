@@ -246,7 +246,7 @@ def tunix_llama_from_checkpoint(path: Any) -> tuple[Any, Any, Any]:
     from tunix.generate.tokenizer_adapter import TokenizerAdapter
     from tunix.models.llama3 import model as tunix_llama
 
-    from kvpage.engine import load_model_and_tokenizer
+    from kvpage.engine.llm_engine import load_model_and_tokenizer
     from kvpage.integrations.tunix_layout import tunix_arrays_from_params
 
     config, params, tokenizer, _ = load_model_and_tokenizer(

@@ -1,11 +1,11 @@
 """Choice of the paged-attention implementation (one string, one place).
 
-This file owns the indirection between the decoder and ``pallas_kernels``. Every backend
-follows the contract of ``pallas_kernels/reference.py``: ``attend(q, k_pages, v_pages,
+This file owns the indirection between the decoder and ``kvpage.kernels``. Every backend
+follows the contract of ``python/kvpage/kernels/xla/reference.py``: ``attend(q, k_pages, v_pages,
 kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale, decode_only)`` and
 ``write_kv(k_pages, v_pages, k, v, slot_mapping)``.
 
-``attention_backend`` is passed to ``pallas_kernels.paged_attention``'s dispatcher:
+``attention_backend`` is passed to ``kvpage.kernels.paged_attention``'s dispatcher:
 ``"reference"`` (the pure-jnp contract, for tests: its work follows the padded
 table width), ``"xla"`` (plain XLA, work following the live KV), ``"pallas"`` (the
 Pallas kernels), or ``None`` (the dispatcher's default: Pallas on GPU, ``"xla"``
@@ -42,32 +42,23 @@ class AttentionBackend(NamedTuple):
 
 
 def _reference_attend(*args: Any, sm_scale: float, decode_only: bool = False) -> jax.Array:
-    import pallas_kernels
+    from kvpage import kernels
 
-    return pallas_kernels.ragged_paged_attention_reference(*args, sm_scale=sm_scale)
+    return kernels.ragged_paged_attention_reference(*args, sm_scale=sm_scale)
 
 
 def get_attention_backend(name: str | None = None) -> AttentionBackend:
     """Resolve ``attention_backend`` to callables; ValueError for an unknown name."""
-    import pallas_kernels
+    from kvpage import kernels
 
-    dispatcher = getattr(pallas_kernels, "paged_attention", None)
-    resolve = getattr(pallas_kernels, "resolve_backend", None)
-    resolved = resolve(name) if resolve is not None else (name or "reference")
+    resolved = kernels.resolve_backend(name)
     if resolved == "reference":
-        return AttentionBackend(
-            "reference", _reference_attend, pallas_kernels.write_kv_pages, False
-        )
-    if dispatcher is None:
-        raise ValueError(
-            f"attention_backend {name!r} needs pallas_kernels.paged_attention, which this "
-            "build of pallas_kernels does not provide; use attention_backend='reference'"
-        )
+        return AttentionBackend("reference", _reference_attend, kernels.write_kv_pages, False)
     # Only the Pallas backend has a separate decode kernel worth its own executables;
     # the xla backend's prefill loop simply runs zero times in a decode-only step.
     return AttentionBackend(
         resolved,
-        functools.partial(dispatcher, backend=resolved),
-        pallas_kernels.write_kv_pages,
+        functools.partial(kernels.paged_attention, backend=resolved),
+        kernels.write_kv_pages,
         resolved == "pallas",
     )

@@ -4,12 +4,12 @@ Owns :func:`matmul_nt` (``x . w^T`` with an HF-oriented ``[out, in]`` weight, th
 product behind every linear layer and the vocab projection), :func:`embedding_rows`
 and the switch :func:`host_matmuls`. A weight may be a
 :class:`~kvpage.quant.QuantizedWeight`: with the switch on, its products run in the Rust
-core from its blocks (``pallas_kernels/cpu_qmatmul.py``: the kernel for up to 127 rows, the
+core from its blocks (``kernels/host/cpu_qmatmul.py``: the kernel for up to 127 rows, the
 core's dequantization + XLA's GEMM for more), and an int8
-one on a CUDA GPU in the Pallas kernel ``pallas_kernels/int8_matmul.py``; otherwise, or on
+one on a CUDA GPU in the Pallas kernel ``kernels/pallas/int8_matmul.py``; otherwise, or on
 another platform, the step dequantizes it and uses XLA's dot. For float weights, with
 the switch on, products of a few rows lowered for CPU go to kvpage's Rust kernel
-(``pallas_kernels/cpu_matmul.py``: policy and measurements); with it off, or on any other
+(``kernels/host/cpu_matmul.py``: policy and measurements); with it off, or on any other
 platform, they are XLA's ``dot_general``.
 
 A traced step may also say how many of its rows are live (:func:`live_rows`): the
@@ -34,11 +34,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kvpage.kernels.host import cpu_qmatmul
+from kvpage.kernels.host.cpu_matmul import cpu_matmul_nt
+from kvpage.kernels.pallas.int8_matmul import int8_matmul_nt
 from kvpage.model.transposed_weight import TransposedWeight
 from kvpage.quant.weights import QuantizedWeight
-from pallas_kernels import cpu_qmatmul
-from pallas_kernels.cpu_matmul import cpu_matmul_nt
-from pallas_kernels.int8_matmul import int8_matmul_nt
 
 _HOST_MATMULS = contextvars.ContextVar("kvpage_host_matmuls", default=False)
 _LIVE_ROWS: contextvars.ContextVar[tuple[int, jax.Array] | None] = contextvars.ContextVar(

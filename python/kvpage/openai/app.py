@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
-from kvpage.async_engine import AsyncLLMEngine
+from kvpage.engine.async_engine import AsyncLLMEngine
 from kvpage.openai import chat, completions, tokenization
 from kvpage.openai.errors import add_error_handlers, error_response
 from kvpage.openai.guard import DEFAULT_MAX_BODY_BYTES, OPEN_PATHS, Guard

@@ -16,7 +16,7 @@ from typing import Any
 
 from fastapi import Request, Response
 
-from kvpage.async_engine import EngineClosedError, RequestFailedError
+from kvpage.engine.async_engine import EngineClosedError, RequestFailedError
 from kvpage.openai.generation import Echo, Generation
 from kvpage.openai.protocol import CompletionRequest, bad_request, parse_body
 from kvpage.openai.respond import respond

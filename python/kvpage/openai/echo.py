@@ -1,7 +1,7 @@
 """``echo`` and ``prompt_logprobs`` in OpenAI / vLLM response shapes.
 
 This file owns how a request's prompt logprobs (``RequestOutput.prompt_logprobs``,
-scored in the prefill's forward pass: :mod:`kvpage.prompt_logprobs`) appear in HTTP
+scored in the prefill's forward pass: :mod:`kvpage.outputs.prompt_logprobs`) appear in HTTP
 responses:
 
 * ``/v1/completions`` with ``echo: true`` and ``logprobs: n``: the choice's legacy

@@ -15,8 +15,8 @@ from fastapi import FastAPI, Request, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Send
 
-from kvpage.async_engine import EngineClosedError
-from kvpage.engine import QueueFullError
+from kvpage.engine.async_engine import EngineClosedError
+from kvpage.engine.llm_engine import QueueFullError
 from kvpage.openai.protocol import APIError, value_error
 
 logger = logging.getLogger(__name__)

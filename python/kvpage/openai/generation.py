@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpage.async_engine import RequestStream
+from kvpage.engine.async_engine import RequestStream
 from kvpage.outputs import Logprob, RequestOutput
 
 

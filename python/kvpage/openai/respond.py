@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse
 
-from kvpage.async_engine import EngineClosedError, RequestFailedError
+from kvpage.engine.async_engine import EngineClosedError, RequestFailedError
 from kvpage.openai.errors import engine_error, error_response
 from kvpage.openai.generation import Generation
 from kvpage.openai.state import ServerState

@@ -21,8 +21,8 @@ from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvpage.async_engine import AsyncLLMEngine
-from kvpage.engine_config import EngineConfig
+from kvpage.engine.async_engine import AsyncLLMEngine
+from kvpage.engine.config import EngineConfig
 from kvpage.model.tokenizer_cache import CachedTokenizer
 from kvpage.openai.app import build_app
 from kvpage.openai.guard import DEFAULT_MAX_BODY_BYTES
@@ -110,7 +110,7 @@ def run_server(
     """
     import uvicorn
 
-    from kvpage.extras import SERVE_MODULES, require
+    from kvpage.system.extras import SERVE_MODULES, require
 
     require("kvpage serve", SERVE_MODULES)
 

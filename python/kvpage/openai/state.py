@@ -17,7 +17,7 @@ from typing import Any
 
 from fastapi import Request
 
-from kvpage.async_engine import AsyncLLMEngine, RequestStream
+from kvpage.engine.async_engine import AsyncLLMEngine, RequestStream
 from kvpage.openai.echo import concat_logprobs, echo_logprobs, prompt_logprobs_json
 from kvpage.openai.errors import engine_error
 from kvpage.openai.generation import Echo, Generation, Usage

@@ -17,7 +17,7 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from kvpage.async_engine import RequestStream
+from kvpage.engine.async_engine import RequestStream
 from kvpage.openai.errors import engine_error
 from kvpage.openai.generation import Generation
 from kvpage.openai.sse_events import sse_event

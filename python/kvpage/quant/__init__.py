@@ -7,7 +7,7 @@
 * :mod:`kvpage.quant.int8`: per-channel int8 of a float checkpoint, at load time.
 * :mod:`kvpage.quant.modes`: the ``--quantization`` modes and what each keeps quantized.
 
-The products run in the Rust core on CPU (``pallas_kernels/cpu_qmatmul.py``), reading
+The products run in the Rust core on CPU (``python/kvpage/kernels/host/cpu_qmatmul.py``), reading
 the blocks as stored; elsewhere, and under a device mesh, the model dequantizes a
 weight inside the step (:func:`kvpage.model.linear_kernels.matmul_nt`).
 """

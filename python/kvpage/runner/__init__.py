@@ -3,7 +3,7 @@
 * :mod:`~kvpage.runner.step_plan`      -- the plan contract (+ a Python :class:`StepPlan`).
 * :mod:`~kvpage.runner.model_runner`   -- :class:`ModelRunner`: pad, run, sample.
 * :mod:`~kvpage.runner.kv_cache`       -- paged KV pool shape and allocation (split by KV head
-  under tensor parallelism, see :mod:`kvpage.parallel`).
+  under tensor parallelism, see :mod:`kvpage.runner.tensor_parallel`).
 * :mod:`~kvpage.runner.kv_cache_sizing` -- how many blocks the pool gets, and why.
 * :mod:`~kvpage.runner.layered_step`   -- a step as embed, layer groups, select and head.
 * :mod:`~kvpage.runner.step_inputs`    -- packing a plan into one padded buffer.

@@ -19,7 +19,7 @@ The policy (the one place it is stated):
   turns, 2026-11-26): 145.4 s with powers of two, 140.2 s with 384, 768 and 1536 added
   (3.6 % less), the same tokens; SmolLM2 then has 43 step executables instead of 38.
 * Only the block-table *width* never makes a bucket: attention loops over the live KV
-  (``pallas_kernels``), so ``max_model_len`` adds no executables and no work.
+  (``kvpage.kernels``), so ``max_model_len`` adds no executables and no work.
 * A step padded to T tokens gets at least ``T / max_token_seq_ratio`` sequence rows,
   which bounds the (T, S) pairs; :meth:`ModelRunner.warmup_buckets` lists every pair a
   configuration can reach (``ModelRunner.max_step_executables``; 43 for SmolLM2 at the

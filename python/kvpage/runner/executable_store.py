@@ -10,7 +10,7 @@ for a whole bucket.
 What a trace depends on, and so what the key holds (:func:`code_fingerprint` and the
 runner's :meth:`~kvpage.runner.model_runner.ModelRunner.trace_inputs`):
 
-* kvpage's code: every ``.py`` file of ``kvpage`` and ``pallas_kernels`` and the
+* kvpage's code: every ``.py`` file of ``kvpage`` and the
   compiled core (size and modification time);
 * JAX, jaxlib and the device (platform, kind, the host CPU's feature flags), the
   ``XLA_FLAGS`` and every ``KVPAGE_*`` environment variable;
@@ -40,7 +40,7 @@ from typing import Any
 
 import jax
 
-from kvpage.compilation_cache import STORE_LOAD
+from kvpage.system.compilation_cache import STORE_LOAD
 
 logger = logging.getLogger("kvpage.compile")
 
@@ -54,11 +54,10 @@ def code_fingerprint() -> str:
     import jaxlib
 
     import kvpage
-    import pallas_kernels
     from kvpage import _core
 
     digest = hashlib.sha256()
-    for package in (kvpage, pallas_kernels):
+    for package in (kvpage,):
         root = Path(package.__file__).resolve().parent
         for path in sorted(root.rglob("*.py")):
             digest.update(str(path.relative_to(root)).encode())
@@ -90,9 +89,9 @@ def _cpu_flags() -> str:
 def register_host_kernels() -> None:
     """Register every XLA FFI handler kvpage's core exports: a stored executable may call
     any of them, and only a trace registers them otherwise."""
+    from kvpage.kernels.host import cpu_decode_attention, cpu_matmul, cpu_qmatmul
+    from kvpage.kernels.host._host_ffi import register
     from kvpage.runner.kv_cache import LAZY_ZEROS_TARGET
-    from pallas_kernels import cpu_decode_attention, cpu_matmul, cpu_qmatmul
-    from pallas_kernels._host_ffi import register
 
     names = [cpu_decode_attention.TARGET, cpu_matmul.TARGET, LAZY_ZEROS_TARGET]
     for kind in cpu_qmatmul.KINDS:

@@ -154,7 +154,7 @@ def _lazy_zeros(
     device = device or jax.devices()[0]
     if device.platform != "cpu" or os.environ.get("KVPAGE_LAZY_KV_ZEROS", "1") == "0":
         return None
-    from pallas_kernels._host_ffi import register
+    from kvpage.kernels.host._host_ffi import register
 
     if not register(LAZY_ZEROS_TARGET):
         return None

@@ -15,7 +15,7 @@ after :meth:`ModelRunner.warmup` that number stays fixed for any plan within the
 configured limits.
 
 With ``tensor_parallel_size=N`` (or an explicit ``mesh``) the same step runs over N devices
-(:mod:`kvpage.parallel`): params split Megatron-style, KV pools split by KV head, the
+(:mod:`kvpage.runner.tensor_parallel`): params split Megatron-style, KV pools split by KV head, the
 attention kernel per shard under ``shard_map``; the packed step inputs, the sampling table
 and the sampled outputs are replicated, so every device (and host) sees the same tokens.
 
@@ -47,15 +47,6 @@ from kvpage.model.config import ModelConfig
 from kvpage.model.linear_kernels import host_matmuls
 from kvpage.model.llama import compute_logits
 from kvpage.model.params import Params, validate_params
-from kvpage.parallel import (
-    TP_AXIS,
-    check_tensor_parallel,
-    make_mesh,
-    mesh_size,
-    param_shardings,
-    place,
-    shard_attention_backend,
-)
 from kvpage.runner.background_compiler import BackgroundCompiler
 from kvpage.runner.buckets import (
     background_order,
@@ -96,6 +87,15 @@ from kvpage.runner.prompt_logprobs import PromptScores
 from kvpage.runner.step_inputs import PackedLayout, PaddingValues
 from kvpage.runner.step_output import StepOutput
 from kvpage.runner.step_plan import StepPlanLike
+from kvpage.runner.tensor_parallel import (
+    TP_AXIS,
+    check_tensor_parallel,
+    make_mesh,
+    mesh_size,
+    param_shardings,
+    place,
+    shard_attention_backend,
+)
 from kvpage.sampling.device_params import DeviceSamplingParams
 from kvpage.sampling.table import (
     SamplingTable,
@@ -127,7 +127,7 @@ class ModelRunner:
             ``kv_cache_memory`` or the device's (host's) memory.
         block_size: tokens per KV block.
         max_model_len: longest sequence (prompt + output); fixes the block-table width.
-        attention_backend: ``None``/``"reference"`` or a ``pallas_kernels`` backend name.
+        attention_backend: ``None``/``"reference"`` or a ``kvpage.kernels`` backend name.
         max_num_seqs: request slots of the sampling table; ``sample_rows`` index them.
         max_num_batched_tokens: most tokens in one step.
         token_buckets / seq_buckets: padded sizes for T and max(S, S'); default powers
@@ -780,7 +780,8 @@ class ModelRunner:
         Nothing recompiles and the KV pools stay as they are (their contents now
         describe the old weights: the caller decides what to drop). Leaves that already
         are jax arrays with this runner's sharding (one device, or the tensor-parallel
-        layout of :func:`kvpage.parallel.shard_params`) are adopted as they are; others
+        layout of :func:`~kvpage.runner.tensor_parallel.shard_params`) are adopted as they are;
+        others
         are transferred (device to device where possible). Raises ValueError naming the
         first mismatch, before anything changes: the old params stay live. Returns the
         number of leaves that had to be transferred (0: nothing was copied).

@@ -40,7 +40,7 @@ class SamplingParams:
     prompt logprobs stay raw);
     ``prompt_logprobs`` (top-N per prompt token, the prompt token always included;
     scored in the prefill's own forward pass, and such a request bypasses the prefix
-    cache: see :mod:`kvpage.prompt_logprobs`);
+    cache: see :mod:`kvpage.outputs.prompt_logprobs`);
     presence / frequency / repetition penalties; ``skip_special_tokens``;
     ``structured_outputs`` (or its older name ``guided_decoding``): a
     :class:`~kvpage.structured_outputs.StructuredOutputsParams` (or a dict of its fields)

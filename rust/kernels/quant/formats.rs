@@ -35,7 +35,7 @@ pub enum QuantType {
 }
 
 impl QuantType {
-    /// Every format, in the order of their codes (`pallas_kernels/cpu_qmatmul.py`'s `KINDS`).
+    /// Every format, in the order of their codes (`python/kvpage/kernels/host/cpu_qmatmul.py`'s `KINDS`).
     pub const ALL: [QuantType; 6] = [
         QuantType::Q8_0,
         QuantType::Q4_0,

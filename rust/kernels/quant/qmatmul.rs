@@ -19,7 +19,7 @@
 //!   "Latest: one weight row at a time"). 8-bit inputs with `pmaddubsw` (llama.cpp's
 //!   choice for 4-bit weights) ran 1.1-1.3x faster still but flipped SmolLM2's
 //!   greedy tokens: 43 % agreement with the float path over 8 prompts, against
-//!   91 % with 16 bits (`tests/test_quant.py`).
+//!   91 % with 16 bits (`tests/quant/test_quant.py`).
 //! - **more rows**: each sub-block is expanded to float in registers once for
 //!   a group of input rows (`scale · q + min`, one FMA per 8 weights) and
 //!   multiplied against the float inputs, as the float kernel does

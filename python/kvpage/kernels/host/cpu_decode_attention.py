@@ -1,0 +1,63 @@
+"""Decode attention on the host CPU, as an XLA FFI custom call into kvpage's Rust core.
+
+Owns :func:`cpu_paged_decode_attention` and the registration of its FFI target. XLA:CPU
+gathers paged K/V blocks at ~5 GB/s, which made decode attention over long contexts the
+largest cost of a CPU step; the Rust kernel (``rust/kernels/cpu_attention.rs``, exported by
+``rust/kernels/xla_ffi.rs``) reads each live block once, in place, on all cores.
+
+Contract: ``q [S, Hq, D]`` (one query token per row), the paged pools, ``kv_lens [S]``
+(0 for rows not computed: they get zeros) and ``block_tables [S, M]``; result
+``[S, Hq, D]`` float32, equal to the reference's decode rows. Only the ``cpu`` platform
+has the target: :func:`cpu_paged_decode_attention` takes the function to lower on any
+other platform (``lax.platform_dependent``), so one traced program still lowers for GPUs.
+
+``KVPAGE_CPU_ATTENTION=0`` turns the kernel off (the ``lax`` loop is used everywhere).
+Under XLA its rows are split over XLA's own intra-op thread pool (``rust/kernels/parallel.rs``);
+``KVPAGE_CPU_ATTENTION_THREADS`` caps the threads of direct (non-XLA) calls only.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kvpage.kernels.host._host_ffi import register
+
+TARGET = "kvpage_paged_decode_attention"
+
+
+def available() -> bool:
+    """Whether the Rust kernel is registered for the ``cpu`` platform (registers it once)."""
+    return os.environ.get("KVPAGE_CPU_ATTENTION", "1") != "0" and register(TARGET)
+
+
+def cpu_paged_decode_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    *,
+    sm_scale: float,
+    otherwise: Callable[[], jax.Array],
+) -> jax.Array:
+    """Decode rows' attention ``[S, Hq, D]`` float32: the Rust kernel when lowered for
+    CPU, ``otherwise()`` (same result) when lowered for any other platform."""
+    if not available() or k_pages.dtype not in (jnp.float32, jnp.float16, jnp.bfloat16):
+        return otherwise()
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+
+    def on_cpu() -> jax.Array:
+        return call(
+            q.astype(jnp.float32) * sm_scale,
+            k_pages,
+            v_pages,
+            kv_lens.astype(jnp.int32),
+            block_tables.astype(jnp.int32),
+        )
+
+    return lax.platform_dependent(cpu=on_cpu, default=otherwise)

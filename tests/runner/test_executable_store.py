@@ -1,0 +1,126 @@
+"""The executable store: a second runner of the same configuration loads every piece
+its first one compiled, without tracing, and steps to the same tokens; a stale or
+damaged file, another configuration or other arguments are misses, never a wrong
+program (issue #41, kvpage.runner.executable_store)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import model_fixtures  # noqa: F401  (sys.path / import setup, before kvpage)
+import numpy as np
+import pytest
+from kvpage import LLM, SamplingParams
+from kvpage.model.params import param_spec, tree_from_flat
+from kvpage.model.presets import preset
+from kvpage.runner.executable_store import STORE_DIR_NAME, ExecutableStore
+from kvpage.runner.model_runner import ModelRunner
+from kvpage.system.compilation_cache import compile_counts
+
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, block_size=8,
+              warmup="none")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+PROMPTS = ["Once upon a time", "The module", "A list is a sequence of"]
+
+
+@contextlib.contextmanager
+def _cache_dir(path: Path | None) -> Iterator[None]:
+    """The store follows JAX's cache directory setting (JAX's own cache, set up once per
+    process, keeps the session's directory)."""
+    previous = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", None if path is None else str(path))
+    try:
+        yield
+    finally:
+        jax.config.update("jax_compilation_cache_dir", previous)
+
+
+@pytest.fixture
+def store_on(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
+    monkeypatch.setenv("KVPAGE_EXECUTABLE_STORE", "1")
+    with _cache_dir(tmp_path):
+        yield tmp_path / STORE_DIR_NAME
+
+
+def _runner(**overrides: Any) -> ModelRunner:
+    config = dataclasses.replace(preset("tiny-llama"), num_layers=2)
+    rng = np.random.default_rng(0)
+    params = tree_from_flat(config, {
+        n: rng.standard_normal(s).astype(np.float32) * 0.02
+        for n, s in param_spec(config).items()
+    })
+    kwargs: dict[str, Any] = dict(num_blocks=32, block_size=4, max_model_len=64,
+                                  max_num_seqs=4, max_num_batched_tokens=16)
+    return ModelRunner(config, params, **(kwargs | overrides))
+
+
+def test_a_second_engine_loads_every_piece_and_gives_the_same_tokens(
+    store_on: Path, tiny_model_dir: Path
+) -> None:
+    first = LLM(str(tiny_model_dir), **ENGINE)
+    want = [o.outputs[0].token_ids for o in first.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    for rows in first.engine.runner.multi_step_buckets():  # built (or awaited) now
+        first.engine.runner.compile_multi_step(rows)
+    saved = first.engine.runner._store
+    assert saved is not None and saved.saves > 0 and saved.loads == 0
+    before = compile_counts()
+    second = LLM(str(tiny_model_dir), **ENGINE)
+    got = [o.outputs[0].token_ids for o in second.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    for rows in second.engine.runner.multi_step_buckets():
+        second.engine.runner.compile_multi_step(rows)
+    loaded = second.engine.runner._store
+    assert loaded is not None and loaded.directory == saved.directory
+    assert got == want
+    assert loaded.loads == saved.saves and loaded.saves == 0  # nothing traced again
+    assert (compile_counts() - before).loaded >= loaded.loads  # counted as loads
+
+
+def test_other_configurations_and_arguments_miss(store_on: Path) -> None:
+    runner = _runner()
+    runner.bucket((4, 4, False))
+    assert runner._store is not None and runner._store.saves == 4  # embed, layers, select, head
+    assert _runner(max_logprobs=5)._store.directory != runner._store.directory
+    again = _runner()
+    assert again._store.directory == runner._store.directory
+    layout, _ = again._layout((4, 4))
+    # The stored select piece of (4, 4) asked for with another argument shape: a miss.
+    wrong = (jax.ShapeDtypeStruct((8, again.config.hidden_size), np.float32),
+             jax.ShapeDtypeStruct((layout.size,), np.int32))
+    assert again._store.load(("select", 4, 4, False), wrong) is None
+    again.bucket((4, 4, False))
+    assert again._store.loads == 4
+
+
+def test_a_damaged_file_is_a_miss_that_is_replaced(
+    store_on: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _runner().bucket((4, 4, False))
+    files = sorted(store_on.rglob("*.exec"))
+    assert len(files) == 4
+    files[0].write_bytes(files[0].read_bytes()[:100])  # a torn write of another tool
+    runner = _runner()
+    with caplog.at_level(logging.WARNING, logger="kvpage.compile"):
+        runner.bucket((4, 4, False))
+    assert runner._store.loads == 3 and runner._store.saves == 1
+    assert any("not used" in r.getMessage() for r in caplog.records)
+    fresh = _runner()
+    fresh.bucket((4, 4, False))
+    assert fresh._store.loads == 4
+
+
+def test_the_store_is_off_without_a_cache_or_when_asked(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("KVPAGE_EXECUTABLE_STORE", "1")
+    with _cache_dir(None):
+        assert ExecutableStore.for_compilation_cache({}, jax.devices()[0]) is None
+    with _cache_dir(tmp_path):
+        assert ExecutableStore.for_compilation_cache({}, jax.devices()[0]) is not None
+        monkeypatch.setenv("KVPAGE_EXECUTABLE_STORE", "0")
+        assert ExecutableStore.for_compilation_cache({}, jax.devices()[0]) is None
