@@ -10,10 +10,9 @@ scheduler (``kvpage._core.StepPlan``, documented in ``rust/sched/step_plan.rs``)
 Id spaces a runner sees (stated once, here):
 
 * a **seat** is a row of the device sampling table, ``0 <= seat < max_num_seqs``; the
-  scheduler binds a seat to a request when it is first sampled
-  (``plan.sample_new_seat``) and frees it when the request leaves (``plan.freed_seats``); a
-  plan's
-  ``sample_rows`` are seats;
+  scheduler binds a seat to a request when it is first sampled (``plan.sample_new_seat``)
+  and frees it when the request leaves (``plan.freed_seats``); a plan's ``sample_rows``
+  are seats;
 * a **block** is a page of the KV pool, ``0 <= block < num_blocks``;
 * a **slot** is one token's place in the KV pool, ``block * block_size + offset``
   (``plan.slot_mapping``).
