@@ -253,6 +253,11 @@ class AsyncLLMEngine:
         return self.engine.max_model_len
 
     @property
+    def max_logprobs(self) -> int:
+        """The most logprobs (and top logprobs) a request may ask for."""
+        return self.engine.config.max_logprobs
+
+    @property
     def is_running(self) -> bool:
         """The engine thread is alive and has not crashed."""
         return self._thread.is_alive() and self.error is None
