@@ -78,7 +78,7 @@ def qwen_style_tokenizer() -> Any:
 
 @cache
 def _smollm2() -> Any:
-    from kvpage.model.gguf_loader import load_gguf_tokenizer
+    from kvpage.model.gguf_tokenizer import load_gguf_tokenizer
     from kvpage.model.real_models import find_smollm2
 
     path = find_smollm2()

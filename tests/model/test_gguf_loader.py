@@ -17,13 +17,9 @@ import numpy as np
 import pytest
 from gguf_fixtures import BOS_ID, CHAT_TEMPLATE, EOS_ID, TOKENIZER_VOCAB, write_gguf
 from kvpage.model import CheckpointError, RopeConfig
-from kvpage.model.gguf_loader import (
-    _tokenizer_through_auto,
-    is_gguf,
-    load_gguf,
-    load_gguf_tokenizer,
-    read_gguf_config,
-)
+from kvpage.model.gguf_loader import load_gguf, read_gguf_config
+from kvpage.model.gguf_metadata import is_gguf
+from kvpage.model.gguf_tokenizer import _tokenizer_through_auto, load_gguf_tokenizer
 from kvpage.model.rope import inverse_frequencies
 from model_fixtures import build_hf_model, hf_greedy, hf_logits, prefill_logits
 

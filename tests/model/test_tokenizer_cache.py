@@ -18,7 +18,7 @@ import model_fixtures  # noqa: F401  (sys.path / import setup, before kvpage)
 import pytest
 from gguf_fixtures import TOKENIZER_VOCAB, write_gguf
 from kvpage.engine.llm_engine import load_tokenizer
-from kvpage.model.gguf_loader import load_gguf_tokenizer
+from kvpage.model.gguf_tokenizer import load_gguf_tokenizer
 from kvpage.model.tokenizer_cache import CachedTokenizer, load_through_cache
 from kvpage.outputs.detokenizer import rust_token_decoder
 from model_fixtures import build_hf_model
@@ -76,7 +76,7 @@ def test_a_warm_start_does_not_import_transformers(
     probe = textwrap.dedent(f"""
         import sys
         from pathlib import Path
-        from kvpage.model.gguf_loader import load_gguf_tokenizer
+        from kvpage.model.gguf_tokenizer import load_gguf_tokenizer
         from kvpage.model.tokenizer_cache import load_through_cache
         path = Path({str(gguf_file)!r})
         tok = load_through_cache(path, Path({str(tmp_path)!r}),

@@ -288,7 +288,7 @@ def print_table(result: dict[str, Any]) -> None:
 
 
 def cmd_vs_llama_cpp(args: argparse.Namespace) -> int:
-    from kvpage.model.gguf_loader import is_gguf
+    from kvpage.model.gguf_metadata import is_gguf
     from kvpage.model.real_models import find_or_fetch_smollm2
 
     model = args.model or str(find_or_fetch_smollm2())

@@ -1,10 +1,11 @@
-"""Reading a GGUF file (llama.cpp's format) into kvpage's config, params and tokenizer.
+"""Reading a GGUF file (llama.cpp's format) into kvpage's config and params.
 
-This file owns GGUF: :func:`read_gguf_config` turns the file's metadata into a
-:class:`ModelConfig`, :func:`load_gguf` also dequantizes every tensor (header and index:
-:mod:`kvpage.model.gguf_file`; values: ``gguf.quants.dequantize``) into the
-:mod:`kvpage.model.params` pytree under HF names, and :func:`load_gguf_tokenizer` builds
-the Hugging Face tokenizer (with the chat template) that the file's metadata describes.
+This file owns the mapping from GGUF to kvpage's model: :func:`read_gguf_config` turns
+the file's metadata into a :class:`ModelConfig`, :func:`load_gguf` also reads every
+tensor (container: :mod:`kvpage.model.gguf_file`; typed metadata:
+:mod:`kvpage.model.gguf_metadata`; values: ``gguf.quants.dequantize``) into the
+:mod:`kvpage.model.params` pytree under HF names, with the tokenizer
+(:mod:`kvpage.model.gguf_tokenizer`) when asked.
 
 Supported: ``general.architecture`` ``llama`` (also Mistral and SmolLM files, which
 llama.cpp writes as llama), ``qwen2`` and ``qwen3``; tensor types F32, F16, BF16,
@@ -12,11 +13,9 @@ Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K. Anything else, a fil
 is not GGUF, or a truncated one raises :class:`CheckpointError` naming the problem.
 
 Invariants on top of the container's (:mod:`kvpage.model.gguf_file`): every metadata
-value is type-checked where it is read (a wrong type is a :class:`CheckpointError`
-naming the key); the tokenizer's arrays are bounded before anything decodes them (at
-most ``MAX_VOCAB`` tokens and no more than the embedding has rows, one score and one
-token type per token, special token ids inside the vocabulary), and every failure to
-build the tokenizer from them is a :class:`CheckpointError`.
+value is type-checked where it is read (:mod:`kvpage.model.gguf_metadata`); every
+tensor a layer needs is present with the shape the config implies, or a
+:class:`CheckpointError` names it.
 
 llama.cpp's converter permutes the rows of Llama's q/k projections (per head, from HF's
 "rotate half" pairing to interleaved pairs); :func:`_unpermute_rope_rows` undoes that,
@@ -35,7 +34,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
-import math
 import os
 import re
 from collections.abc import Callable
@@ -47,18 +45,20 @@ import numpy as np
 
 from kvpage.model.config import ModelConfig, RopeConfig
 from kvpage.model.errors import CheckpointError
-from kvpage.model.gguf_file import GGUFArray, GGUFFile, value_type_name
+from kvpage.model.gguf_metadata import (
+    field,
+    float_field,
+    int_field,
+    open_gguf,
+    required_int,
+    tensor_shape,
+)
+from kvpage.model.gguf_tokenizer import tokenizer_of
 from kvpage.model.params import Params, jnp_dtype, param_spec, tree_from_flat
 from kvpage.model.rope import inverse_frequencies
 from kvpage.quant.int8 import quantize_int8
 from kvpage.quant.modes import GGUF_KEPT, check_mode, keeps_gguf_blocks
 from kvpage.quant.weights import QuantizedWeight
-
-GGUF_SUFFIX = ".gguf"
-_MAGIC = b"GGUF"
-# The most tokens (and merges, and elements of any tokenizer array) a file may declare:
-# ModelConfig's bound on vocab_size. Decoding is bounded before it starts.
-MAX_VOCAB = 1 << 22
 
 # general.architecture -> (kvpage architecture, q/k rows permuted by llama.cpp).
 _ARCHITECTURES: dict[str, tuple[str, bool]] = {
@@ -101,66 +101,8 @@ _LLAMA3_LOW_FREQ, _LLAMA3_HIGH_FREQ, _LLAMA3_ORIGINAL_CONTEXT = 1.0, 4.0, 8192
 logger = logging.getLogger(__name__)
 
 
-def is_gguf(path: str | Path) -> bool:
-    """Whether ``path`` names a GGUF file (by its ``.gguf`` suffix or its magic bytes)."""
-    path = Path(path)
-    if path.is_dir():
-        return False
-    if path.suffix.lower() == GGUF_SUFFIX or not path.is_file():
-        return path.suffix.lower() == GGUF_SUFFIX
-    with path.open("rb") as f:
-        return f.read(4) == _MAGIC
-
-
-def _open(path: str | Path) -> GGUFFile:
-    """The file's metadata and tensor index (:mod:`kvpage.model.gguf_file`, which checks
-    the container: lengths, offsets, alignment, tensor bounds); every way the file can be
-    unreadable is a :class:`CheckpointError` naming it."""
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"GGUF file not found: {path}")
-    with path.open("rb") as f:
-        magic = f.read(4)
-    if magic != _MAGIC:
-        raise CheckpointError(
-            f"{path} is not a GGUF file (it starts with {magic!r}, not {_MAGIC!r})"
-        )
-    return GGUFFile(path)
-
-
-def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
-    """One metadata value as a Python scalar or string, or a
-    :class:`~kvpage.model.gguf_file.GGUFArray` (``default`` if absent)."""
-    return reader.fields.get(key, default)
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, GGUFArray):
-        return f"an array of {len(value)} {value_type_name(value.element_type)}"
-    return f"{type(value).__name__} {value!r:.60}"
-
-
-def _int_field(reader: GGUFFile, key: str, path: Path, default: int | None = None) -> int | None:
-    """An integer metadata value (``default`` if absent); any other type is a
-    :class:`CheckpointError` naming the key."""
-    value = _field(reader, key, default)
-    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
-        return value
-    raise CheckpointError(f"GGUF file {path}: metadata {key!r} is {_describe(value)}, "
-                          "not an integer")
-
-
-def _float_field(reader: GGUFFile, key: str, path: Path, default: float) -> float:
-    """A finite number from the metadata (``default`` if absent)."""
-    value = _field(reader, key, default)
-    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
-        return float(value)
-    raise CheckpointError(f"GGUF file {path}: metadata {key!r} is {_describe(value)}, "
-                          "not a finite number")
-
-
 def _architecture(reader: Any, path: Path) -> str:
-    arch = _field(reader, "general.architecture")
+    arch = field(reader, "general.architecture")
     if arch not in _ARCHITECTURES:
         raise CheckpointError(
             f"GGUF file {path} has architecture {arch!r}; supported: "
@@ -169,25 +111,13 @@ def _architecture(reader: Any, path: Path) -> str:
     return str(arch)
 
 
-def _required_int(reader: Any, key: str, path: Path) -> int:
-    value = _int_field(reader, key, path)
-    if value is None:
-        raise CheckpointError(f"GGUF file {path} lacks the integer metadata {key!r}")
-    return value
-
-
-def _tensor_shape(tensor: Any) -> tuple[int, ...]:
-    """The HF/numpy shape (GGUF lists dimensions fastest-varying first)."""
-    return tuple(int(d) for d in reversed(tuple(tensor.shape)))
-
-
 def _rope(reader: Any, arch: str, head_dim: int, context: int, path: Path) -> RopeConfig:
-    theta = _float_field(reader, f"{arch}.rope.freq_base", path, 10000.0)
+    theta = float_field(reader, f"{arch}.rope.freq_base", path, 10000.0)
     if theta <= 0:
         raise CheckpointError(f"GGUF file {path}: metadata '{arch}.rope.freq_base' is "
                               f"{theta}, not positive")
-    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
-    factor = _float_field(reader, f"{arch}.rope.scaling.factor", path, 1.0) or 1.0
+    scaling = field(reader, f"{arch}.rope.scaling.type", "none")
+    factor = float_field(reader, f"{arch}.rope.scaling.factor", path, 1.0) or 1.0
     freqs = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
     if freqs is not None:
         return _llama3_rope(reader, arch, freqs, theta, head_dim, context, path)
@@ -213,7 +143,7 @@ def _llama3_rope(
             f"expected head_dim / 2 = {head_dim // 2}"
         )
     original = (
-        _int_field(reader, f"{arch}.rope.scaling.original_context_length", path, 0)
+        int_field(reader, f"{arch}.rope.scaling.original_context_length", path, 0)
         or _LLAMA3_ORIGINAL_CONTEXT
     )
     rope = RopeConfig(
@@ -255,28 +185,28 @@ def _config_from_reader(reader: Any, path: Path, dtype: str, device: jax.Device 
                         ) -> ModelConfig:
     gguf_arch = _architecture(reader, path)
     architecture, _ = _ARCHITECTURES[gguf_arch]
-    shapes = {t.name: _tensor_shape(t) for t in reader.tensors}
+    shapes = {t.name: tensor_shape(t) for t in reader.tensors}
     if "token_embd.weight" not in shapes:
         raise CheckpointError(f"GGUF file {path} lacks the tensor 'token_embd.weight'")
     if len(shapes["token_embd.weight"]) != 2:
         raise CheckpointError(f"GGUF file {path}: tensor 'token_embd.weight' has shape "
                               f"{shapes['token_embd.weight']}, not [vocab, hidden]")
     vocab, hidden = shapes["token_embd.weight"]
-    heads = _required_int(reader, f"{gguf_arch}.attention.head_count", path)
+    heads = required_int(reader, f"{gguf_arch}.attention.head_count", path)
     if heads <= 0:
         raise CheckpointError(f"GGUF file {path} has {heads} attention heads")
-    kv_heads = _int_field(reader, f"{gguf_arch}.attention.head_count_kv", path, heads)
-    head_dim = (_int_field(reader, f"{gguf_arch}.attention.key_length", path, 0)
+    kv_heads = int_field(reader, f"{gguf_arch}.attention.head_count_kv", path, heads)
+    head_dim = (int_field(reader, f"{gguf_arch}.attention.key_length", path, 0)
                 or hidden // heads)
-    rotary = _int_field(reader, f"{gguf_arch}.rope.dimension_count", path, head_dim)
+    rotary = int_field(reader, f"{gguf_arch}.rope.dimension_count", path, head_dim)
     if rotary != head_dim:
         raise CheckpointError(
             f"GGUF file {path} rotates {rotary} of {head_dim} head features; "
             "partial rotary embeddings are not supported"
         )
-    context = _required_int(reader, f"{gguf_arch}.context_length", path)
+    context = required_int(reader, f"{gguf_arch}.context_length", path)
     eos = [
-        _field(reader, f"tokenizer.ggml.{key}")
+        field(reader, f"tokenizer.ggml.{key}")
         for key in ("eos_token_id", "eot_token_id", "eom_token_id")
     ]
     if dtype == "auto":
@@ -287,12 +217,12 @@ def _config_from_reader(reader: Any, path: Path, dtype: str, device: jax.Device 
             architecture=architecture,
             vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=_required_int(reader, f"{gguf_arch}.feed_forward_length", path),
-            num_layers=_required_int(reader, f"{gguf_arch}.block_count", path),
+            intermediate_size=required_int(reader, f"{gguf_arch}.feed_forward_length", path),
+            num_layers=required_int(reader, f"{gguf_arch}.block_count", path),
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=_float_field(
+            rms_norm_eps=float_field(
                 reader, f"{gguf_arch}.attention.layer_norm_rms_epsilon", path, 1e-6
             ),
             rope=_rope(reader, gguf_arch, head_dim, context, path),
@@ -322,7 +252,7 @@ def read_gguf_config(
     for quantized weights. EOS ids are the file's eos / eot / eom token ids.
     """
     path = Path(path)
-    return _config_from_reader(_open(path), path, dtype, device)
+    return _config_from_reader(open_gguf(path), path, dtype, device)
 
 
 def _dequantize(tensor: Any, path: Path) -> np.ndarray:
@@ -336,7 +266,7 @@ def _dequantize(tensor: Any, path: Path) -> np.ndarray:
             f"load; supported: {', '.join(SUPPORTED_TENSOR_TYPES)}"
         )
     values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-    return values.reshape(_tensor_shape(tensor))
+    return values.reshape(tensor_shape(tensor))
 
 
 def _unpermute_rope_rows(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -396,14 +326,14 @@ def load_gguf(
     """
     path = Path(path)
     check_mode(quantization)
-    reader = _open(path)
+    reader = open_gguf(path)
     config = _config_from_reader(reader, path, dtype, device)
     platform = device.platform if device is not None else jax.default_backend()
     keep = keeps_gguf_blocks(quantization, platform, tensor_parallel_size)
     params = _params_from_reader(
         reader, path, config, device, progress, keep_blocks=keep, int8=quantization == "int8"
     )
-    return GGUFModel(config, params, _tokenizer(reader, path) if tokenizer else None)
+    return GGUFModel(config, params, tokenizer_of(reader, path) if tokenizer else None)
 
 
 def _params_from_reader(
@@ -427,12 +357,12 @@ def _params_from_reader(
         if name is None or name not in spec:
             raise CheckpointError(
                 f"GGUF file {path} holds tensor {tensor.name!r} of shape "
-                f"{_tensor_shape(tensor)}, which a {gguf_arch} model does not use"
+                f"{tensor_shape(tensor)}, which a {gguf_arch} model does not use"
             )
-        if _tensor_shape(tensor) != spec[name]:
+        if tensor_shape(tensor) != spec[name]:
             raise CheckpointError(
                 f"tensor {tensor.name!r} ({name}) in {path} has shape "
-                f"{_tensor_shape(tensor)}, expected {spec[name]}"
+                f"{tensor_shape(tensor)}, expected {spec[name]}"
             )
         names.append(name)
 
@@ -443,7 +373,7 @@ def _params_from_reader(
         return values
 
     def host_values(tensor: Any) -> np.ndarray | QuantizedWeight:
-        shape = _tensor_shape(tensor)
+        shape = tensor_shape(tensor)
         kind = GGUF_KEPT.get(tensor.tensor_type.name)
         if keep_blocks and kind is not None and len(shape) == 2:
             blocks = np.ascontiguousarray(unpermuted(tensor, tensor.data))
@@ -477,134 +407,3 @@ def _params_from_reader(
     return tree_from_flat(config, flat)
 
 
-def load_gguf_tokenizer(path: str | Path) -> Any:
-    """The Hugging Face tokenizer the file's ``tokenizer.*`` metadata describes, with its
-    chat template (``tokenizer.chat_template``), or None if the file carries no
-    vocabulary. Built by transformers' GGUF conversion, from the file alone."""
-    path = Path(path)
-    return _tokenizer(_open(path), path)
-
-
-def _tokenizer(reader: Any, path: Path) -> Any:
-    if "tokenizer.ggml.tokens" not in reader.fields:
-        return None
-    _check_vocabulary(reader, path)
-    try:
-        tokenizer = _tokenizer_from_metadata(reader, path)
-        if tokenizer is None:
-            tokenizer = _tokenizer_through_auto(path)
-    except CheckpointError:
-        raise
-    except ImportError as err:
-        raise ValueError(
-            f"reading the tokenizer of {path} needs transformers' GGUF support: {err}"
-        ) from None
-    except Exception as err:  # transformers raises many types; name the file
-        raise CheckpointError(f"cannot build the tokenizer of {path}: {err}") from None
-    template = _field(reader, "tokenizer.chat_template")
-    if template and not getattr(tokenizer, "chat_template", None):
-        tokenizer.chat_template = template
-    return tokenizer
-
-
-def _check_vocabulary(reader: Any, path: Path) -> None:
-    """Check the tokenizer metadata's types and bound the arrays the tokenizer decodes
-    before anything decodes them: a token list of strings, no longer than ``MAX_VOCAB`` or
-    the embedding's rows, merges of strings, scores and token types one per token."""
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    if not isinstance(tokens, GGUFArray) or not tokens.strings:
-        raise CheckpointError(f"GGUF file {path}: metadata 'tokenizer.ggml.tokens' is "
-                              f"{_describe(tokens)}, not an array of strings")
-    embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
-    shape = _tensor_shape(embedding) if embedding is not None else ()
-    rows = shape[0] if len(shape) == 2 else MAX_VOCAB
-    if not 0 < len(tokens) <= min(rows, MAX_VOCAB):
-        raise CheckpointError(
-            f"GGUF file {path}: 'tokenizer.ggml.tokens' holds {len(tokens)} tokens; at "
-            f"least 1 and at most {min(rows, MAX_VOCAB)} (the embedding's rows, at most "
-            f"{MAX_VOCAB}) are supported"
-        )
-    merges = _field(reader, "tokenizer.ggml.merges")
-    if merges is not None and (not isinstance(merges, GGUFArray) or not merges.strings):
-        raise CheckpointError(f"GGUF file {path}: metadata 'tokenizer.ggml.merges' is "
-                              f"{_describe(merges)}, not an array of strings")
-    for key in _TOKENIZER_STRINGS:
-        value = _field(reader, key)
-        if value is not None and not isinstance(value, str):
-            raise CheckpointError(f"GGUF file {path}: metadata {key!r} is {_describe(value)}, "
-                                  "not a string")
-    for key in ("tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
-        values = _field(reader, key)
-        if values is not None and (
-            not isinstance(values, GGUFArray) or not values.numeric or len(values) != len(tokens)
-        ):
-            raise CheckpointError(f"GGUF file {path}: metadata {key!r} is {_describe(values)}, "
-                                  f"not one number for each of the {len(tokens)} tokens")
-
-
-def _tokenizer_value(reader: Any, key: str, path: Path) -> Any:
-    """A tokenizer metadata value as transformers takes it: arrays decoded to lists, once
-    their length is bounded."""
-    value = _field(reader, key)
-    if not isinstance(value, GGUFArray):
-        return value
-    if len(value) > MAX_VOCAB:
-        raise CheckpointError(f"GGUF file {path}: metadata {key!r} is {_describe(value)}, "
-                              f"more than the {MAX_VOCAB} supported")
-    return value.tolist()
-
-
-_TOKENIZER_STRINGS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template")
-_SPECIAL_TOKEN_IDS = {
-    "bos_token": "bos_token_id",
-    "eos_token": "eos_token_id",
-    "unk_token": "unknown_token_id",
-    "pad_token": "padding_token_id",
-}
-
-
-def _tokenizer_from_metadata(reader: Any, path: Path) -> Any:
-    """transformers' own GGUF tokenizer conversion fed from the already parsed metadata
-    (transformers >= 5; None on older versions). Same result as
-    ``AutoTokenizer.from_pretrained(dir, gguf_file=...)`` without re-reading the file or
-    importing torch."""
-    try:
-        from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
-    except ImportError:
-        try:  # transformers < 5.13 (what kvpage[tunix] resolves to) keeps them here
-            from transformers.integrations.ggml import (
-                GGUF_TOKENIZER_MAPPING,
-                convert_gguf_tokenizer,
-            )
-        except ImportError:
-            return None
-    from transformers import PreTrainedTokenizerFast
-
-    groups = {
-        group: {
-            name: _tokenizer_value(reader, f"tokenizer.{key}", path)
-            for key, name in renames.items()
-            if f"tokenizer.{key}" in reader.fields
-        }
-        for group, renames in GGUF_TOKENIZER_MAPPING.items()
-    }
-    vocabulary, init = groups["tokenizer"], groups["tokenizer_config"]
-    if vocabulary.get("tokenizer_type") == "llama":
-        init.setdefault("add_bos_token", True)  # llama.cpp's default for sentencepiece
-    tokens = vocabulary["tokens"]
-    for name, key in _SPECIAL_TOKEN_IDS.items():
-        token_id = _int_field(reader, f"tokenizer.ggml.{key}", path)
-        if token_id is not None and not 0 <= token_id < len(tokens):
-            raise CheckpointError(f"GGUF file {path}: 'tokenizer.ggml.{key}' is {token_id}, "
-                                  f"not one of the {len(tokens)} token ids")
-        init[name] = tokens[token_id] if token_id is not None else None
-    backend, extra = convert_gguf_tokenizer(_field(reader, "general.architecture"), vocabulary)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, **{**init, **extra})
-
-
-def _tokenizer_through_auto(path: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(
-        str(path.parent), gguf_file=path.name, local_files_only=True
-    )
