@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kvpage.bench import compare, serve
+from kvpage.bench import compare_sim, serve
 from kvpage.bench.common import (
     BenchRequest,
     build_engine,
@@ -47,8 +47,8 @@ def small_config(model_dir: Path, policy: str = "fcfs") -> EngineConfig:
 
 
 def test_seeds_worked_example_is_46_9_percent() -> None:
-    assert compare.static_slot_efficiency([32, 128, 64, 256]) == pytest.approx(480 / 1024)
-    result = compare.seeds_example_sim()
+    assert compare_sim.static_slot_efficiency([32, 128, 64, 256]) == pytest.approx(480 / 1024)
+    result = compare_sim.seeds_example_sim()
     assert (result["useful_slots"], result["held_slots"]) == (480, 1024)
     assert f"{100 * result['static']['slot_efficiency']:.1f}" == "46.9"
     # One batch and no queue: continuous batching has nobody to seat either.
@@ -57,7 +57,7 @@ def test_seeds_worked_example_is_46_9_percent() -> None:
 
 
 def test_prefix_sharing_block_counts() -> None:
-    p = compare.prefix_sharing(num_convs=16, system_len=200, block_size=16)
+    p = compare_sim.prefix_sharing(num_convs=16, system_len=200, block_size=16)
     assert p["unshared_blocks"] == 208
     assert p["forked_blocks"] == 13  # forks share every block, the partial one too
     assert p["prefix_cache_shared_full_blocks"] == 12
@@ -68,9 +68,9 @@ def test_prefix_sharing_block_counts() -> None:
 
 
 def test_sim_paged_wastes_little_and_static_contiguous_much() -> None:
-    reqs = compare.sharegpt_requests(120, seed=1)
+    reqs = compare_sim.sharegpt_requests(120, seed=1)
     reqs = [r for r in reqs if len(r.prompt_token_ids) + r.output_len <= 2048]
-    static, exact, paged = compare.sim_policies(reqs, num_blocks=2048, max_model_len=2048,
+    static, exact, paged = compare_sim.sim_policies(reqs, num_blocks=2048, max_model_len=2048,
                                                 max_num_seqs=64)
     assert paged["kv_waste"] < 0.04 < 0.6 < static["kv_waste"]
     assert exact["kv_waste"] < static["kv_waste"]
