@@ -5,6 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 echo "== cargo test (Rust core)"
 cargo test --quiet
+echo "== stubtest (python/kvpage/_core.pyi against the built kvpage._core)"
+python -m mypy.stubtest kvpage._core
 echo "== pytest (bindings, scheduler, kernels, model)"
 # 8 simulated CPU devices for the sharding tests; kernels run in interpret mode.
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=8"
