@@ -37,16 +37,17 @@ def main() -> None:
     runner = ModelRunner(config, params, num_blocks=512, block_size=16, max_model_len=2048,
                          max_num_seqs=256, max_num_batched_tokens=2048)
     keys = [(n, n, True) for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)]
-    keys += [(t, runner.padded_sizes(t, 1)[1], False) for t in (16, 64, 256, 1024, 2048)]
+    pad = runner.executables.padded_sizes
+    keys += [(t, pad(t, 1)[1], False) for t in (16, 64, 256, 1024, 2048)]
     print(f"model: {model}")
     print(f"{'bucket (T, S, decode)':>24} {'compile s':>10} {'step ms':>9} {'ms/row':>8}")
     rows = []
     for key in keys:
         start = time.perf_counter()
-        bucket = runner.bucket(key)
-        head = runner._head_fn(key[1])
+        bucket = runner.executables.bucket(key)
+        head = runner.executables.head_fn(key[1])
         compile_s = time.perf_counter() - start
-        layout, template = runner._layout(key[:2])
+        layout, template = runner.executables.layout(key[:2])
         packed = jax.device_put(template)
         bitmask = runner._token_bitmask_input(None, key[1])
 

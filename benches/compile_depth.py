@@ -47,12 +47,12 @@ def main() -> None:
         runner = ModelRunner(config, params, num_blocks=256, block_size=16, max_model_len=2048,
                              max_num_seqs=256, max_num_batched_tokens=2048)
         for key in ((1, 1, True), (64, 4, False)):
-            before = runner.num_compilations
+            before = runner.executables.num_compilations
             start = time.perf_counter()
-            runner.bucket(key)
+            runner.executables.bucket(key)
             seconds = time.perf_counter() - start
             print(f"{layers:>6} {str(key):>16} {seconds:>10.2f} "
-                  f"{runner.num_compilations - before:>12}")
+                  f"{runner.executables.num_compilations - before:>12}")
 
 
 if __name__ == "__main__":

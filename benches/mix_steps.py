@@ -60,7 +60,7 @@ def main() -> None:
         outputs = engine.step()
         seconds = time.perf_counter() - began
         rows = engine.scheduler.stats()["last_step_tokens"]
-        padded = engine.runner.padded_sizes(rows, 1)[0] if rows else 0
+        padded = engine.runner.executables.padded_sizes(rows, 1)[0] if rows else 0
         steps.append((rows, padded, seconds))
         for output in outputs:
             if output.finished:

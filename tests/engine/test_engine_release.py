@@ -16,7 +16,8 @@ import urllib.request
 import weakref
 from pathlib import Path
 
-from kvpage import LLM, SamplingParams, gc_heap
+from kvpage import LLM, SamplingParams
+from kvpage.system import gc_heap
 from kvpage.engine.config import EngineConfig
 from server_harness import InProcessServer
 

@@ -103,7 +103,7 @@ def test_update_params_mid_flight(
 ) -> None:
     engine = llm.engine
     runner = engine.runner
-    compilations = runner.num_compilations
+    compilations = runner.executables.num_compilations
     pool_buffers = [k.unsafe_buffer_pointer() for k, _ in runner.kv_pools]
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"live-{i}", prompt, GREEDY)
@@ -116,7 +116,7 @@ def test_update_params_mid_flight(
             if out.finished:
                 finished[out.request_id] = out.outputs[0]
         steps += 1
-    assert runner.num_compilations == compilations, "update_params recompiled"
+    assert runner.executables.num_compilations == compilations, "update_params recompiled"
     assert [k.unsafe_buffer_pointer() for k, _ in runner.kv_pools] == pool_buffers
     assert runner.last_update_copies == 0  # already on the device with the right dtype
     assert all(a is b for a, b in zip(leaves(runner.params), leaves(other_params), strict=True))

@@ -66,7 +66,7 @@ def run_all(llm: LLM) -> list[Any]:
 def test_multi_step_outputs_equal_one_step_per_call(engines: tuple[LLM, LLM]) -> None:
     single, multi = engines
     assert single.engine.runner.num_scheduler_steps == 1
-    buckets = multi.engine.runner.multi_step_buckets()
+    buckets = multi.engine.runner.multi_step.buckets()
     assert buckets and buckets[0] == 1 and buckets[-1] == 4
     expected = run_all(single)
     calls_before = multi.engine.counters.get("multi_step_calls", 0)

@@ -104,14 +104,14 @@ def test_update_params_then_regenerate_uses_the_new_weights(engines: Any) -> Non
     other = llama.Llama3(llama.ModelConfig(**CONFIG), rngs=nnx.Rngs(0))
     randomize(other, 7)
     state = nnx.state(other, nnx.Param)
-    compiles = ours.llm.engine.runner.num_compilations
+    compiles = ours.llm.engine.runner.executables.num_compilations
     ours.update_params(state)
     theirs.update_params(state)
     assert ours.llm.engine.runner.last_update_copies == 0
     held = {id(x) for x in jax.tree.leaves(ours.llm.engine.runner.params)}
     assert all(id(x) in held for x in jax.tree.leaves(state))
     ours.generate(PROMPTS, ROLLOUT)  # the first test's shapes: nothing recompiles
-    assert ours.llm.engine.runner.num_compilations == compiles
+    assert ours.llm.engine.runner.executables.num_compilations == compiles
     greedy = base_rollout.RolloutConfig(
         max_tokens_to_generate=8, temperature=1e-6, max_prompt_length=16, kv_cache_size=64,
     )

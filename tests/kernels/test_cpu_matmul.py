@@ -120,8 +120,8 @@ def test_the_runner_decode_step_uses_it_and_training_never_does(tiny_llama) -> N
         config, params, num_blocks=16, block_size=4, max_model_len=32, max_num_seqs=4,
         token_buckets=(4,), seq_buckets=(4,),
     )
-    key = next(k for k in runner.warmup_buckets() if k[0] == 4)
-    layers = runner.bucket(key).layers
+    key = next(k for k in runner.executables.warmup_buckets() if k[0] == 4)
+    layers = runner.executables.bucket(key).layers
     assert all("kvpage_matmul_nt" in piece.as_text() for piece in layers.values())
     # The dense training path differentiates through the same linear layers.
     tokens = jnp.asarray([[1, 2, 3, 4], [5, 6, 7, 8]], jnp.int32)

@@ -136,9 +136,9 @@ def test_batched_with_plain_requests(llm: LLM) -> None:
 def test_plain_steps_never_compile_the_scoring_variant(tiny_model_dir: Path) -> None:
     fresh = make_llm(tiny_model_dir)
     fresh.generate([{"prompt_token_ids": PROMPT}], SamplingParams(max_tokens=3), use_tqdm=False)
-    assert fresh.engine.runner.compiled_scoring_buckets == []
+    assert fresh.engine.runner.executables.compiled_scoring_buckets == []
     score(fresh)
-    assert fresh.engine.runner.compiled_scoring_buckets
+    assert fresh.engine.runner.executables.compiled_scoring_buckets
 
 
 def test_zero_k_n_samples_and_short_prompts(llm: LLM) -> None:

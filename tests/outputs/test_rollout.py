@@ -64,14 +64,14 @@ def test_trainer_layout_is_read_in_place(model: tuple[ModelConfig, Any], llm: LL
     # A sync from the trainer's tree: its very arrays, no copy, nothing recompiles.
     scaled = jax.tree_util.tree_map(lambda x: x * 1.25, params)
     new_state = tunix_state(config, scaled)
-    compiles = kernel_llm.engine.runner.num_compilations
+    compiles = kernel_llm.engine.runner.executables.num_compilations
     kernel_llm.update_params(params_from_tunix(new_state, config))
     assert kernel_llm.engine.runner.last_update_copies == 0
     held = {id(x) for x in jax.tree_util.tree_leaves(kernel_llm.engine.runner.params)}
     assert id(new_state["layers"][1]["attn"]["o_proj"]["w"]) in held
     assert id(new_state["embedder"]["input_embedding"]) in held
     assert greedy(kernel_llm) == greedy(LLM.from_params(config, scaled, **ENGINE_ARGS))
-    assert kernel_llm.engine.runner.num_compilations == compiles
+    assert kernel_llm.engine.runner.executables.num_compilations == compiles
 
 
 def test_layout_errors_name_the_tensor(model: tuple[ModelConfig, Any]) -> None:

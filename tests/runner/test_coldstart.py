@@ -50,11 +50,11 @@ def test_compiled_step_does_not_grow_with_depth() -> None:
     compiles as one group of layers (LAYERS_PER_CALL), called once per group."""
     shallow, deep = _runner(6), _runner(24)
     for key in ((1, 1, False), (16, 4, False)):
-        a, b = shallow.bucket(key), deep.bucket(key)
+        a, b = shallow.executables.bucket(key), deep.executables.bucket(key)
         assert _hlo(a.embed) == _hlo(b.embed) and _hlo(a.select) == _hlo(b.select)
         assert a.layers.keys() == b.layers.keys() == {0}  # one piece: three alike layers
         assert _hlo(a.layers[0]) == _hlo(b.layers[0])
-    assert shallow.num_compilations == deep.num_compilations
+    assert shallow.executables.num_compilations == deep.executables.num_compilations
 
 
 def test_layer_groups_cover_every_layer_once() -> None:
@@ -106,7 +106,8 @@ def test_background_compile_serves_at_once_with_the_same_tokens(tiny_model_dir: 
     lazy = LLM(str(tiny_model_dir), warmup="none", **ENGINE)
     expected = [o.outputs[0].token_ids for o in lazy.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert lazy.engine.runner.background_compiler is None
-    assert len(lazy.engine.runner.compiled_buckets) < lazy.engine.runner.max_step_executables
+    lazy_executables = lazy.engine.runner.executables
+    assert len(lazy_executables.compiled_buckets) < lazy_executables.max_step_executables
 
     served = LLM(str(tiny_model_dir), warmup="background", **ENGINE)
     runner = served.engine.runner
@@ -116,7 +117,7 @@ def test_background_compile_serves_at_once_with_the_same_tokens(tiny_model_dir: 
     assert background is not None and background.wait(timeout=600)
     assert background.failed == []
     assert background.pending == 0 and served.engine.step_executables_pending() == 0
-    assert runner.compiled_buckets == sorted(runner.warmup_buckets())
+    assert runner.executables.compiled_buckets == sorted(runner.executables.warmup_buckets())
     again = [o.outputs[0].token_ids for o in served.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert again == expected
 

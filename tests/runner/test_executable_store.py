@@ -65,16 +65,16 @@ def test_a_second_engine_loads_every_piece_and_gives_the_same_tokens(
 ) -> None:
     first = LLM(str(tiny_model_dir), **ENGINE)
     want = [o.outputs[0].token_ids for o in first.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    for rows in first.engine.runner.multi_step_buckets():  # built (or awaited) now
-        first.engine.runner.compile_multi_step(rows)
-    saved = first.engine.runner._store
+    for rows in first.engine.runner.multi_step.buckets():  # built (or awaited) now
+        first.engine.runner.multi_step.compile(rows)
+    saved = first.engine.runner.executables.store
     assert saved is not None and saved.saves > 0 and saved.loads == 0
     before = compile_counts()
     second = LLM(str(tiny_model_dir), **ENGINE)
     got = [o.outputs[0].token_ids for o in second.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    for rows in second.engine.runner.multi_step_buckets():
-        second.engine.runner.compile_multi_step(rows)
-    loaded = second.engine.runner._store
+    for rows in second.engine.runner.multi_step.buckets():
+        second.engine.runner.multi_step.compile(rows)
+    loaded = second.engine.runner.executables.store
     assert loaded is not None and loaded.directory == saved.directory
     assert got == want
     assert loaded.loads == saved.saves and loaded.saves == 0  # nothing traced again
@@ -83,35 +83,37 @@ def test_a_second_engine_loads_every_piece_and_gives_the_same_tokens(
 
 def test_other_configurations_and_arguments_miss(store_on: Path) -> None:
     runner = _runner()
-    runner.bucket((4, 4, False))
-    assert runner._store is not None and runner._store.saves == 4  # embed, layers, select, head
-    assert _runner(max_logprobs=5)._store.directory != runner._store.directory
+    runner.executables.bucket((4, 4, False))
+    store = runner.executables.store
+    assert store is not None and store.saves == 4  # embed, layers, select, head
+    assert _runner(max_logprobs=5).executables.store.directory != runner.executables.store.directory
     again = _runner()
-    assert again._store.directory == runner._store.directory
-    layout, _ = again._layout((4, 4))
+    assert again.executables.store.directory == runner.executables.store.directory
+    layout, _ = again.executables.layout((4, 4))
     # The stored select piece of (4, 4) asked for with another argument shape: a miss.
     wrong = (jax.ShapeDtypeStruct((8, again.config.hidden_size), np.float32),
              jax.ShapeDtypeStruct((layout.size,), np.int32))
-    assert again._store.load(("select", 4, 4, False), wrong) is None
-    again.bucket((4, 4, False))
-    assert again._store.loads == 4
+    assert again.executables.store.load(("select", 4, 4, False), wrong) is None
+    again.executables.bucket((4, 4, False))
+    assert again.executables.store.loads == 4
 
 
 def test_a_damaged_file_is_a_miss_that_is_replaced(
     store_on: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    _runner().bucket((4, 4, False))
+    first = _runner()
+    first.executables.bucket((4, 4, False))
     files = sorted(store_on.rglob("*.exec"))
     assert len(files) == 4
     files[0].write_bytes(files[0].read_bytes()[:100])  # a torn write of another tool
     runner = _runner()
     with caplog.at_level(logging.WARNING, logger="kvpage.compile"):
-        runner.bucket((4, 4, False))
-    assert runner._store.loads == 3 and runner._store.saves == 1
+        runner.executables.bucket((4, 4, False))
+    assert runner.executables.store.loads == 3 and runner.executables.store.saves == 1
     assert any("not used" in r.getMessage() for r in caplog.records)
     fresh = _runner()
-    fresh.bucket((4, 4, False))
-    assert fresh._store.loads == 4
+    fresh.executables.bucket((4, 4, False))
+    assert fresh.executables.store.loads == 4
 
 
 def test_the_store_is_off_without_a_cache_or_when_asked(

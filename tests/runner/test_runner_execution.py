@@ -65,15 +65,15 @@ def runner(config: ModelConfig, params: Any) -> ModelRunner:
 
 
 def test_warmup_compiles_every_bucket_once(runner: ModelRunner) -> None:
-    assert runner.compiled_buckets == sorted(runner.warmup_buckets())
+    assert runner.executables.compiled_buckets == sorted(runner.executables.warmup_buckets())
     # per bucket embed, layer-group and logits pieces; a sampler per sequence bucket; the
     # slot writer and the stand-alone block copier (kvpage.runner.layered_step); a
     # multi-step decode executable per small sequence bucket (kvpage.runner.multi_step)
-    buckets = runner.warmup_buckets()
+    buckets = runner.executables.warmup_buckets()
     samplers = {seqs for _, seqs, _ in buckets}
     pieces = 2 + len({n for _, n in layer_groups(runner.config.num_layers)})
-    multi = len(runner.multi_step_buckets())
-    assert runner.num_compilations == pieces * len(buckets) + len(samplers) + 2 + multi
+    multi = len(runner.multi_step.buckets())
+    assert runner.executables.num_compilations == pieces * len(buckets) + len(samplers) + 2 + multi
 
 
 def test_padding_does_not_change_outputs(
@@ -101,7 +101,7 @@ def test_padding_does_not_change_outputs(
         np.testing.assert_allclose(np.asarray(va)[:, :n], np.asarray(vb)[:, :n], atol=1e-5)
 
 
-def _prefill(runner: ModelRunner, slot: int, prompt: list[int], blocks: list[int]) -> int:
+def _prefill(runner: ModelRunner, seat: int, prompt: list[int], blocks: list[int]) -> int:
     """Prefill ``prompt`` into ``blocks``; returns the greedy next token."""
     bs = runner.block_size
     n = len(prompt)
@@ -115,9 +115,9 @@ def _prefill(runner: ModelRunner, slot: int, prompt: list[int], blocks: list[int
         kv_lens=np.asarray([n], np.int32),
         block_tables=table,
         logits_indices=np.asarray([n - 1], np.int32),
-        sample_rows=np.asarray([slot], np.int32),
+        sample_rows=np.asarray([seat], np.int32),
     )
-    runner.set_request(slot, DeviceSamplingParams(temperature=0.0, logprobs=1), prompt)
+    runner.set_request(seat, DeviceSamplingParams(temperature=0.0, logprobs=1), prompt)
     return int(runner.execute(plan).sampled_token_ids[0])
 
 
@@ -188,7 +188,7 @@ def test_copy_on_write_forks_share_history(config: ModelConfig, params: Any) -> 
 
 
 def test_compile_count_fixed_after_warmup(runner: ModelRunner) -> None:
-    before = runner.num_compilations
+    before = runner.executables.num_compilations
     variants = [
         DeviceSamplingParams(temperature=0.0),
         DeviceSamplingParams(temperature=0.9, top_k=5, top_p=0.8, seed=3, logprobs=2),
@@ -203,8 +203,8 @@ def test_compile_count_fixed_after_warmup(runner: ModelRunner) -> None:
     _prefill(runner, 0, PROMPTS[0][:10], [5, 9, 2])
     runner.set_request(1, DeviceSamplingParams(temperature=0.5), PROMPTS[0][:10])
     _decode(runner, 1, 10, [[5, 9, 2], [5, 9, 7]], [0, 1], [2] * 9, [7] * 9)
-    assert runner.num_compilations == before
-    assert runner.compiled_buckets == sorted(runner.warmup_buckets())
+    assert runner.executables.num_compilations == before
+    assert runner.executables.compiled_buckets == sorted(runner.executables.warmup_buckets())
 
 
 def test_seeded_request_ignores_batch_composition(runner: ModelRunner) -> None:
@@ -282,11 +282,11 @@ def test_update_params_swaps_weights_without_recompiling(
     runner: ModelRunner, config: ModelConfig, params: Any
 ) -> None:
     before_tokens = generate(runner, [PROMPTS[0]], 6)[0]
-    compilations = runner.num_compilations
+    compilations = runner.executables.num_compilations
     runner.update_params(jax.tree_util.tree_map(lambda x: x * 1.5, params))
     try:
         assert generate(runner, [PROMPTS[0]], 6)[0] != before_tokens
-        assert runner.num_compilations == compilations
+        assert runner.executables.num_compilations == compilations
         with pytest.raises(ValueError):
             runner.update_params(
                 jax.tree_util.tree_map(lambda x: x.astype(jax.numpy.bfloat16), params)
@@ -338,7 +338,7 @@ def test_invalid_plans_are_rejected(runner: ModelRunner, changes: dict[str, Any]
 
 
 def test_set_request_validation(runner: ModelRunner) -> None:
-    with pytest.raises(ValueError, match="slot"):
+    with pytest.raises(ValueError, match="seat"):
         runner.set_request(8, DeviceSamplingParams())
     with pytest.raises(ValueError, match="logprobs"):
         runner.set_request(0, DeviceSamplingParams(logprobs=4))

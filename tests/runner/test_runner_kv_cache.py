@@ -211,16 +211,16 @@ def test_every_step_size_lands_in_a_warmup_bucket() -> None:
         config, params, num_blocks=16, block_size=4, max_model_len=64, max_num_seqs=64,
         max_num_batched_tokens=512,
     )
-    keys = set(runner.warmup_buckets())
-    assert len(keys) == len(runner.warmup_buckets())
+    keys = set(runner.executables.warmup_buckets())
+    assert len(keys) == len(runner.executables.warmup_buckets())
     for num_tokens in range(1, 513):
         for num_seqs in {1, 2, 7, num_tokens // 3, num_tokens // 2, num_tokens}:
             if 1 <= num_seqs <= min(num_tokens, 64):
-                t_pad, s_pad = runner.padded_sizes(num_tokens, num_seqs)
+                t_pad, s_pad = runner.executables.padded_sizes(num_tokens, num_seqs)
                 assert (t_pad, s_pad, False) in keys
                 assert t_pad >= num_tokens and s_pad >= num_seqs
     # Large token buckets skip the smallest sequence buckets (max_token_seq_ratio=16).
-    assert runner.padded_sizes(300, 1) == (512, 32)
+    assert runner.executables.padded_sizes(300, 1) == (512, 32)
 
 
 def test_step_scratch_does_not_follow_the_pool_or_max_model_len() -> None:
@@ -238,7 +238,7 @@ def test_step_scratch_does_not_follow_the_pool_or_max_model_len() -> None:
             max_num_seqs=8, max_num_batched_tokens=32,
         )
         # A layer piece runs once per group of layers on those layers' donated pools.
-        (count, piece), = runner.bucket((16, 8, False)).layers.items()
+        (count, piece), = runner.executables.bucket((16, 8, False)).layers.items()
         memory = piece.memory_analysis()
         group_bytes = runner.kv_spec.total_bytes * count // config.num_layers
         assert memory.alias_size_in_bytes >= group_bytes

@@ -38,9 +38,9 @@ def test_pallas_backend_greedy_matches_hf(tmp_path: Path) -> None:
         config, params, num_blocks=16, block_size=8, max_model_len=32, max_num_seqs=4,
         token_buckets=(8,), seq_buckets=(2,), max_logprobs=0, attention_backend="pallas",
     )
-    assert runner.warmup_buckets() == [(8, 2, False), (8, 2, True)]
+    assert runner.executables.warmup_buckets() == [(8, 2, False), (8, 2, True)]
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [40, 41, 42]]
     got = generate(runner, prompts, 5, token_budget=8, chunk_size=5)
     assert got == [hf_greedy(model, p, 5) for p in prompts]
     # Both the mixed and the pure-decode kernels ran.
-    assert runner.compiled_buckets == [(8, 2, False), (8, 2, True)]
+    assert runner.executables.compiled_buckets == [(8, 2, False), (8, 2, True)]

@@ -139,7 +139,7 @@ def test_pre_sharded_params_are_adopted_without_copy(
 ) -> None:
     llm = runs[2][0]
     runner = llm.engine.runner
-    compilations = runner.num_compilations
+    compilations = runner.executables.num_compilations
     doubled = shard_params(config, jax.tree_util.tree_map(lambda x: x * 1.25, params), runner.mesh)
     version = llm.update_params(doubled)
     assert runner.last_update_copies == 0
@@ -154,7 +154,7 @@ def test_pre_sharded_params_are_adopted_without_copy(
     assert runner.last_update_copies > 0
     again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in runs[2][1]]
-    assert runner.num_compilations == compilations
+    assert runner.executables.num_compilations == compilations
 
 
 def test_stacked_layer_layout_is_sharded_too(
@@ -183,7 +183,7 @@ def test_pallas_kernel_runs_per_shard(config: ModelConfig) -> None:
     got = [o.outputs[0].token_ids for o in tp.generate(prompts, sampling, use_tqdm=False)]
     assert got == expected
     assert tp.engine.runner.backend.name == "pallas"
-    assert any(decode for *_, decode in tp.engine.runner.compiled_buckets)
+    assert any(decode for *_, decode in tp.engine.runner.executables.compiled_buckets)
 
 
 _WORKER = """

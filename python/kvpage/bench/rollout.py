@@ -153,12 +153,13 @@ def main(args: argparse.Namespace) -> int:
 
     # weight sync from the trainer's state (the module's own Params)
     state = nnx.state(model, nnx.Param)
-    before_compiles = ours.llm.engine.runner.num_compilations
+    before_compiles = ours.llm.engine.runner.executables.num_compilations
     t0 = time.perf_counter()
     ours.update_params(state)
     figures["kvpage_sync_ms"] = (time.perf_counter() - t0) * 1e3
     figures["kvpage_sync_arrays_copied"] = ours.llm.engine.runner.last_update_copies
-    figures["kvpage_sync_compiles"] = ours.llm.engine.runner.num_compilations - before_compiles
+    compiles = ours.llm.engine.runner.executables.num_compilations
+    figures["kvpage_sync_compiles"] = compiles - before_compiles
 
     # logprob agreement: kvpage's processed logprobs vs tunix's teacher-forced forward
     temp = args.logprob_temperature

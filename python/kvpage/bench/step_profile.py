@@ -108,7 +108,7 @@ def _component_times(llm: Any, rows: int, context: int, repeats: int) -> dict[st
 
     runner = llm.engine.runner
     config, params, backend = runner.config, runner.params, runner.backend
-    t_pad, s_pad = runner.padded_sizes(rows, rows)
+    t_pad, s_pad = runner.executables.padded_sizes(rows, rows)
     block = runner.block_size
     per_row = math.ceil(context / block)
     spec = KVCacheSpec.for_model(
@@ -233,7 +233,7 @@ def main(args: argparse.Namespace) -> int:
     llm.engine.runner.num_scheduler_steps = steps_per_call = default_scheduler_steps(
         llm.engine.runner.device.platform, llm.engine.runner.mesh, llm.engine.runner.params
     )
-    if llm.engine.runner.compile_multi_step(args.rows):
+    if llm.engine.runner.multi_step.compile(args.rows):
         multi = engine_decode_step(llm, args.rows, args.context, args.steps)
     llm.engine.runner.num_scheduler_steps = 1
     parts = component_times(llm, args.rows, args.context, args.repeats)

@@ -61,7 +61,7 @@ def run_throughput(
         "requests_shortened_to_max_model_len": clipped,
         "max_model_len": engine.max_model_len,
         "num_kv_blocks": engine.runner.num_blocks,
-        "compilations": engine.runner.num_compilations,
+        "compilations": engine.runner.executables.num_compilations,
     }
     return result, info
 

@@ -237,3 +237,23 @@ def cast_params(params: Params, dtype: str | None, device: jax.Device | None = N
         return jax.device_put(arr, device) if device is not None else arr
 
     return jax.tree_util.tree_map(convert, params, is_leaf=is_weight_node)
+
+
+def check_same_layout(old: Params, new: Params) -> None:
+    """ValueError naming the first difference when ``new`` does not have ``old``'s tree
+    structure, shapes and dtypes (what a live weight swap requires)."""
+    old_def = jax.tree_util.tree_structure(old)
+    new_def = jax.tree_util.tree_structure(new)
+    if old_def != new_def:
+        raise ValueError(
+            f"new params have a different tree structure: expected {old_def}, got {new_def}"
+        )
+    for (path, old_leaf), new_leaf in zip(
+        jax.tree_util.tree_leaves_with_path(old), jax.tree_util.tree_leaves(new), strict=True
+    ):
+        shape, dtype = tuple(np.shape(new_leaf)), jnp.dtype(new_leaf.dtype)
+        if old_leaf.shape != shape or old_leaf.dtype != dtype:
+            raise ValueError(
+                f"new params change {jax.tree_util.keystr(path)} from "
+                f"{old_leaf.shape} {old_leaf.dtype} to {shape} {dtype}"
+            )

@@ -178,3 +178,14 @@ def copy_blocks(pools: KVPools, src: jax.Array, dst: jax.Array) -> KVPools:
         )
         for k, v in pools
     ]
+
+
+def pool_bytes_on(pools: KVPools, device: jax.Device) -> int:
+    """Bytes of ``pools`` (all layers, K and V) held on ``device``."""
+    return sum(
+        shard.data.nbytes
+        for pool in pools
+        for pages in pool
+        for shard in pages.addressable_shards
+        if shard.device == device
+    )

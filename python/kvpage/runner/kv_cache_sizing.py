@@ -31,8 +31,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from kvpage.model.config import ModelConfig
+from kvpage.model.params import Params
+from kvpage.runner.kv_cache import KVCacheSpec, resolve_kv_cache_dtype
 
 logger = logging.getLogger("kvpage.kv_cache")
 
@@ -196,3 +199,41 @@ def decide_num_blocks(
         )
     logger.info(decision.describe())
     return decision
+
+
+def size_kv_cache(
+    config: ModelConfig,
+    params: Params,
+    kv_cache_dtype: str | None,
+    block_size: int,
+    tensor_parallel_size: int,
+    device: jax.Device,
+    *,
+    num_blocks: int | None,
+    max_model_len: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    kv_cache_memory: int | None,
+    memory_utilization: float,
+) -> tuple[KVCacheSpec, KVCacheDecision]:
+    """The whole cache's spec for placed ``params``: the pools' dtype
+    (:func:`resolve_kv_cache_dtype`) and :func:`decide_num_blocks`'s block count, with
+    the decision that led to it."""
+    tp = tensor_parallel_size
+    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, params, device.platform)
+    unit = KVCacheSpec.for_model(config, block_size, 1, kv_dtype, tp)
+    decision = decide_num_blocks(
+        config,
+        bytes_per_block=unit.bytes_per_block // tp,  # this device's share of the heads
+        block_size=block_size,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        itemsize=jnp.dtype(params["embed_tokens"]["weight"].dtype).itemsize,
+        num_blocks=num_blocks,
+        kv_cache_memory=kv_cache_memory,
+        memory_utilization=memory_utilization,
+        device=device,
+    )
+    spec = KVCacheSpec.for_model(config, block_size, decision.num_blocks, kv_dtype, tp)
+    return spec, decision

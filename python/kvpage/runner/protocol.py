@@ -28,7 +28,6 @@ import numpy as np
 if TYPE_CHECKING:
     from kvpage._core import StepPlan
     from kvpage.runner.background_compiler import BackgroundCompiler
-    from kvpage.runner.step_output import StepOutput
     from kvpage.sampling.device_params import DeviceSamplingParams
 
 

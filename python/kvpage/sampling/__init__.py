@@ -7,7 +7,7 @@ A new sampling parameter touches these files, top to bottom:
 * :mod:`~kvpage.sampling.device_params` -- :class:`DeviceSamplingParams`: the knobs the
   device sampler reads.
 * :mod:`~kvpage.sampling.table`         -- those knobs as one device-resident row per
-  request slot, so changing them never recompiles.
+  seat, so changing them never recompiles.
 * :mod:`~kvpage.sampling.sampler`       -- the batched sampling math of a whole step.
 * :mod:`~kvpage.sampling.token_bitmask` -- structured outputs' token masks applied on
   device.

@@ -1,6 +1,6 @@
-"""Device-resident sampling state of every request slot.
+"""Device-resident sampling state of every seat (a request's row).
 
-This file owns :class:`SamplingTable`: one row per request slot (``max_num_seqs`` of them,
+This file owns :class:`SamplingTable`: one row per seat (``max_num_seqs`` of them,
 plus a dummy last row that padded sample rows point at) holding the request's sampling
 parameters, the index of its next generated token (for seeded keys and min_tokens), its
 stop-token mask over the vocabulary (masked until min_tokens) and -- when penalties are
@@ -8,11 +8,12 @@ enabled -- its output token counts and prompt-token mask over the vocabulary.
 
 Because the table lives on device and is indexed by ``plan.sample_rows`` inside the
 jitted step, a step sends no per-row sampling data from the host, and updating a row
-(:func:`write_slot`) is one fixed-shape call that never recompiles.
+(:func:`write_seat`) is one fixed-shape call that never recompiles.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
@@ -42,7 +43,7 @@ class SamplingTable(NamedTuple):
 def params_to_rows(
     params: DeviceSamplingParams, num_generated: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The float row, int row and seed that :func:`write_slot` stores for ``params``."""
+    """The float row, int row and seed that :func:`write_seat` stores for ``params``."""
     floats = np.zeros(NUM_FLOAT_COLUMNS, np.float32)
     floats[TEMPERATURE] = params.temperature
     floats[TOP_P] = params.top_p
@@ -62,7 +63,7 @@ def params_to_rows(
 
 
 def stop_mask_row(params: DeviceSamplingParams, vocab_size: int) -> np.ndarray:
-    """The ``bool [vocab]`` stop-token row :func:`write_slot` stores for ``params`` (empty
+    """The ``bool [vocab]`` stop-token row :func:`write_seat` stores for ``params`` (empty
     when ``min_tokens`` is 0: nothing is ever masked then)."""
     row = np.zeros(vocab_size, np.bool_)
     if params.min_tokens > 0:
@@ -72,10 +73,10 @@ def stop_mask_row(params: DeviceSamplingParams, vocab_size: int) -> np.ndarray:
 
 
 def init_sampling_table(
-    num_slots: int, vocab_size: int, enable_penalties: bool, device: jax.Device | None = None
+    num_seats: int, vocab_size: int, enable_penalties: bool, device: jax.Device | None = None
 ) -> SamplingTable:
-    """All ``num_slots + 1`` rows greedy with no history (the last row is the padding row)."""
-    rows = num_slots + 1
+    """All ``num_seats + 1`` rows greedy with no history (the last row is the padding row)."""
+    rows = num_seats + 1
     floats, ints, seed = params_to_rows(DeviceSamplingParams(temperature=0.0), 0)
     table = SamplingTable(
         floats=jnp.tile(jnp.asarray(floats), (rows, 1)),
@@ -88,9 +89,9 @@ def init_sampling_table(
     return jax.device_put(table, device) if device is not None else table
 
 
-def write_slot(
+def write_seat(
     table: SamplingTable,
-    slot: jax.Array,
+    seat: jax.Array,
     floats: jax.Array,
     ints: jax.Array,
     seed: jax.Array,
@@ -98,13 +99,13 @@ def write_slot(
     output_ids: jax.Array,
     stop_mask: jax.Array,
 ) -> SamplingTable:
-    """Replace row ``slot``; token histories come as fixed-length id arrays padded with -1,
+    """Replace row ``seat``; token histories come as fixed-length id arrays padded with -1,
     the stop tokens as a ``bool [vocab]`` row (:func:`stop_mask_row`)."""
     new = table._replace(
-        floats=table.floats.at[slot].set(floats),
-        ints=table.ints.at[slot].set(ints),
-        seeds=table.seeds.at[slot].set(seed),
-        stop_mask=table.stop_mask.at[slot].set(stop_mask),
+        floats=table.floats.at[seat].set(floats),
+        ints=table.ints.at[seat].set(ints),
+        seeds=table.seeds.at[seat].set(seed),
+        stop_mask=table.stop_mask.at[seat].set(stop_mask),
     )
     if table.output_counts is None or table.prompt_mask is None:
         return new
@@ -114,13 +115,13 @@ def write_slot(
     mask = jnp.zeros((vocab,), jnp.bool_).at[prompt_ids].set(True, mode="drop")
     counts = jnp.zeros((vocab,), jnp.int32).at[output_ids].add(1, mode="drop")
     return new._replace(
-        output_counts=table.output_counts.at[slot].set(counts),
-        prompt_mask=table.prompt_mask.at[slot].set(mask),
+        output_counts=table.output_counts.at[seat].set(counts),
+        prompt_mask=table.prompt_mask.at[seat].set(mask),
     )
 
 
 def gather_inputs(table: SamplingTable, rows: jax.Array) -> SamplingInputs:
-    """The sampler inputs of the slots named by ``rows`` (one per sampled token)."""
+    """The sampler inputs of the seats named by ``rows`` (one per sampled token)."""
     floats = table.floats[rows]
     ints = table.ints[rows]
     return SamplingInputs(
@@ -153,3 +154,36 @@ def record_sampled(
     counted = jnp.where(valid, tokens, vocab)
     counts = table.output_counts.at[rows, counted].add(1, mode="drop")
     return table._replace(ints=ints, output_counts=counts)
+
+
+def seat_row(
+    seat: int,
+    params: DeviceSamplingParams,
+    prompt_token_ids: Sequence[int] | np.ndarray,
+    output_token_ids: Sequence[int] | np.ndarray,
+    max_model_len: int,
+    enable_penalties: bool,
+    vocab_size: int,
+) -> tuple[np.ndarray, ...]:
+    """The host arrays :func:`write_seat` takes after the table: the seat, the float row,
+    int row and seed of ``params``, the token histories padded to ``max_model_len`` with
+    -1 (length 1 without penalties) and the stop-token row. ValueError when the histories
+    exceed ``max_model_len``."""
+    prompt = np.asarray(prompt_token_ids, np.int32).reshape(-1)
+    output = np.asarray(output_token_ids, np.int32).reshape(-1)
+    if len(prompt) + len(output) > max_model_len:
+        raise ValueError(
+            f"prompt + output ({len(prompt) + len(output)} tokens) exceed max_model_len "
+            f"{max_model_len}"
+        )
+    ids_len = max_model_len if enable_penalties else 1
+    prompt_buf = np.full(ids_len, -1, np.int32)
+    output_buf = np.full(ids_len, -1, np.int32)
+    if enable_penalties:
+        prompt_buf[: len(prompt)] = prompt
+        output_buf[: len(output)] = output
+    floats, ints, seed = params_to_rows(params, len(output))
+    return (
+        np.asarray(seat, np.int32), floats, ints, seed, prompt_buf, output_buf,
+        stop_mask_row(params, vocab_size),
+    )
