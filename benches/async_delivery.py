@@ -23,7 +23,22 @@ import time
 from types import SimpleNamespace
 
 from kvpage.engine.async_engine import AsyncLLMEngine, RequestStream
+from kvpage.engine.config import EngineConfig
 from kvpage.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+
+class _NoEngine:
+    """The public members of ``LLMEngine`` that building an ``AsyncLLMEngine`` reads; the
+    bench never starts its engine thread."""
+
+    config = EngineConfig()
+    runner = SimpleNamespace(num_blocks=64, background_compiler=None)
+    kv_cache_dtype = "auto"
+    max_model_len = 1024
+    counters: dict[str, int] = {}
+
+    def step_executables_pending(self) -> int:
+        return 0
 
 
 def _outputs(ids: list[str], finished: bool) -> list[RequestOutput]:
@@ -40,7 +55,7 @@ def measure(num_streams: int, steps: int) -> tuple[float, float]:
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    engine = AsyncLLMEngine(SimpleNamespace(max_model_len=1024), log_stats=False, start=False)
+    engine = AsyncLLMEngine(_NoEngine(), log_stats=False, start=False)  # type: ignore[arg-type]
     ids = [f"r{i}" for i in range(num_streams)]
     received = 0
     target = 0

@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 
 from kvpage.engine.config import EngineConfig
-from kvpage.engine.llm_engine import LLMEngine, PromptType
+from kvpage.engine.intake import PromptType
+from kvpage.engine.llm_engine import LLMEngine
 from kvpage.model.config import ModelConfig
 from kvpage.outputs import RequestOutput
 from kvpage.outputs.rollout import (

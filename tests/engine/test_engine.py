@@ -9,7 +9,8 @@ import jax
 import pytest
 from kvpage import LLM, SamplingParams
 from kvpage.engine.config import EngineConfig
-from kvpage.engine.llm_engine import LLMEngine, _Request
+from kvpage.engine.llm_engine import LLMEngine
+from kvpage.engine.requests import Request
 
 PROMPTS = [
     {"prompt_token_ids": [5, 17, 99, 3, 42, 7, 250, 11, 64]},
@@ -38,6 +39,12 @@ def tokens(outputs: list) -> list[list[int]]:
 def assert_all_blocks_back(engine: LLMEngine) -> None:
     engine.check_invariants()
     assert engine.get_stats()["kv_cache_usage_perc"] == 0.0
+
+
+def test_the_engine_runs_a_step_runner(llm: LLM) -> None:
+    from kvpage.runner.protocol import StepRunner
+
+    assert isinstance(llm.engine.runner, StepRunner)
 
 
 def test_batched_greedy_equals_one_at_a_time(llm: LLM) -> None:
@@ -290,7 +297,7 @@ def test_overlapped_host_work_gives_the_same_outputs(tiny_model_dir: Path, llm: 
 def _fail_next_dispatch(engine: LLMEngine, lose_device_state: bool = False) -> None:
     runner = engine.runner
 
-    def boom(plan: object, *args: object) -> object:
+    def boom(plan: object, *args: object, **kwargs: object) -> object:
         # Back to the real methods after one failure (a small decode batch runs
         # several steps per call: dispatch_multi_step).
         del runner.dispatch, runner.dispatch_multi_step
@@ -330,8 +337,8 @@ def test_non_finite_logits_fail_only_that_request(llm: LLM) -> None:
     runner, dispatch = engine.runner, engine.runner.dispatch
 
     class Poisoned:
-        def __init__(self, plan: object) -> None:
-            self.plan, self.pending = plan, dispatch(plan)
+        def __init__(self, plan: object, *args: object) -> None:
+            self.plan, self.pending = plan, dispatch(plan, *args)
 
         def result(self) -> object:
             out = self.pending.result()
@@ -340,9 +347,11 @@ def test_non_finite_logits_fail_only_that_request(llm: LLM) -> None:
             out.logprobs[list(self.plan.sample_request).index(bad)] = float("nan")
             return out
 
-    def poisoned(plan: object) -> object:
+    def poisoned(
+        plan: object, prompt_targets: object = None, token_bitmask_fn: object = None
+    ) -> object:
         del runner.dispatch
-        return Poisoned(plan)
+        return Poisoned(plan, prompt_targets, token_bitmask_fn)
 
     runner.dispatch = poisoned
     outputs: dict[str, object] = {}
@@ -407,7 +416,7 @@ def test_seats_come_from_the_plan_and_the_engine_keeps_none(tiny_model_dir: Path
         del runner.set_request, runner.free_request, runner.dispatch
     assert engine.get_stats()["num_preemptions"] > 0
     assert not any("slot" in name or "seat" in name for name in vars(engine))
-    assert not any("slot" in name or "seat" in name for name in _Request.__slots__)
+    assert not any("slot" in name or "seat" in name for name in Request.__slots__)
     assert_all_blocks_back(engine)
 
 
@@ -446,7 +455,8 @@ def test_python_detokenization_streams_the_same_outputs_as_the_rust_core(llm: LL
         engine.rust_detokenization = False
         try:
             python = _stream_all(engine, params, delta)
-            assert engine._python_streams is not None and len(engine._python_streams) == 0
+            python_streams = engine._outputs.python_streams
+            assert python_streams is not None and len(python_streams) == 0
         finally:
             engine.rust_detokenization = True
         assert {k.replace("t", ""): v for k, v in rust.items()} == {

@@ -17,8 +17,8 @@ import weakref
 from pathlib import Path
 
 from kvpage import LLM, SamplingParams
-from kvpage.system import gc_heap
 from kvpage.engine.config import EngineConfig
+from kvpage.system import gc_heap
 from server_harness import InProcessServer
 
 SMALL = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32)

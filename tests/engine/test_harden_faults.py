@@ -68,9 +68,9 @@ def served(tiny_model_dir: Path) -> Iterator[InProcessServer]:
 def slow_steps(served: InProcessServer) -> Iterator[None]:
     real = served.engine.engine.runner.dispatch
 
-    def dispatch(plan: Any) -> Any:
+    def dispatch(plan: Any, prompt_targets: Any = None, token_bitmask_fn: Any = None) -> Any:
         time.sleep(STEP_DELAY_S)
-        return real(plan)
+        return real(plan, prompt_targets, token_bitmask_fn)
 
     served.call(lambda e: setattr(e.runner, "dispatch", dispatch))
     try:
@@ -306,7 +306,7 @@ def test_step_exception_fails_only_the_requests_of_that_step(
         runner = engine.runner
         slowed = runner.dispatch
 
-        def boom(plan: Any) -> Any:
+        def boom(plan: Any, prompt_targets: Any = None, token_bitmask_fn: Any = None) -> Any:
             runner.dispatch = slowed  # once, then back to the (slowed) real step
             fired.set()
             raise RuntimeError("injected step fault")
@@ -365,7 +365,7 @@ def test_sigint_drains_running_requests_and_exits_0() -> None:
             [str(Path(__file__).parents[2] / "python"), os.environ.get("PYTHONPATH", "")]
         ),
     )
-    code = _SERVE.format(tests=str(Path(__file__).parents[1]), port=port)
+    code = _SERVE.format(tests=str(Path(__file__).parent), port=port)
     proc = subprocess.Popen(
         [sys.executable, "-c", code],
         env=env,

@@ -61,7 +61,9 @@ class GarbageFiller:
         self.skipped = 0
         self._dispatch: Callable[..., Any] = engine.runner.dispatch
 
-    def dispatch(self, plan: Any) -> Any:
+    def dispatch(
+        self, plan: Any, prompt_targets: Any = None, token_bitmask_fn: Any = None
+    ) -> Any:
         runner = self.engine.runner
         n = runner.num_blocks
         tables = np.asarray(plan.block_tables)[: plan.num_seqs]
@@ -77,7 +79,7 @@ class GarbageFiller:
             self.filled += 1
         else:
             self.skipped += 1
-        return self._dispatch(plan)
+        return self._dispatch(plan, prompt_targets, token_bitmask_fn)
 
     def __enter__(self) -> GarbageFiller:
         self.engine.runner.dispatch = self.dispatch  # type: ignore[method-assign]

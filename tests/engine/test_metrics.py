@@ -8,9 +8,10 @@ import logging
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from kvpage.engine.metrics import EngineMetrics, observe_many, request_finish_reason
+from kvpage.engine.histograms import TOKEN_GAP_BUCKETS, buckets_1_2_5
+from kvpage.engine.metrics import EngineMetrics, request_finish_reason
 from kvpage.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 
 def _value(m: EngineMetrics, name: str, **labels: str) -> float | None:
@@ -156,30 +157,47 @@ def test_vllm_prefix_and_cache_config_info() -> None:
 
 
 def test_buckets_1_2_5() -> None:
-    from kvpage.engine.metrics import buckets_1_2_5
-
     assert buckets_1_2_5(100) == (1, 2, 5, 10, 20, 50, 100)
     assert buckets_1_2_5(1) == (1,)
 
 
 @given(st.lists(st.one_of(st.floats(-1.0, 100.0), st.sampled_from(
     [0.0, 0.001, 0.0025, 0.005, 0.04, 1.0, 80.0, float("inf"), float("nan")])), max_size=64))
-def test_observe_many_counts_as_observe_does(amounts: list[float]) -> None:
-    """One update per bucket for a step's amounts gives the series one
-    ``observe`` per amount gives (bounds included, +Inf, NaN)."""
+def test_observe_many_counts_as_prometheus_client_does(amounts: list[float]) -> None:
+    """The inter-token latencies of a step, counted in one pass (``observe_many``) or one
+    at a time (``observe``), give the series prometheus_client's ``Histogram`` gives
+    with one ``observe`` per amount (bounds included, +Inf, NaN), in the same text."""
     batched, single = EngineMetrics("m"), EngineMetrics("m")
-    observe_many(batched.inter_token_latency, amounts)
+    batched.inter_token_latency.observe_many(amounts)
     for amount in amounts:
         single.inter_token_latency.observe(amount)
-    def samples(m: EngineMetrics) -> dict[tuple[str, str], float]:
-        return {(s.name, s.labels.get("le", "")): s.value for family in m.registry.collect()
+    reference = CollectorRegistry(auto_describe=True)
+    histogram = Histogram("kvpage:inter_token_latency_seconds",
+                          "Time between successive tokens of a request.",
+                          ["model_name", "engine"], registry=reference,
+                          buckets=TOKEN_GAP_BUCKETS).labels("m", "0")
+    for amount in amounts:
+        histogram.observe(amount)
+
+    def samples(registry: CollectorRegistry) -> dict[tuple[str, str], float]:
+        return {(s.name, s.labels.get("le", "")): s.value for family in registry.collect()
                 if family.name.endswith("inter_token_latency_seconds")
                 for s in family.samples if not s.name.endswith("_created")}
 
-    got, expected = samples(batched), samples(single)
+    def text(registry: CollectorRegistry) -> list[str]:
+        lines = generate_latest(registry).decode().splitlines()
+        return [line for line in lines if "inter_token_latency" in line
+                and not line.startswith("kvpage:inter_token_latency_seconds_created")
+                and "_sum" not in line]
+
+    expected = samples(reference)
     sum_key = ("kvpage:inter_token_latency_seconds_sum", "")
-    assert got.pop(sum_key) == pytest.approx(expected.pop(sum_key), nan_ok=True)
-    assert got == expected and len(expected) == 15  # 14 buckets (+Inf included), count
+    for m in (batched, single):
+        got = samples(m.registry)
+        assert got.pop(sum_key) == pytest.approx(expected[sum_key], nan_ok=True)
+        assert got == {k: v for k, v in expected.items() if k != sum_key}
+        assert text(m.registry) == text(reference)
+    assert len(expected) == 16  # 14 buckets (+Inf included), count, sum
 
 
 def test_streaming_outputs_observe_inter_token_latency_once_per_token() -> None:

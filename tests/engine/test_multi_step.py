@@ -113,3 +113,37 @@ def test_a_failed_multi_step_call_fails_its_requests_only(engines: tuple[LLM, LL
 def test_num_scheduler_steps_is_validated() -> None:
     with pytest.raises(ValueError, match="num_scheduler_steps"):
         EngineConfig(model="m", num_scheduler_steps=0)
+
+
+def test_multi_step_decode_without_a_device_equals_one_step_per_call() -> None:
+    """The engine's side of multi-step decode (lookahead, continuation replay, rows that
+    finish mid-call) over the benchmarks' instant runner, a ``StepRunner`` with no device:
+    the same tokens and texts as one step per call."""
+    from kvpage.bench.host import TEXT, InstantRunner, load_tokenizer_and_config
+    from kvpage.engine.llm_engine import LLMEngine
+    from kvpage.runner.protocol import StepRunner
+
+    tokenizer, model_config = load_tokenizer_and_config()
+
+    def run(steps: int) -> tuple[dict[str, Any], int]:
+        config = EngineConfig(max_num_seqs=4, max_model_len=128, num_gpu_blocks=64,
+                              compilation_cache_dir=None)
+        runner = InstantRunner(64, config.block_size, 128, 4, tokenizer(TEXT)["input_ids"],
+                               num_scheduler_steps=steps)
+        assert isinstance(runner, StepRunner)
+        engine = LLMEngine(config, model_config, None, tokenizer, runner=runner)
+        for i in range(6):
+            engine.add_request(f"r{i}", [5 + i] * (3 + i),
+                               SamplingParams(max_tokens=5 + 3 * i, ignore_eos=True))
+        done: dict[str, Any] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].text)
+        engine.check_invariants()
+        return done, int(engine.counters.get("multi_step_calls", 0))
+
+    single, _ = run(1)
+    multi, calls = run(4)
+    assert calls > 0 and len(single) == 6
+    assert multi == single

@@ -28,18 +28,23 @@ from kvpage.engine.async_engine import (
     RequestFailedError,
     RequestStream,
 )
+from kvpage.engine.config import EngineConfig
 from kvpage.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvpage.sampling.params import SamplingParams
 
 
 class FakeEngine:
-    """Each step, every request gains one token "t" (id 7) until max_tokens."""
+    """Each step, every request gains one token "t" (id 7) until max_tokens. Has the
+    members of ``LLMEngine`` that ``AsyncLLMEngine`` uses."""
 
     def __init__(self, step_s: float = 0.002) -> None:
         self.step_s = step_s
+        self.config = EngineConfig()
+        self.runner = SimpleNamespace(num_blocks=64, background_compiler=None)
         self.scheduler = SimpleNamespace()
         self.tokenizer = None
         self.max_model_len = 1 << 20
+        self.kv_cache_dtype = "auto"
         self.counters = {"steps": 0}
         self.steps_called = 0
         self.fail_next = False
@@ -102,6 +107,12 @@ class FakeEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._requests)
+
+    def request_ids(self) -> list[str]:
+        return list(self._requests)
+
+    def step_executables_pending(self) -> int:
+        return 0
 
     def get_stats(self) -> dict[str, Any]:
         return {"num_requests_running": len(self._requests), "num_requests_waiting": 0,
@@ -363,7 +374,7 @@ def test_sigterm_drains_running_requests_and_exits_0() -> None:
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(Path(__file__).parents[2] / "python"), os.environ.get("PYTHONPATH", "")]))
-    code = _SERVE.format(tests=str(Path(__file__).parents[1]), port=port)
+    code = _SERVE.format(tests=str(Path(__file__).parent), port=port)
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:

@@ -526,9 +526,11 @@ def test_slow_tokenization_does_not_stall_other_streams(served: InProcessServer)
     delay = 1.5
     dispatch = served.engine.engine.runner.dispatch
 
-    def slow_step(plan: Any) -> Any:  # ~25 ms a token: the stream lasts a few seconds
+    def slow_step(  # ~25 ms a token: the stream lasts a few seconds
+        plan: Any, prompt_targets: Any = None, token_bitmask_fn: Any = None
+    ) -> Any:
         time.sleep(0.025)
-        return dispatch(plan)
+        return dispatch(plan, prompt_targets, token_bitmask_fn)
 
     def arm(engine: Any) -> None:
         engine.tokenizer = _SlowTokenizer(inner, delay)

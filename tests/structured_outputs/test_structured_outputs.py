@@ -195,12 +195,12 @@ def test_overlapped_masks_sample_like_masks_in_the_plan(
     runner = llm.engine.runner
     dispatch = runner.dispatch
 
-    def fused(plan: Any, token_bitmask_fn: Any = None) -> Any:
+    def fused(plan: Any, prompt_targets: Any = None, token_bitmask_fn: Any = None) -> Any:
         if token_bitmask_fn is not None:  # the core's plan is frozen: the runner's part of it
             fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(StepPlan)
                       if f.name != "token_bitmask"}
             plan = StepPlan(**fields, token_bitmask=token_bitmask_fn())
-        return dispatch(plan)
+        return dispatch(plan, prompt_targets)
 
     monkeypatch.setattr(runner, "dispatch", fused)
     (together,) = llm.generate(["Numbers:"], params, use_tqdm=False)

@@ -37,14 +37,18 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvpage.bench.common import format_table, write_json
 from kvpage.runner.step_inputs import PackedLayout, PaddingValues
 from kvpage.runner.step_output import StepOutput
+
+if TYPE_CHECKING:
+    from kvpage._core import StepPlan
 
 SIZES = (256, 1024, 4096)
 MODES = ("streaming", "final")
@@ -55,7 +59,7 @@ TEXT = (
     "even when one character spans two tokens.\n"
     "def step(self):\n    plan = self.scheduler.schedule()\n    return plan\n"
 )
-"""The text the instant runner generates, token by token, from a per-slot offset."""
+"""The text the instant runner generates, token by token, from a per-seat offset."""
 NEVER_STOP = "\n###END###"
 """A stop string every request carries and none meets, so stop matching is timed."""
 
@@ -63,18 +67,19 @@ NEVER_STOP = "\n###END###"
 class _Pending:
     __slots__ = ("_out",)
 
-    def __init__(self, out: StepOutput) -> None:
+    def __init__(self, out: Any) -> None:
         self._out = out
 
-    def result(self) -> StepOutput:
+    def result(self) -> Any:
         return self._out
 
 
 class InstantRunner:
-    """A ``ModelRunner`` stand-in that needs no device: ``dispatch`` packs the
-    step's input buffer exactly as the real runner does (that host cost is
-    real) and then returns, for each sampled row, the next token of
-    ``token_cycle`` for that row's slot. Deterministic; costs O(rows) numpy."""
+    """A :class:`~kvpage.runner.protocol.StepRunner` that needs no device: ``dispatch``
+    packs the step's input buffer exactly as the real runner does (that host cost is
+    real) and then returns, for each sampled row, the next token of ``token_cycle``
+    for that row's seat. Deterministic; costs O(rows) numpy. Nothing to compile;
+    ``num_scheduler_steps > 1`` runs several decode steps per call, as the real one."""
 
     def __init__(
         self,
@@ -83,10 +88,13 @@ class InstantRunner:
         max_model_len: int,
         max_num_seqs: int,
         token_cycle: list[int],
+        num_scheduler_steps: int = 1,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.num_scheduler_steps = num_scheduler_steps
+        self.multi_step_max_rows = max_num_seqs
         self._cycle = np.asarray(token_cycle, np.int32)
         self._pos = np.zeros(max_num_seqs, np.int64)
         self._padding = PaddingValues(num_blocks * block_size, num_blocks, max_num_seqs, num_blocks)
@@ -100,14 +108,22 @@ class InstantRunner:
         """As ``ModelRunner.last_enqueue_time``: when the last step was "enqueued"."""
         self.last_bitmask_overlapped = False
 
-    # The parts of the ModelRunner interface the engine calls.
+    @property
+    def background_compiler(self) -> None:
+        return None
+
     def warmup(self, progress: bool = True) -> None:
         return None
 
-    def set_request(self, slot: int, params: Any, prompt: Any, output: Any) -> None:
-        self._pos[slot] = (slot * 7919 + len(prompt)) % len(self._cycle)
+    def start_background_compile(self) -> None:
+        return None
 
-    def free_request(self, slot: int) -> None:
+    def set_request(
+        self, seat: int, params: Any, prompt_token_ids: Any = (), output_token_ids: Any = ()
+    ) -> None:
+        self._pos[seat] = (seat * 7919 + len(prompt_token_ids)) % len(self._cycle)
+
+    def free_request(self, seat: int) -> None:
         return None
 
     def update_params(self, params: Any) -> int:
@@ -118,9 +134,9 @@ class InstantRunner:
 
     def dispatch(
         self,
-        plan: Any,
-        prompt_targets: Any = None,
-        token_bitmask_fn: Any = None,
+        plan: StepPlan,
+        prompt_targets: np.ndarray | None = None,
+        token_bitmask_fn: Callable[[], np.ndarray] | None = None,
     ) -> _Pending:
         start = time.perf_counter()
         t, s = int(plan.num_tokens), int(plan.num_seqs)
@@ -133,10 +149,7 @@ class InstantRunner:
         layout, template = entry
         layout.pack(plan, template, self.block_size, self._step_counter, False, True)
         self._step_counter += 1
-        rows = np.asarray(plan.sample_rows)
-        pos = self._pos[rows]
-        tokens = self._cycle[pos % len(self._cycle)]
-        self._pos[rows] = pos + 1
+        tokens = self._next_tokens(np.asarray(plan.sample_rows))
         self.last_enqueue_time = time.perf_counter()
         self.inputs_s += self.last_enqueue_time - start
         if token_bitmask_fn is not None:  # as the real runner: masks while the "device" runs
@@ -144,7 +157,30 @@ class InstantRunner:
             masks = token_bitmask_fn()
             self.mask_s += time.perf_counter() - mask_start
             tokens = _allowed_tokens(tokens, masks)
-        return _Pending(StepOutput(tokens, np.full(n, -1.0, np.float32), np.ones(n, np.int32)))
+        return _Pending(_output(tokens))
+
+    def multi_step_ready(self, num_rows: int) -> bool:
+        return True
+
+    def prepare_multi_step(self, num_rows: int) -> None:
+        return None
+
+    def dispatch_multi_step(self, plan: StepPlan, num_steps: int) -> _Pending:
+        rows = np.asarray(plan.sample_rows)
+        self._step_counter += num_steps
+        self.last_enqueue_time = time.perf_counter()
+        return _Pending([_output(self._next_tokens(rows)) for _ in range(num_steps)])
+
+    def _next_tokens(self, seats: np.ndarray) -> np.ndarray:
+        """The next token of the cycle for each seat."""
+        pos = self._pos[seats]
+        self._pos[seats] = pos + 1
+        return self._cycle[pos % len(self._cycle)]
+
+
+def _output(tokens: np.ndarray) -> StepOutput:
+    n = len(tokens)
+    return StepOutput(tokens, np.full(n, -1.0, np.float32), np.ones(n, np.int32))
 
 
 def _allowed_tokens(tokens: np.ndarray, masks: np.ndarray) -> np.ndarray:
@@ -245,11 +281,12 @@ def build_host_engine(
 
     if tokenizer is None or model_config is None:
         tokenizer, model_config = load_tokenizer_and_config()
-    block_size = 16
+    defaults = EngineConfig()
+    block_size = defaults.block_size
     num_blocks = running * (-(-max_model_len // block_size)) + 8
     config = EngineConfig(
         max_num_seqs=running,
-        max_num_batched_tokens=max(2048, running * prompt_len),
+        max_num_batched_tokens=max(defaults.max_num_batched_tokens, running * prompt_len),
         block_size=block_size,
         num_gpu_blocks=num_blocks,
         max_model_len=max_model_len,

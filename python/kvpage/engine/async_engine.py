@@ -36,11 +36,22 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvpage.engine.config import EngineConfig
-from kvpage.engine.llm_engine import LLMEngine, PromptType
+from kvpage.engine.intake import PromptType
+from kvpage.engine.llm_engine import LLMEngine
 from kvpage.engine.metrics import EngineMetrics, cache_config_info
+from kvpage.engine.request_stream import (
+    EngineClosedError,
+    RequestFailedError,
+    RequestStream,
+    call_in_loop,
+    put_all,
+    settle_all,
+)
 from kvpage.outputs import RequestOutput
 from kvpage.sampling.params import SamplingParams
 from kvpage.system.gc_heap import freeze_startup_heap, release_startup_heap
+
+__all__ = ["AsyncLLMEngine", "EngineClosedError", "RequestFailedError", "RequestStream"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,117 +59,6 @@ T = TypeVar("T")
 
 _IDLE_BACKOFF_S = 0.005
 """Wait after a step that ran no plan while requests exist (e.g. none fits yet)."""
-
-
-class EngineClosedError(RuntimeError):
-    """The engine no longer accepts requests (shutting down or stopped)."""
-
-
-class RequestFailedError(RuntimeError):
-    """The engine failed this request (an exception inside a step)."""
-
-
-class RequestStream:
-    """The ``RequestOutput`` deltas of one request, as an async iterator.
-
-    Iteration ends after the output with ``finished=True``; it raises
-    ``RequestFailedError`` / ``EngineClosedError`` when the engine fails the
-    request. Each output carries only what is new since the previous one
-    (``delta=True`` in ``LLMEngine.add_request``).
-    """
-
-    def __init__(self, engine: AsyncLLMEngine, request_id: str,
-                 loop: asyncio.AbstractEventLoop) -> None:
-        self.request_id = request_id
-        self._engine = engine
-        self._loop = loop
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._held: BaseException | None = None  # an error behind a batch, raised next
-        self._done = False  # consumer side: the last item was taken
-        self._closed = False  # producer side (engine thread): the last item was sent
-
-    @property
-    def finished(self) -> bool:
-        """True once the final output (or an error) has been taken."""
-        return self._done
-
-    def abort(self) -> None:
-        """Abort the request unless it already ended (thread-safe, idempotent)."""
-        if not self._done:
-            self._engine.abort(self.request_id)
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._done:
-            raise StopAsyncIteration
-        if self._held is not None:
-            item, self._held = self._held, None
-        else:
-            item = await self._queue.get()
-        return self._take(item)
-
-    async def next_batch(self) -> list[RequestOutput]:
-        """The next output and every later one already delivered, in order (at
-        least one): a consumer that fell behind the engine catches up in one
-        wake-up, and a server writes them in one send. Raises as iteration does
-        (``StopAsyncIteration`` once ``finished``); an error queued behind
-        outputs is raised by the next call."""
-        batch = [await self.__anext__()]
-        while not self._done and not self._queue.empty():
-            item = self._queue.get_nowait()
-            if isinstance(item, BaseException):
-                self._held = item
-                break
-            batch.append(self._take(item))
-        return batch
-
-    def _take(self, item: RequestOutput | BaseException) -> RequestOutput:
-        if isinstance(item, BaseException):
-            self._done = True
-            raise item
-        if item.finished:
-            self._done = True
-        return item
-
-    def _accept(self, item: RequestOutput | BaseException) -> bool:
-        """Engine thread: whether ``item`` is to be delivered (nothing is after
-        the end)."""
-        if self._closed:
-            return False
-        if isinstance(item, BaseException) or item.finished:
-            self._closed = True
-        return True
-
-    def _put(self, item: RequestOutput | BaseException) -> None:
-        """Deliver one item from the engine thread; ignores anything after the end."""
-        if self._accept(item):
-            _call_in_loop(self._loop, self._queue.put_nowait, item)
-
-
-def _call_in_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # the loop is closed: nobody is listening any more
-        pass
-
-
-def _put_all(batch: list[tuple[asyncio.Queue[Any], RequestOutput | BaseException]]) -> None:
-    """On the event loop: one step's items, into their streams' queues."""
-    for queue, item in batch:
-        queue.put_nowait(item)
-
-
-def _settle_all(settled: list[tuple[asyncio.Future[None], BaseException | None]]) -> None:
-    """On the event loop: whether each added request was accepted."""
-    for future, error in settled:
-        if future.done():  # the caller gave up (cancelled)
-            continue
-        if error is None:
-            future.set_result(None)
-        else:
-            future.set_exception(error)
 
 
 @dataclass(slots=True)
@@ -211,11 +111,8 @@ class AsyncLLMEngine:
         self.engine = engine
         self.metrics = metrics if metrics is not None else EngineMetrics(
             model_name, log_interval_s=5.0 if log_stats else None, prefix=metrics_prefix,
-            max_model_len=getattr(engine, "max_model_len", 1 << 17),
-            cache_config=cache_config_info(engine))
-        pending = getattr(engine, "step_executables_pending", None)  # engines without a runner
-        if pending is not None:  # (the HTTP tests' doubles) have no warm-up to report
-            self.metrics.track_pending(pending)
+            max_model_len=engine.max_model_len, cache_config=cache_config_info(engine))
+        self.metrics.track_pending(engine.step_executables_pending)
         self._cond = threading.Condition()
         self._inbox: list[_Add | _Abort | _Call] = []
         self._accepting = True
@@ -241,8 +138,7 @@ class AsyncLLMEngine:
     @property
     def num_failed_steps(self) -> int:
         """Steps that failed: handled inside the engine, or escaping it."""
-        counters = getattr(self.engine, "counters", {})
-        return self._escaped_failures + int(counters.get("failed_steps", 0))
+        return self._escaped_failures + int(self.engine.counters.get("failed_steps", 0))
 
     @property
     def tokenizer(self) -> Any:
@@ -439,7 +335,7 @@ class AsyncLLMEngine:
                         op.future.set_result(result)
         finally:
             for loop, items in settled.items():
-                _call_in_loop(loop, _settle_all, items)
+                call_in_loop(loop, settle_all, items)
 
     def _apply_add(self, op: _Add) -> Exception | None:
         """Add one request to the engine; returns why it was refused, if it was."""
@@ -473,14 +369,14 @@ class AsyncLLMEngine:
         self._observe(outputs=outputs)
 
     def _step(self) -> None:
-        steps = self.engine.counters.get("steps")
+        steps = self.engine.counters["steps"]
         try:
             outputs = self.engine.step()
         except Exception as exc:
             self._fail_step(exc)
             return
         self._deliver(outputs)
-        ran = self.engine.counters.get("steps") != steps
+        ran = self.engine.counters["steps"] != steps
         self._observe(outputs=outputs, ran=ran, log=True)
         if not ran and not outputs:
             with self._cond:  # nothing fits yet: don't spin, wake on new work
@@ -510,7 +406,7 @@ class AsyncLLMEngine:
                     batch = batches[stream._loop] = []
                 batch.append((stream._queue, item))
         for loop, batch in batches.items():
-            _call_in_loop(loop, _put_all, batch)
+            call_in_loop(loop, put_all, batch)
 
     def _observe(self, *, outputs: list[RequestOutput], ran: bool = False,
                  log: bool = False) -> None:
@@ -523,8 +419,7 @@ class AsyncLLMEngine:
             logger.exception("updating metrics failed")
 
     def _ids_in_flight(self) -> list[str]:
-        in_engine = list(getattr(self.engine, "_requests", {}))
-        return list(dict.fromkeys([*self._streams, *in_engine]))
+        return list(dict.fromkeys([*self._streams, *self.engine.request_ids()]))
 
     def _fail_step(self, exc: Exception) -> None:
         """``step()`` itself raised (the engine handles step failures, so this
@@ -553,7 +448,7 @@ class AsyncLLMEngine:
             ops, self._inbox = self._inbox, []
         for op in ops:
             if isinstance(op, _Add):
-                _call_in_loop(op.stream._loop, _settle_all, [(op.accepted, error)])
+                call_in_loop(op.stream._loop, settle_all, [(op.accepted, error)])
             elif isinstance(op, _Call) and not op.future.done():
                 op.future.set_exception(error)
         streams, self._streams = self._streams, {}

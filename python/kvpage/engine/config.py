@@ -121,6 +121,34 @@ class EngineConfig:
         if not 0 <= self.max_logprobs <= 1024:
             raise ValueError(f"max_logprobs must be in [0, 1024], got {self.max_logprobs!r}")
 
+    # ---- what the settings come to for one model --------------------------------
+
+    def resolve_max_model_len(self, max_position_embeddings: int) -> int:
+        """``max_model_len`` for a model of ``max_position_embeddings`` positions: the
+        model's own when unset, and never more."""
+        max_model_len = self.max_model_len or max_position_embeddings
+        if max_model_len > max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                f"{max_position_embeddings}"
+            )
+        return max_model_len
+
+    def step_token_budget(self, max_model_len: int) -> int:
+        """Most tokens one step carries (the scheduler's and the runner's
+        ``max_num_batched_tokens``): ``max_num_batched_tokens``, at least one per
+        sequence and, without chunked prefill, a whole prompt."""
+        budget = max(self.max_num_batched_tokens, self.max_num_seqs)
+        return budget if self.enable_chunked_prefill else max(budget, max_model_len)
+
+    def check_logprobs(self, logprobs: int | None, prompt_logprobs: int | None) -> None:
+        """A request's ``logprobs`` and ``prompt_logprobs`` within ``max_logprobs``."""
+        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if value is not None and value > self.max_logprobs:
+                raise ValueError(
+                    f"{name} must be <= {self.max_logprobs} (max_logprobs), got {value}"
+                )
+
 
 # ---- the engine's command-line flags (kvpage generate / serve / bench) ----------
 
@@ -159,14 +187,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--num-gpu-blocks",
         type=int,
-        default=None,
+        default=d.num_gpu_blocks,
         help="KV blocks in the pool (default: from --kv-cache-memory, else from the memory "
         "the device or host has)",
     )
     g.add_argument(
         "--kv-cache-memory",
         type=_byte_size,
-        default=None,
+        default=d.kv_cache_memory,
         help="bytes for the KV cache, e.g. 4G or 512M (overrides the memory-based sizing)",
     )
     g.add_argument(
@@ -190,26 +218,26 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--long-prefill-token-threshold",
         type=int,
-        default=0,
+        default=d.long_prefill_token_threshold,
         help="most tokens one prompt may take in a step (0 = no cap)",
     )
     g.add_argument(
         "--max-model-len",
         type=int,
-        default=None,
+        default=d.max_model_len,
         help="longest sequence, prompt + output (default: the model's)",
     )
-    g.add_argument("--dtype", default="auto", choices=DTYPES, help="weight dtype")
+    g.add_argument("--dtype", default=d.dtype, choices=DTYPES, help="weight dtype")
     g.add_argument(
         "--quantization",
-        default="auto",
+        default=d.quantization,
         choices=QUANTIZATION_MODES,
         help="weights kept quantized: auto (a GGUF file's blocks on CPU), none "
         "(dequantize at load), gguf (blocks everywhere), int8 (per-channel int8)",
     )
     g.add_argument(
         "--kv-cache-dtype",
-        default="auto",
+        default=d.kv_cache_dtype,
         choices=KV_CACHE_DTYPES,
         help="KV cache element type: auto (float16 with quantized weights on CPU, else the "
         "weights' dtype), float32, bfloat16 or float16",
@@ -217,26 +245,27 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--num-scheduler-steps",
         type=int,
-        default=None,
+        default=d.num_scheduler_steps,
         help="most decode steps one device call runs for a small decode batch (default: 8 "
         "on CPU, 1 elsewhere; 1 turns multi-step scheduling off)",
     )
     g.add_argument(
         "--scheduling-policy",
-        default="fcfs",
+        default=d.scheduling_policy,
         choices=POLICIES,
         help="fcfs, priority (lower value first), or static (baseline)",
     )
     g.add_argument(
         "--attention-backend",
-        default=None,
+        default=d.attention_backend,
         help="xla, pallas or reference (default: pallas on GPU, xla elsewhere)",
     )
-    g.add_argument("--tensor-parallel-size", type=int, default=1, help="devices to shard over")
+    g.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
+                   help="devices to shard over")
     g.add_argument(
         "--max-num-waiting",
         type=int,
-        default=None,
+        default=d.max_num_waiting,
         help="bound of the waiting queue (serve answers 503 past it)",
     )
     g.add_argument(
@@ -245,7 +274,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=d.max_logprobs,
         help="largest logprobs a request may ask for",
     )
-    g.add_argument("--seed", type=int, default=0, help="engine seed")
+    g.add_argument("--seed", type=int, default=d.seed, help="engine seed")
     g.add_argument(
         "--warmup", nargs="?", const="full", default=None, choices=WARMUP_MODES,
         help="when step buckets compile: none (on first use; generate's default), "
@@ -255,7 +284,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-warmup", dest="warmup", action="store_const", const="none",
                    help="same as --warmup none")
     g.add_argument(
-        "--compilation-cache-dir", default="auto", metavar="DIR",
+        "--compilation-cache-dir", default=d.compilation_cache_dir, metavar="DIR",
         help="persistent XLA compilation cache, so a restart compiles nothing (default: "
         "$XDG_CACHE_HOME/kvpage/xla, i.e. ~/.cache/kvpage/xla); 'none' turns it off",
     )

@@ -17,18 +17,18 @@ to first token; decode = first to last token; inference = first scheduled to
 last token; time per output token = decode / (generated tokens - 1).
 
 Update methods are called from the engine thread only; ``render`` may be
-called from any thread (prometheus_client guards its values with locks).
+called from any thread (prometheus_client guards its values with locks, and
+:class:`~kvpage.engine.histograms.BatchedHistogram` its counts).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -38,46 +38,25 @@ from prometheus_client import (
     generate_latest,
 )
 
+from kvpage.engine.histograms import (
+    FAST_LATENCY_BUCKETS,
+    N_BUCKETS,
+    REQUEST_BUCKETS,
+    STEP_TOKEN_BUCKETS,
+    TOKEN_GAP_BUCKETS,
+    TPOT_BUCKETS,
+    BatchedHistogram,
+    buckets_1_2_5,
+)
 from kvpage.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from kvpage.engine.llm_engine import LLMEngine
 
 PREFIX = "kvpage:"
 PREFIXES = ("kvpage", "vllm")
 ENGINE_INDEX = "0"
 """The ``engine`` label (vLLM's data-parallel engine index; kvpage runs one)."""
-
-_FAST_LATENCY_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0,
-)
-_TOKEN_GAP_BUCKETS = (
-    0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.0, 2.0, 5.0,
-)
-_REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-_STEP_TOKEN_BUCKETS = tuple(float(1 << i) for i in range(15))  # 1 .. 16384
-_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
-                 7.5, 10.0, 20.0, 40.0, 80.0)  # vLLM's
-_N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)
-
-
-def buckets_1_2_5(limit: int) -> tuple[float, ...]:
-    """1, 2, 5, 10, 20, 50, ... up to ``limit`` (vLLM's token-count buckets)."""
-    out: list[float] = []
-    magnitude = 1
-    while True:
-        for m in (1, 2, 5):
-            value = m * magnitude
-            if value > limit:
-                return tuple(out) or (1.0,)
-            out.append(float(value))
-        magnitude *= 10
-
-_CUMULATIVE_STATS = {
-    # metric attribute -> get_stats() key of a running total
-    "prefix_cache_queries": "prefix_cache_query_tokens",
-    "prefix_cache_hits": "prefix_cache_hit_tokens",
-    "num_preemptions": "num_preemptions",
-    "prompt_tokens": "prompt_tokens_total",
-    "generation_tokens": "generation_tokens_total",
-}
 
 logger = logging.getLogger("kvpage.engine.metrics")
 
@@ -95,34 +74,6 @@ class _Seen:
     sample_tokens: dict[int, int] | None = None
     n: int | None = None
     max_tokens: int | None = None
-
-
-def observe_many(histogram: Any, amounts: Sequence[float]) -> None:
-    """``histogram.observe(a)`` for every ``a`` in ``amounts``, as one update per
-    bucket: a step's inter-token latencies (one per streaming request) cost
-    ~0.75 us each through ``observe``'s bucket scan and locks, as much as the rest
-    of the engine's host work per sequence. Falls back to ``observe`` where the
-    histogram's layout is not prometheus_client's (``_upper_bounds``, ``_buckets``
-    not cumulative, ``_sum``)."""
-    if not amounts:
-        return
-    bounds = getattr(histogram, "_upper_bounds", None)
-    buckets = getattr(histogram, "_buckets", None)
-    total = getattr(histogram, "_sum", None)
-    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets) \
-            or len(amounts) < 8:
-        for amount in amounts:
-            histogram.observe(amount)
-        return
-    histogram._raise_if_not_observable()
-    values = np.asarray(amounts, np.float64)
-    # observe() counts an amount in the first bucket whose bound is >= it
-    counts = np.bincount(np.searchsorted(np.asarray(bounds, np.float64), values, side="left"),
-                         minlength=len(bounds))
-    total.inc(float(values.sum()))
-    for bucket, count in zip(buckets, counts.tolist(), strict=False):
-        if count:
-            bucket.inc(count)
 
 
 def request_finish_reason(output: RequestOutput) -> str:
@@ -203,30 +154,32 @@ class EngineMetrics:
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds",
             "Arrival to the first token delivered to the request's stream.",
-            _FAST_LATENCY_BUCKETS)
-        self.inter_token_latency = histogram(
-            "inter_token_latency_seconds", "Time between successive tokens of a request.",
-            _TOKEN_GAP_BUCKETS)
+            FAST_LATENCY_BUCKETS)
+        self.inter_token_latency = BatchedHistogram(
+            name_of("inter_token_latency_seconds"),
+            "Time between successive tokens of a request.",
+            dict(zip(label, values, strict=True)), TOKEN_GAP_BUCKETS, reg)
+        """Observed once per token of every streaming request: counted in one pass."""
         self.e2e_request_latency = histogram(
-            "e2e_request_latency_seconds", "Arrival to finish of a request.", _REQUEST_BUCKETS)
+            "e2e_request_latency_seconds", "Arrival to finish of a request.", REQUEST_BUCKETS)
         self.request_queue_time = histogram(
             "request_queue_time_seconds", "Arrival to first scheduled step.",
-            _FAST_LATENCY_BUCKETS)
+            FAST_LATENCY_BUCKETS)
         self.iteration_tokens = histogram(
             "iteration_tokens_total", "Tokens processed by one engine step.",
-            _STEP_TOKEN_BUCKETS)
+            STEP_TOKEN_BUCKETS)
         self.time_per_output_token = histogram(
             "time_per_output_token_seconds",
-            "Per finished request: decode time / (generated tokens - 1).", _TPOT_BUCKETS)
+            "Per finished request: decode time / (generated tokens - 1).", TPOT_BUCKETS)
         self.request_inference_time = histogram(
             "request_inference_time_seconds", "First scheduled to last token of a request.",
-            _REQUEST_BUCKETS)
+            REQUEST_BUCKETS)
         self.request_prefill_time = histogram(
             "request_prefill_time_seconds", "First scheduled to first token of a request.",
-            _REQUEST_BUCKETS)
+            REQUEST_BUCKETS)
         self.request_decode_time = histogram(
             "request_decode_time_seconds", "First to last token of a request.",
-            _REQUEST_BUCKETS)
+            REQUEST_BUCKETS)
         token_buckets = buckets_1_2_5(max_model_len)
         self.request_prompt_tokens = histogram(
             "request_prompt_tokens", "Prompt tokens of a finished request.", token_buckets)
@@ -237,7 +190,7 @@ class EngineMetrics:
             "request_max_num_generation_tokens",
             "Most tokens generated by one sample of a finished request.", token_buckets)
         self.request_params_n = histogram("request_params_n", "The n of finished requests.",
-                                          _N_BUCKETS)
+                                          N_BUCKETS)
         self.request_params_max_tokens = histogram(
             "request_params_max_tokens", "The max_tokens of finished requests.", token_buckets)
         info = dict(cache_config or {})
@@ -249,6 +202,13 @@ class EngineMetrics:
         else:
             self.cache_config_info.set(1)
 
+        self._totals = {  # get_stats() key of a running total -> its counter
+            "prefix_cache_query_tokens": self.prefix_cache_queries,
+            "prefix_cache_hit_tokens": self.prefix_cache_hits,
+            "num_preemptions": self.num_preemptions,
+            "prompt_tokens_total": self.prompt_tokens,
+            "generation_tokens_total": self.generation_tokens,
+        }
         self._last_totals: dict[str, float] = {}
         self._live: dict[str, _Seen] = {}
         self._log_time = time.monotonic()
@@ -279,7 +239,7 @@ class EngineMetrics:
         self.num_requests_running.set(stats.get("num_requests_running", 0))
         self.num_requests_waiting.set(stats.get("num_requests_waiting", 0))
         self.kv_cache_usage_perc.set(stats.get("kv_cache_usage_perc", 0.0))
-        for attr, key in _CUMULATIVE_STATS.items():
+        for key, counter in self._totals.items():
             if key not in stats:
                 continue
             value = float(stats[key])
@@ -287,7 +247,7 @@ class EngineMetrics:
             # a running total that went down was reset: count from the new base
             delta = value - previous if value >= previous else value
             if delta > 0:
-                getattr(self, attr).inc(delta)
+                counter.inc(delta)
             self._last_totals[key] = value
         step_tokens = stats.get("last_step_tokens", 0)
         if ran and step_tokens:
@@ -332,7 +292,7 @@ class EngineMetrics:
                 self._live.pop(out.request_id, None)
                 self.request_success(finished_reason or request_finish_reason(out)).inc()
                 self._observe_finished(out, seen, now)
-        observe_many(self.inter_token_latency, gaps)
+        self.inter_token_latency.observe_many(gaps)
 
     def _observe_finished(self, out: RequestOutput, seen: _Seen, now: float) -> None:
         m = out.metrics
@@ -398,25 +358,16 @@ class EngineMetrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
-def cache_config_info(engine: Any) -> dict[str, str]:
-    """The labels of vLLM's ``cache_config_info`` gauge for an ``LLMEngine``
-    (what is known of them; missing attributes are left out)."""
-    config = getattr(engine, "config", None)
-    runner = getattr(engine, "runner", None)
-    info: dict[str, Any] = {"num_cpu_blocks": 0}
-    if config is not None:
-        info.update(block_size=config.block_size,
-                    enable_prefix_caching=config.enable_prefix_caching,
-                    gpu_memory_utilization=config.gpu_memory_utilization,
-                    cache_dtype=getattr(config, "kv_cache_dtype", None)
-                    or getattr(config, "dtype", "auto"))
-    num_blocks = getattr(runner, "num_blocks", None)
-    if num_blocks is not None:
-        info["num_gpu_blocks"] = num_blocks
-    spec = getattr(runner, "kv_spec", None)
-    if spec is not None:  # what "auto" resolved to
-        info["cache_dtype"] = spec.dtype
-    max_model_len = getattr(engine, "max_model_len", None)
-    if max_model_len is not None:
-        info["max_model_len"] = max_model_len
+def cache_config_info(engine: LLMEngine) -> dict[str, str]:
+    """The labels of vLLM's ``cache_config_info`` gauge for an ``LLMEngine``."""
+    config = engine.config
+    info: dict[str, Any] = {
+        "num_cpu_blocks": 0,
+        "block_size": config.block_size,
+        "enable_prefix_caching": config.enable_prefix_caching,
+        "gpu_memory_utilization": config.gpu_memory_utilization,
+        "cache_dtype": engine.kv_cache_dtype,
+        "num_gpu_blocks": engine.runner.num_blocks,
+        "max_model_len": engine.max_model_len,
+    }
     return {k: str(v) for k, v in info.items()}

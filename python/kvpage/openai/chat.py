@@ -14,44 +14,39 @@ from typing import Any
 
 from fastapi import Request, Response
 
-from kvpage.engine.async_engine import EngineClosedError, RequestFailedError
 from kvpage.openai.generation import Echo, Generation
+from kvpage.openai.logprobs import chat_logprobs, prompt_logprobs_field
 from kvpage.openai.protocol import ChatCompletionRequest, parse_body
 from kvpage.openai.respond import respond
-from kvpage.openai.sse_events import DONE, ChunkTemplate, sse_event
+from kvpage.openai.sse_events import ChunkTemplate, sse_event
 from kvpage.openai.state import ServerState, server_state
-from kvpage.openai.streaming import choice_deltas, stream_error
+from kvpage.openai.streaming import Delta, sse_stream
 from kvpage.outputs import CompletionOutput
 
 
-async def chat_events(srv: ServerState, gen: Generation) -> AsyncIterator[bytes]:
+def chat_events(srv: ServerState, gen: Generation) -> AsyncIterator[bytes]:
+    """A first chunk per choice with the assistant role, then content deltas."""
     fixed = {"id": gen.request_id, "object": "chat.completion.chunk", "created": gen.created,
              "model": gen.model}
     template = ChunkTemplate(fixed, ("index", "delta", "logprobs", "finish_reason",
                                      "stop_reason"))
+    head = (sse_event({**fixed, "choices": [{
+        "index": index, "delta": {"role": "assistant", "content": ""},
+        "logprobs": None, "finish_reason": None}]})
+        for index in range(len(gen.streams) * gen.n))
 
-    try:
-        for index in range(len(gen.streams) * gen.n):
-            yield sse_event({**fixed, "choices": [{
-                "index": index, "delta": {"role": "assistant", "content": ""},
-                "logprobs": None, "finish_reason": None}]})
-        async for deltas in choice_deltas(gen):
-            events = []
-            for index, c, wants_logprobs in deltas:
-                logprobs = None
-                if wants_logprobs:
-                    logprobs = srv.chat_logprobs(c.token_ids, c.logprobs, gen.num_logprobs)
-                events.append(template.event(index, {"content": c.text} if c.text else {},
-                                             logprobs, c.finish_reason, c.stop_reason))
-            yield b"".join(events)
-        if gen.include_usage:
-            yield sse_event({**fixed, "choices": [], "usage": gen.usage.json()})
-        yield DONE
-    except (RequestFailedError, EngineClosedError) as exc:
-        yield stream_error(exc)
-        yield DONE
-    finally:
-        gen.abort()
+    def encode(deltas: list[Delta]) -> bytes:
+        events = []
+        for index, c, wants_logprobs in deltas:
+            logprobs = None
+            if wants_logprobs:
+                logprobs = chat_logprobs(c.token_ids, c.logprobs, gen.num_logprobs,
+                                         srv.token_text)
+            events.append(template.event(index, {"content": c.text} if c.text else {},
+                                         logprobs, c.finish_reason, c.stop_reason))
+        return b"".join(events)
+
+    return sse_stream(gen, fixed, encode, head)
 
 
 def chat_body(srv: ServerState, gen: Generation,
@@ -60,7 +55,8 @@ def chat_body(srv: ServerState, gen: Generation,
     for index, choice in enumerate(choices):
         logprobs = None
         if gen.num_logprobs is not None:
-            logprobs = srv.chat_logprobs(choice.token_ids, choice.logprobs, gen.num_logprobs)
+            logprobs = chat_logprobs(choice.token_ids, choice.logprobs, gen.num_logprobs,
+                                     srv.token_text)
         result.append({"index": index, "message": {"role": "assistant", "content": choice.text},
                        "logprobs": logprobs, "finish_reason": choice.finish_reason,
                        "stop_reason": choice.stop_reason})
@@ -69,7 +65,7 @@ def chat_body(srv: ServerState, gen: Generation,
     response = {"id": gen.request_id, "object": "chat.completion", "created": gen.created,
                 "model": gen.model, "choices": result, "usage": gen.usage.json()}
     if gen.echo is not None and gen.echo.prompt_logprobs_k is not None:
-        response["prompt_logprobs"] = srv.prompt_logprobs_field(gen, 0)
+        response["prompt_logprobs"] = prompt_logprobs_field(gen, 0, srv.token_text)
     if gen.prompt_token_ids is not None:
         response["prompt_token_ids"] = gen.prompt_token_ids[0]
     return response
@@ -82,10 +78,7 @@ async def chat_completions(request: Request) -> Response:
     model = srv.model_name(body.model)
     body.check_supported()
     srv.check_top_logprobs(body.top_logprobs)
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    text = await srv.render_chat(messages, body.add_generation_prompt,
-                                 body.continue_final_message)
-    ids = await srv.tokenize(text, "messages", add_special_tokens=bool(body.add_special_tokens))
+    text, ids = await srv.chat_prompt(body)
     srv.check_length(len(ids), body.output_limit, "messages")
     params = body.sampling_params(body.output_limit, body.num_logprobs)
     echo = None if body.prompt_logprobs is None else Echo([ids], None, body.prompt_logprobs)

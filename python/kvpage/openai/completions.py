@@ -16,13 +16,13 @@ from typing import Any
 
 from fastapi import Request, Response
 
-from kvpage.engine.async_engine import EngineClosedError, RequestFailedError
 from kvpage.openai.generation import Echo, Generation
+from kvpage.openai.logprobs import echoed_logprobs, legacy_logprobs, prompt_logprobs_field
 from kvpage.openai.protocol import CompletionRequest, bad_request, parse_body
 from kvpage.openai.respond import respond
-from kvpage.openai.sse_events import DONE, ChunkTemplate, sse_event
+from kvpage.openai.sse_events import ChunkTemplate
 from kvpage.openai.state import ServerState, server_state
-from kvpage.openai.streaming import choice_deltas, stream_error
+from kvpage.openai.streaming import Delta, sse_stream
 from kvpage.outputs import CompletionOutput
 
 MAX_PROMPTS_PER_REQUEST = 1024
@@ -30,43 +30,37 @@ MAX_PROMPTS_PER_REQUEST = 1024
 engine request)."""
 
 
-async def completion_events(srv: ServerState, gen: Generation) -> AsyncIterator[bytes]:
-    template = ChunkTemplate({"id": gen.request_id, "object": "text_completion",
-                              "created": gen.created, "model": gen.model},
-                             ("index", "text", "logprobs", "finish_reason", "stop_reason"))
+def completion_events(srv: ServerState, gen: Generation) -> AsyncIterator[bytes]:
+    """A chunk per choice delta; with ``echo`` the prompt comes with each choice's
+    first chunk (vLLM's streaming echo), text offsets running on across chunks."""
+    fixed = {"id": gen.request_id, "object": "text_completion", "created": gen.created,
+             "model": gen.model}
+    template = ChunkTemplate(fixed, ("index", "text", "logprobs", "finish_reason",
+                                     "stop_reason"))
     offsets: dict[int, int] = {}
     echoed: set[int] = set()
-    try:
-        async for deltas in choice_deltas(gen):
-            events = []
-            for index, c, wants_logprobs in deltas:
-                logprobs = None
-                if wants_logprobs:
-                    logprobs = srv.completion_logprobs(c.token_ids, c.logprobs,
-                                                       gen.num_logprobs, offsets.get(index, 0))
-                text = c.text
-                echo = gen.echo
-                if echo is not None and echo.prompt_texts is not None and index not in echoed:
-                    # vLLM's streaming echo: the prompt comes with each choice's first chunk
-                    echoed.add(index)
-                    text = echo.prompt_texts[index // gen.n] + text
-                    if gen.num_logprobs is not None:
-                        logprobs = srv.echoed_logprobs(gen, index, logprobs)
-                if logprobs is not None:
-                    offsets[index] = offsets.get(index, 0) + sum(map(len, logprobs["tokens"]))
-                events.append(template.event(index, text, logprobs, c.finish_reason,
-                                             c.stop_reason))
-            yield b"".join(events)
-        if gen.include_usage:
-            yield sse_event({"id": gen.request_id, "object": "text_completion",
-                             "created": gen.created, "model": gen.model, "choices": [],
-                             "usage": gen.usage.json()})
-        yield DONE
-    except (RequestFailedError, EngineClosedError) as exc:
-        yield stream_error(exc)
-        yield DONE
-    finally:
-        gen.abort()
+
+    def encode(deltas: list[Delta]) -> bytes:
+        events = []
+        for index, c, wants_logprobs in deltas:
+            logprobs = None
+            if wants_logprobs:
+                logprobs = legacy_logprobs(c.token_ids, c.logprobs, gen.num_logprobs,
+                                           srv.token_text, offsets.get(index, 0))
+            text = c.text
+            echo = gen.echo
+            if echo is not None and echo.prompt_texts is not None and index not in echoed:
+                echoed.add(index)
+                text = echo.prompt_texts[index // gen.n] + text
+                if gen.num_logprobs is not None:
+                    logprobs = echoed_logprobs(gen, index, logprobs, srv.token_text)
+            if logprobs is not None:
+                offsets[index] = offsets.get(index, 0) + sum(map(len, logprobs["tokens"]))
+            events.append(template.event(index, text, logprobs, c.finish_reason,
+                                         c.stop_reason))
+        return b"".join(events)
+
+    return sse_stream(gen, fixed, encode)
 
 
 def completion_body(srv: ServerState, gen: Generation,
@@ -75,17 +69,18 @@ def completion_body(srv: ServerState, gen: Generation,
     for index, choice in enumerate(choices):
         logprobs = None
         if gen.num_logprobs is not None:
-            logprobs = srv.completion_logprobs(choice.token_ids, choice.logprobs,
-                                               gen.num_logprobs, 0)
+            logprobs = legacy_logprobs(choice.token_ids, choice.logprobs, gen.num_logprobs,
+                                       srv.token_text)
         text = choice.text
         echo = gen.echo
         if echo is not None and echo.prompt_texts is not None:
             text = echo.prompt_texts[index // gen.n] + text
-            logprobs = srv.echoed_logprobs(gen, index, logprobs)
+            logprobs = echoed_logprobs(gen, index, logprobs, srv.token_text)
         result.append({"index": index, "text": text, "logprobs": logprobs,
                        "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason})
         if echo is not None and echo.prompt_logprobs_k is not None:
-            result[-1]["prompt_logprobs"] = srv.prompt_logprobs_field(gen, index // gen.n)
+            result[-1]["prompt_logprobs"] = prompt_logprobs_field(gen, index // gen.n,
+                                                                  srv.token_text)
         if gen.prompt_token_ids is not None:
             result[-1]["prompt_token_ids"] = gen.prompt_token_ids[index // gen.n]
             result[-1]["token_ids"] = choice.token_ids

@@ -72,6 +72,13 @@ class Generation:
     """Set when the request asked for ``return_token_ids``."""
     echo: Echo | None = None
 
+    def take(self, index: int, output: RequestOutput) -> None:
+        """Take in ``output`` of prompt ``index``: its prompt logprobs (and, for
+        ``echo`` with ``max_tokens: 0``, nothing generated) and its usage."""
+        if self.echo is not None:
+            self.echo.take(index, output)
+        self.usage.add(index, output)
+
     def abort(self) -> None:
         for stream in self.streams:
             stream.abort()

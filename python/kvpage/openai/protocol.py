@@ -35,7 +35,7 @@ from kvpage.structured_outputs.params import KINDS, StructuredOutputsParams
 if TYPE_CHECKING:
     from starlette.requests import Request
 
-M = TypeVar("M", bound=BaseModel)
+M = TypeVar("M", bound="_Strict")
 CLIENT_CLOSED_REQUEST = 499
 """nginx's status for a request whose client went away before it was read."""
 
@@ -87,6 +87,8 @@ MAX_STOP_TOKEN_IDS = 1024
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+    NOT_IMPLEMENTED: ClassVar[dict[str, Any]] = {}
+    """Fields kvpage does not implement, with their "off" value (see below)."""
 
 
 _NOT_IMPLEMENTED_COMMON: dict[str, Any] = {
@@ -477,7 +479,7 @@ async def parse_body(request: Request, model: type[M]) -> M:
                           code="invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_json")
-    refuse_not_implemented(data, getattr(model, "NOT_IMPLEMENTED", {}))
+    refuse_not_implemented(data, model.NOT_IMPLEMENTED)
     try:
         return model.model_validate(data)
     except ValidationError as exc:

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 from kvpage.engine.async_engine import EngineClosedError, RequestFailedError
 from kvpage.openai.errors import engine_error, error_response
 from kvpage.openai.generation import Generation
+from kvpage.openai.protocol import CLIENT_CLOSED_REQUEST
 from kvpage.openai.state import ServerState
 from kvpage.openai.streaming import SSEResponse, merged_batches
 from kvpage.outputs import CompletionOutput
@@ -57,9 +58,7 @@ async def collect(gen: Generation) -> list[CompletionOutput]:
     try:
         async for batch in merged_batches(gen.streams):
             for i, out in batch:
-                if gen.echo is not None:
-                    gen.echo.take(i, out)
-                gen.usage.add(i, out)
+                gen.take(i, out)
                 for c in out.outputs:
                     choices[i * gen.n + c.index] = c
     finally:
@@ -89,5 +88,5 @@ async def respond(
     finally:
         gen.abort()
     if choices is None:
-        return Response(status_code=499)
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
     return JSONResponse(body(srv, gen, choices))

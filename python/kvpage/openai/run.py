@@ -169,9 +169,7 @@ def check_engine_at_exit(engine: AsyncLLMEngine) -> bool:
         return False
     inner = engine.engine
     try:
-        check = getattr(inner, "check_invariants", None)
-        if check is not None:
-            check()
+        inner.check_invariants()
         stats = inner.get_stats()
     except Exception as exc:
         logger.error("engine state at exit: invariants violated: %s", exc)

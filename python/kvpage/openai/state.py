@@ -2,15 +2,16 @@
 
 It owns the served model names and cards, tokenizing and chat templates (on a
 worker thread: a huge prompt must not stall the event loop, which serves every
-other stream), the length and ``top_logprobs`` checks, adding a request's prompts
-to the engine (all or none) and the logprobs in response shapes (token texts
-cached per token id; JSON has no -inf, so log-probabilities are clamped).
+other stream), the server's one check of a request's length against the engine's
+``max_model_len`` and of ``top_logprobs`` against its ``max_logprobs`` (400s
+naming the field; the engine validates again), adding a request's prompts to the
+engine (all or none) and the token texts (cached per token id) that
+:mod:`kvpage.openai.logprobs` writes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 import uuid
 from typing import Any
@@ -18,20 +19,16 @@ from typing import Any
 from fastapi import Request
 
 from kvpage.engine.async_engine import AsyncLLMEngine, RequestStream
-from kvpage.openai.echo import concat_logprobs, echo_logprobs, prompt_logprobs_json
 from kvpage.openai.errors import engine_error
 from kvpage.openai.generation import Echo, Generation, Usage
-from kvpage.openai.protocol import APIError, bad_request, check_unicode
-from kvpage.outputs import Logprob
+from kvpage.openai.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    TokenizeRequest,
+    bad_request,
+    check_unicode,
+)
 from kvpage.sampling.params import SamplingParams
-
-_MIN_LOGPROB = -9999.0
-"""JSON has no -inf: log-probabilities are clamped to this."""
-
-
-def _finite(value: float) -> float:
-    return value if math.isfinite(value) else _MIN_LOGPROB if value < 0 or math.isnan(value) \
-        else -_MIN_LOGPROB
 
 
 def server_state(request: Request) -> ServerState:
@@ -77,8 +74,20 @@ class ServerState:
         ids = await asyncio.to_thread(tokenizer, text, add_special_tokens=add_special_tokens)
         return list(ids["input_ids"])
 
-    async def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool,
-                          continue_final_message: bool = False) -> str:
+    async def chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest,
+                          ) -> tuple[str, list[int]]:
+        """The text and token ids of ``body.messages`` through the chat template
+        (both on a worker thread)."""
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages or ()]
+        text = await self._render_chat(messages, body.add_generation_prompt,
+                                       body.continue_final_message)
+        # the template has the special tokens: added only when asked
+        ids = await self.tokenize(text, "messages",
+                                  add_special_tokens=bool(body.add_special_tokens))
+        return text, ids
+
+    async def _render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool,
+                           continue_final_message: bool) -> str:
         """The chat template applied to ``messages`` (on a worker thread)."""
         for message in messages:
             for value in message.values():
@@ -102,13 +111,14 @@ class ServerState:
         """Chat's ``top_logprobs`` within 0..max_logprobs (a 400 naming it)."""
         if top_logprobs is None:
             return
-        config = getattr(self.engine.engine, "config", None)
-        limit = getattr(config, "max_logprobs", 20)
+        limit = self.engine.max_logprobs
         if not 0 <= top_logprobs <= limit:
             raise bad_request(f"top_logprobs must be between 0 and {limit} (max_logprobs), "
                               f"got {top_logprobs}", param="top_logprobs")
 
     def check_length(self, prompt_len: int, max_tokens: int | None, param: str) -> None:
+        """A prompt of ``prompt_len`` tokens, and ``max_tokens`` more, within
+        max_model_len (a 400 naming ``param`` or ``max_tokens``)."""
         limit = self.engine.max_model_len
         if prompt_len == 0:
             raise bad_request("the prompt is empty", param=param)
@@ -124,6 +134,7 @@ class ServerState:
                 f"{limit} tokens", param="max_tokens", code="context_length_exceeded")
 
     def token_text(self, token_id: int) -> str:
+        """The text of one token (cached per id)."""
         text = self._token_text.get(token_id)
         if text is None:
             tokenizer = self.engine.tokenizer
@@ -155,60 +166,9 @@ class ServerState:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         usage = Usage([len(p["prompt_token_ids"]) for p in prompts], [0] * len(prompts))
         prompt_ids = [list(p["prompt_token_ids"]) for p in prompts] \
-            if getattr(body, "return_token_ids", False) else None
+            if body.return_token_ids else None
         if echo is not None:
             echo.scores = [None] * len(prompts)
             usage.count_completion = not echo.scores_only
         return Generation(request_id, int(time.time()), model, params.n, streams, usage,
                           num_logprobs, include_usage, prompt_ids, echo)
-
-    def echoed_logprobs(self, gen: Generation, index: int,
-                        generated: dict[str, Any] | None) -> dict[str, Any] | None:
-        """The legacy ``logprobs`` of choice ``index`` with the prompt's in front."""
-        echo, prompt = gen.echo, index // gen.n
-        if echo is None or gen.num_logprobs is None or echo.scores[prompt] is None:
-            return generated
-        head = echo_logprobs(echo.prompt_ids[prompt], echo.scores[prompt], gen.num_logprobs,
-                             self.token_text, _finite)
-        return concat_logprobs(head, generated)
-
-    def prompt_logprobs_field(self, gen: Generation, prompt: int) -> Any:
-        echo = gen.echo
-        if echo is None or echo.prompt_logprobs_k is None or echo.scores[prompt] is None:
-            return None
-        return prompt_logprobs_json(echo.prompt_ids[prompt], echo.scores[prompt],
-                                    echo.prompt_logprobs_k, self.token_text, _finite)
-
-    # ---- logprobs -------------------------------------------------------
-
-    def completion_logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]],
-                            k: int, offset: int) -> dict[str, Any]:
-        tokens, token_logprobs, top, offsets = [], [], [], []
-        for token_id, entry in zip(token_ids, entries, strict=False):
-            text = self.token_text(token_id)
-            tokens.append(text)
-            token_logprobs.append(_finite(entry[token_id].logprob))
-            ranked = sorted(entry.items(), key=lambda kv: kv[1].rank or 0)
-            top.append({self.token_text(t): _finite(lp.logprob) for t, lp in ranked
-                        if t == token_id or (lp.rank is not None and lp.rank <= k)})
-            offsets.append(offset)
-            offset += len(text)
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
-                "text_offset": offsets}
-
-    def chat_logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]],
-                      k: int) -> dict[str, Any]:
-        content = []
-        for token_id, entry in zip(token_ids, entries, strict=False):
-            text = self.token_text(token_id)
-            ranked = sorted(((t, lp) for t, lp in entry.items()
-                             if lp.rank is not None and lp.rank <= k),
-                            key=lambda kv: kv[1].rank or 0)
-            content.append({
-                "token": text, "logprob": _finite(entry[token_id].logprob),
-                "bytes": list(text.encode()),
-                "top_logprobs": [{"token": self.token_text(t), "logprob": _finite(lp.logprob),
-                                  "bytes": list(self.token_text(t).encode())}
-                                 for t, lp in ranked],
-            })
-        return {"content": content}

@@ -3,25 +3,29 @@
 This file owns reading a generation's streams (:func:`merged_batches`: several
 prompts' streams merged, in batches of everything ready at once, so that a handler
 behind the engine sends several steps in one write), :func:`choice_deltas` (the
-deltas worth sending, per choice, counting usage on the way), the error event that
-ends a failed stream and :class:`SSEResponse`, which aborts the request however the
-stream ends.
+deltas worth sending, per choice, counting usage on the way), :func:`sse_stream`
+(a streamed response around the endpoint's own chunks: the usage chunk, ``[DONE]``,
+the error event that ends a failed stream) and :class:`SSEResponse`, which aborts
+the request however the stream ends.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from kvpage.engine.async_engine import RequestStream
+from kvpage.engine.async_engine import EngineClosedError, RequestFailedError, RequestStream
 from kvpage.openai.errors import engine_error
 from kvpage.openai.generation import Generation
-from kvpage.openai.sse_events import sse_event
-from kvpage.outputs import RequestOutput
+from kvpage.openai.sse_events import DONE, sse_event
+from kvpage.outputs import CompletionOutput, RequestOutput
+
+Delta = tuple[int, CompletionOutput, bool]
+"""(choice index, completion delta, wants logprobs)."""
 
 
 async def merged_batches(
@@ -71,7 +75,7 @@ async def merged_batches(
             task.cancel()
 
 
-async def choice_deltas(gen: Generation) -> AsyncIterator[list[tuple[int, Any, bool]]]:
+async def choice_deltas(gen: Generation) -> AsyncIterator[list[Delta]]:
     """(choice index, completion delta, wants logprobs) for every delta worth
     sending, across all prompts and samples, in batches of what is ready at once
     (one send each); counts usage on the way and drops anything after a choice's
@@ -80,9 +84,7 @@ async def choice_deltas(gen: Generation) -> AsyncIterator[list[tuple[int, Any, b
     async for batch in merged_batches(gen.streams):
         deltas = []
         for i, out in batch:
-            if gen.echo is not None:
-                gen.echo.take(i, out)
-            gen.usage.add(i, out)
+            gen.take(i, out)
             for c in out.outputs:
                 index = i * gen.n + c.index
                 wants_logprobs = gen.num_logprobs is not None and bool(c.logprobs)
@@ -95,10 +97,27 @@ async def choice_deltas(gen: Generation) -> AsyncIterator[list[tuple[int, Any, b
             yield deltas
 
 
-def stream_error(exc: BaseException) -> bytes:
-    """The SSE event of an error that ends a stream."""
-    error = engine_error(exc)
-    return sse_event(error.body())
+async def sse_stream(gen: Generation, fixed: dict[str, Any],
+                     encode: Callable[[list[Delta]], bytes],
+                     head: Iterable[bytes] = ()) -> AsyncIterator[bytes]:
+    """The events of a streamed response: ``head``, then one write per batch of
+    deltas (``encode``: the endpoint's chunks), the usage chunk (``fixed``, no
+    choices) if the request asked for it and ``[DONE]``. A request the engine
+    fails ends with its error event, then ``[DONE]``; the request is aborted
+    however the stream ends."""
+    try:
+        for event in head:
+            yield event
+        async for deltas in choice_deltas(gen):
+            yield encode(deltas)
+        if gen.include_usage:
+            yield sse_event({**fixed, "choices": [], "usage": gen.usage.json()})
+        yield DONE
+    except (RequestFailedError, EngineClosedError) as exc:
+        yield sse_event(engine_error(exc).body())
+        yield DONE
+    finally:
+        gen.abort()
 
 
 class SSEResponse(StreamingResponse):

@@ -24,11 +24,7 @@ async def tokenize(request: Request) -> JSONResponse:
     srv.model_name(body.model)
     body.check_supported()
     if body.messages is not None:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        text = await srv.render_chat(messages, body.add_generation_prompt,
-                                     body.continue_final_message)
-        special = bool(body.add_special_tokens)  # the template has them
-        ids = await srv.tokenize(text, "messages", add_special_tokens=special)
+        _, ids = await srv.chat_prompt(body)
     else:
         special = True if body.add_special_tokens is None else body.add_special_tokens
         ids = await srv.tokenize(body.prompt or "", "prompt", add_special_tokens=special)

@@ -2,7 +2,7 @@
 tokens, and the per-request record that becomes ``RequestOutput.prompt_logprobs``.
 
 The device side (the scoring inside the prefill's forward pass) is
-:mod:`kvpage.runner.prompt_logprobs`.
+:mod:`kvpage.runner.prompt_scoring`.
 
 Prefix caching: a request that asks for prompt logprobs **bypasses the prefix cache**.
 A cached prefix's KV was written by an earlier request, but its logits were never kept,
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvpage.outputs import Logprob
-from kvpage.runner.prompt_logprobs import prompt_targets
+from kvpage.runner.prompt_scoring import prompt_targets
 from kvpage.runner.step_output import StepOutput
 
 PromptLogprobs = list[dict[int, Logprob] | None]
