@@ -43,7 +43,7 @@ class BlockPool:
 
 DEFAULT_MAX_TOKENS: int
 
-FINISH_REASONS: dict[str, str]
+FINISH_REASONS: dict[int, str]  # finish code (as `Scheduler.update` reports it) -> name
 
 @final
 class Grammar:
@@ -52,7 +52,8 @@ class Grammar:
 
 @final
 class GrammarVocab:
-    """The model's vocabulary for structured outputs: token byte strings (special"""
+    """The model's vocabulary for structured outputs: token byte strings (special
+    tokens start with b"\xff", ids past the tokenizer are b"") and EOS ids."""
     def __new__(cls, token_bytes: Sequence[bytes], eos_token_ids: list[int]) -> Self: ...
     def compile(self, kind: str, value: str) -> Grammar: ...
     @property
@@ -62,7 +63,8 @@ class GrammarVocab:
 
 @final
 class KVCacheManager:
-    """Page tables with copy-on-write over one block pool, plus the radix"""
+    """Page tables with copy-on-write over one block pool, plus the radix
+    prefix cache. Sequences are addressed by integer handles."""
     def __new__(
         cls, num_blocks: int, block_size: int, enable_prefix_caching: bool = ...
     ) -> Self: ...
@@ -102,7 +104,8 @@ class KVPageError(Exception): ...
 
 @final
 class OutputStreams:
-    """Every live request's output streams: tokens, text with stop strings, finish"""
+    """Every live request's output streams: tokens, text with stop strings, finish
+    and stop reasons, and what was handed out (see ``rust/output/output_streams.rs``)."""
     def __new__(cls, completion_output: Any) -> Self: ...
     def __len__(self) -> int: ...
     def __contains__(self, key: object, /) -> bool: ...
@@ -140,7 +143,9 @@ class OutputStreams:
 
 @final
 class Scheduler:
-    """The continuous-batching scheduler (see `rust/sched/scheduler/`)."""
+    """The continuous-batching scheduler (see `rust/sched/scheduler/`). Sizes
+    left out default to `sched::scheduler::defaults` (Python's `EngineConfig`
+    owns them; the engine always passes them)."""
     def __new__(
         cls,
         num_blocks: int,
@@ -268,7 +273,8 @@ class StepPlan:
 
 @final
 class TokenDecoder:
-    """A tokenizer's decoding, loaded from its ``tokenizer.json`` text (what a"""
+    """A tokenizer's decoding, loaded from its ``tokenizer.json`` text (what a
+    Hugging Face fast tokenizer's ``backend_tokenizer.to_str()`` returns)."""
     def __new__(cls, tokenizer_json: str) -> Self: ...
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
     @property

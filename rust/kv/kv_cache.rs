@@ -79,8 +79,10 @@ struct PageTable {
     owns_last: bool,
 }
 
+/// An entry of the manager's page-table registry: the table of the live
+/// sequence at this index, and the generation its `SeqId` must carry.
 #[derive(Debug, Clone, Default)]
-struct Slot {
+struct TableEntry {
     generation: u32,
     table: Option<PageTable>,
 }
@@ -91,8 +93,8 @@ pub struct KvCacheManager {
     cache: PrefixCache,
     enable_prefix_caching: bool,
     cache_epoch: u64,
-    slots: Vec<Slot>,
-    free_slots: Vec<u32>,
+    tables: Vec<TableEntry>,
+    free_tables: Vec<u32>,
     num_live: usize,
     scratch: Vec<BlockId>,
     /// Per block: leading slots holding computed KV (0 when free).
@@ -119,8 +121,8 @@ impl KvCacheManager {
             pool,
             enable_prefix_caching,
             cache_epoch: 0,
-            slots: Vec::new(),
-            free_slots: Vec::new(),
+            tables: Vec::new(),
+            free_tables: Vec::new(),
             num_live: 0,
             scratch: Vec::new(),
             written: crate::error::try_filled_vec(num_blocks, 0, "written-slot counts")?,
@@ -197,33 +199,33 @@ impl KvCacheManager {
 
     fn insert_table(&mut self, table: PageTable) -> SeqId {
         self.num_live += 1;
-        let index = match self.free_slots.pop() {
+        let index = match self.free_tables.pop() {
             Some(index) => index,
             None => {
-                self.slots.push(Slot::default());
-                (self.slots.len() - 1) as u32
+                self.tables.push(TableEntry::default());
+                (self.tables.len() - 1) as u32
             }
         };
-        let slot = &mut self.slots[index as usize];
-        slot.table = Some(table);
-        ((slot.generation as u64) << 32) | index as u64
+        let entry = &mut self.tables[index as usize];
+        entry.table = Some(table);
+        ((entry.generation as u64) << 32) | index as u64
     }
 
     fn table(&self, seq: SeqId) -> KvResult<&PageTable> {
-        let slot = self.slots.get((seq & 0xffff_ffff) as usize);
-        match slot {
-            Some(slot) if slot.generation as u64 == seq >> 32 => {
-                slot.table.as_ref().ok_or(KvError::UnknownSequence { seq })
+        let entry = self.tables.get((seq & 0xffff_ffff) as usize);
+        match entry {
+            Some(entry) if entry.generation as u64 == seq >> 32 => {
+                entry.table.as_ref().ok_or(KvError::UnknownSequence { seq })
             }
             _ => Err(KvError::UnknownSequence { seq }),
         }
     }
 
     fn table_mut(&mut self, seq: SeqId) -> KvResult<&mut PageTable> {
-        let slot = self.slots.get_mut((seq & 0xffff_ffff) as usize);
-        match slot {
-            Some(slot) if slot.generation as u64 == seq >> 32 => {
-                slot.table.as_mut().ok_or(KvError::UnknownSequence { seq })
+        let entry = self.tables.get_mut((seq & 0xffff_ffff) as usize);
+        match entry {
+            Some(entry) if entry.generation as u64 == seq >> 32 => {
+                entry.table.as_mut().ok_or(KvError::UnknownSequence { seq })
             }
             _ => Err(KvError::UnknownSequence { seq }),
         }
@@ -334,9 +336,9 @@ impl KvCacheManager {
         }
         let needed = self.blocks_needed_for(self.table(seq)?, num_new_tokens);
         self.ensure_free(needed)?;
-        // Split borrows: the table lives in `slots`, blocks come from `pool`.
+        // Split borrows: the table lives in `tables`, blocks come from `pool`.
         let pool = &mut self.pool;
-        let table = self.slots[(seq & 0xffff_ffff) as usize]
+        let table = self.tables[(seq & 0xffff_ffff) as usize]
             .table
             .as_mut()
             .expect("checked above");
@@ -418,7 +420,7 @@ impl KvCacheManager {
             )));
         }
         let block_size = self.block_size();
-        let table = &self.slots[(seq & 0xffff_ffff) as usize]
+        let table = &self.tables[(seq & 0xffff_ffff) as usize]
             .table
             .as_ref()
             .expect("checked above");
@@ -435,14 +437,14 @@ impl KvCacheManager {
 
     fn take_table(&mut self, seq: SeqId) -> KvResult<PageTable> {
         self.table(seq)?;
-        Ok(self.slots[(seq & 0xffff_ffff) as usize]
+        Ok(self.tables[(seq & 0xffff_ffff) as usize]
             .table
             .take()
             .expect("checked"))
     }
 
     fn put_table(&mut self, seq: SeqId, table: PageTable) {
-        self.slots[(seq & 0xffff_ffff) as usize].table = Some(table);
+        self.tables[(seq & 0xffff_ffff) as usize].table = Some(table);
     }
 
     /// The slot id of position `pos` of `seq`.
@@ -545,9 +547,9 @@ impl KvCacheManager {
     pub fn free_sequence(&mut self, seq: SeqId) -> KvResult<()> {
         let table = self.take_table(seq)?;
         let index = (seq & 0xffff_ffff) as u32;
-        let slot = &mut self.slots[index as usize];
-        slot.generation = slot.generation.wrapping_add(1);
-        self.free_slots.push(index);
+        let entry = &mut self.tables[index as usize];
+        entry.generation = entry.generation.wrapping_add(1);
+        self.free_tables.push(index);
         self.num_live -= 1;
         let mut pins = table.pins.iter().rev().peekable();
         for (logical, &block) in table.blocks.iter().enumerate().rev() {
@@ -609,12 +611,12 @@ impl KvCacheManager {
         let block_size = self.block_size();
         let mut holders = vec![0u32; self.num_blocks()];
         let mut live = 0;
-        for (index, slot) in self.slots.iter().enumerate() {
-            let Some(table) = &slot.table else { continue };
+        for (index, entry) in self.tables.iter().enumerate() {
+            let Some(table) = &entry.table else { continue };
             live += 1;
             if table.blocks.len() != table.num_tokens.div_ceil(block_size) {
                 return fail(format!(
-                    "sequence slot {index}: {} blocks for {} tokens",
+                    "page-table entry {index}: {} blocks for {} tokens",
                     table.blocks.len(),
                     table.num_tokens
                 ));
@@ -676,11 +678,12 @@ impl KvCacheManager {
     /// written into it yet: every holder then has it as its last block.
     fn last_block_shared_by_fork(&self, block: BlockId) -> bool {
         let block_size = self.block_size();
-        self.slots.iter().filter_map(|s| s.table.as_ref()).all(|t| {
-            match t.blocks.iter().position(|&b| b == block) {
+        self.tables
+            .iter()
+            .filter_map(|e| e.table.as_ref())
+            .all(|t| match t.blocks.iter().position(|&b| b == block) {
                 None => true,
                 Some(i) => i + 1 == t.blocks.len() && t.num_tokens % block_size != 0,
-            }
-        })
+            })
     }
 }

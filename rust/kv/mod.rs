@@ -13,16 +13,10 @@
 //!   block that drops to refcount 0 goes back to the free list or stays
 //!   cached.
 //!
-//! Invariants (checked by each type's `check_invariants`):
-//! - every block is free, referenced, kept alive or cached-unreferenced, and
-//!   free + referenced + kept alive + cached-unreferenced = num_blocks;
-//! - every block's refcount equals its holders, counted over all live
-//!   sequences (table entries plus pins); a block with refcount > 0 is never
-//!   on the free list;
-//! - a block that will be written (the last block of a sequence while it is
-//!   partially filled) has refcount 1, so no two sequences write one slot;
-//! - a cached child keeps its parent alive: a cached node is never evicted
-//!   while any descendant is held, by any sequence.
+//! Invariants: each module lists its own, once, at its top (`block_pool`:
+//! the free list and refcounts; `prefix_cache`: the tree and its LRU;
+//! `kv_cache`: the block states and page tables across all three).
+//! `KvCacheManager::check_invariants` checks them all.
 
 pub mod block_pool;
 pub mod kv_cache;

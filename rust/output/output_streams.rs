@@ -299,14 +299,14 @@ impl OutputStreams {
                 continue;
             };
             let index = step.sample_indices[i] as usize;
-            let Some(slot) = request.samples.get_mut(index) else {
+            let Some(entry) = request.samples.get_mut(index) else {
                 return Err(format!(
                     "sample index {index} of request {} is out of range (n = {})",
                     step.handles[i],
                     request.samples.len()
                 ));
             };
-            let sample = slot.get_or_insert_with(|| SampleStream::new(request.text.as_ref()));
+            let sample = entry.get_or_insert_with(|| SampleStream::new(request.text.as_ref()));
             if sample.finish.is_some() {
                 accepted.push(false);
                 continue;
@@ -369,8 +369,8 @@ impl OutputStreams {
         let Some(spec) = &request.text else {
             return;
         };
-        for (index, slot) in request.samples.iter_mut().enumerate() {
-            let Some(sample) = slot else { continue };
+        for (index, entry) in request.samples.iter_mut().enumerate() {
+            let Some(sample) = entry else { continue };
             let Some(text) = sample.text.as_mut() else {
                 continue;
             };
@@ -415,8 +415,8 @@ impl OutputStreams {
         let Some(request) = self.requests.get_mut(&handle) else {
             return false;
         };
-        for slot in request.samples.iter_mut() {
-            let sample = slot.get_or_insert_with(|| SampleStream::new(request.text.as_ref()));
+        for entry in request.samples.iter_mut() {
+            let sample = entry.get_or_insert_with(|| SampleStream::new(request.text.as_ref()));
             if sample.finish.is_none() {
                 sample.finish = Some(reason);
                 request.num_finished += 1;
@@ -486,8 +486,8 @@ impl OutputStreams {
         let done = request.done();
         let mode = request.mode;
         let mut samples = Vec::new();
-        for (index, slot) in request.samples.iter_mut().enumerate() {
-            let Some(sample) = slot else { continue };
+        for (index, entry) in request.samples.iter_mut().enumerate() {
+            let Some(sample) = entry else { continue };
             let finished = sample.finish.is_some() || done;
             let (text, token_start) = match mode {
                 OutputMode::Delta => {

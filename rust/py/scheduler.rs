@@ -11,9 +11,13 @@ use crate::py::convert::{extract_tokens, finish_reason_arg};
 use crate::py::step_plan::StepPlan;
 use crate::py::structured::Grammar;
 use crate::sched::request::{RequestParams, DEFAULT_MAX_TOKENS};
-use crate::sched::scheduler::{Policy, Scheduler as CoreScheduler, SchedulerConfig, TokenEvent};
+use crate::sched::scheduler::{
+    defaults, Policy, Scheduler as CoreScheduler, SchedulerConfig, TokenEvent,
+};
 
-/// The continuous-batching scheduler (see `rust/sched/scheduler/`).
+/// The continuous-batching scheduler (see `rust/sched/scheduler/`). Sizes
+/// left out default to `sched::scheduler::defaults` (Python's `EngineConfig`
+/// owns them; the engine always passes them).
 #[pyclass(module = "kvpage._core")]
 pub struct Scheduler {
     inner: CoreScheduler,
@@ -24,8 +28,10 @@ pub struct Scheduler {
 impl Scheduler {
     #[new]
     #[pyo3(signature = (
-        num_blocks, block_size = 16, max_num_seqs = 256, max_num_batched_tokens = 2048,
-        max_model_len = 2048, enable_chunked_prefill = true, long_prefill_token_threshold = 0,
+        num_blocks, block_size = defaults::BLOCK_SIZE, max_num_seqs = defaults::MAX_NUM_SEQS,
+        max_num_batched_tokens = defaults::MAX_NUM_BATCHED_TOKENS,
+        max_model_len = defaults::MAX_MODEL_LEN, enable_chunked_prefill = true,
+        long_prefill_token_threshold = 0,
         enable_prefix_caching = true, scheduling_policy = "fcfs", eos_token_ids = None,
     ))]
     #[allow(clippy::too_many_arguments)]

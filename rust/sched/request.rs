@@ -8,15 +8,16 @@
 //!
 //! # Id spaces
 //!
-//! Four kinds of integer name one request or sequence; each has one owner:
+//! Five kinds of integer name a request, a sequence or what it holds; each
+//! has one owner. This table is their one description:
 //!
 //! | id | type | owner | names | lifetime |
 //! |---|---|---|---|---|
-//! | request index | `u32` | `Scheduler::requests` | a slot of the request registry | reused once the request's records are dropped |
+//! | request index | `u32` | `Scheduler::requests` | an entry of the request registry | reused once the request's records are dropped |
 //! | handle | `u64` | `Scheduler::add_request` | a request across the FFI: `generation << 32 \| request index`; the engine keys its `_Request`s by it | never reused (the generation bumps) |
-//! | seq | `u32` | `Scheduler::seqs` | one sample (sequence) of a request; `(handle, sample_index)` names it across the FFI | reused after its request is dropped |
+//! | seq | `u32` | `Scheduler::seqs` | an entry of the sequence registry: one sample (sequence) of a request; `(handle, sample_index)` names it across the FFI | reused after its request is dropped |
 //! | seat | `u32` in `0..max_num_seqs` | the scheduler's seat pool | a row of the runner's sampling table (`StepPlan::sample_rows`), held by a running sequence from its first sampled row until it finishes or is preempted | reused at once; freed seats are listed in the next plan |
-//! | KV `SeqId` | `u64` | `KvCacheManager` | one page table | while the sequence holds KV |
+//! | KV `SeqId` | `u64` | `KvCacheManager` | one page table: `generation << 32 \| index` of its entry in the manager's table registry | while the sequence holds KV (a stale id is an error, not an alias) |
 //!
 //! The engine's string `request_id` maps to a handle in `python/kvpage/engine/llm_engine.py`;
 //! nothing else crosses the boundary.

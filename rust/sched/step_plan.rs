@@ -1,6 +1,7 @@
 //! The step plan: everything the model runner needs to execute one step,
-//! as flat int32 arrays built in Rust. This is the single place the format
-//! is documented; the Pallas kernels read exactly these arrays.
+//! as flat arrays built in Rust. This is the single place the format is
+//! documented (the Python side, `python/kvpage/runner/step_plan.py`, points
+//! here); the Pallas kernels read exactly these arrays.
 //!
 //! ```text
 //!   seq rows:      s0 (prefill chunk, 5 tokens)   s1 (decode)   s2 (decode)
@@ -10,33 +11,50 @@
 //!   logits_indices:        4 (only if the chunk ends the prompt) 5           6
 //! ```
 //!
-//! | field | shape | meaning |
-//! |---|---|---|
-//! | `token_ids`, `positions` | [T] | the step's new tokens, flattened over rows |
-//! | `slot_mapping` | [T] | where token i's K/V goes: `block * block_size + offset`; the scratch slot `num_blocks * block_size` for rows whose writes are discarded |
-//! | `cu_q_lens` | [S+1] | start of each row's tokens in the flat arrays |
-//! | `kv_lens` | [S] | each row's KV length after this step (what attention reads) |
-//! | `row_request` | [S] | request handle of each row |
-//! | `block_tables` | [S, W] | physical block of each logical block; padded with the scratch block id `num_blocks`; W = the widest row of this step |
-//! | `logits_indices` | [R] | flat token index whose logits feed sampled row r |
-//! | `copy_src`, `copy_dst` | [C] | copy-on-write block copies to run before the step |
-//! | `sample_request`, `sample_index` | [R] | request handle and sample index (0..n) of row r |
-//! | `sample_output_len`, `sample_suppress_stop` | [R] | the sample's output length so far, and whether EOS/stop tokens must be suppressed (min_tokens not reached); the sampling knobs themselves live in the runner's per-request device table |
-//! | `sample_rows` | [R] | the seat of row r: its sample's row of the runner's sampling table (`0..max_num_seqs`) |
-//! | `sample_new_seat` | [R] | the seat was bound to this sample at this row: the engine loads the sample's sampling parameters into it before the step |
-//! | `freed_seats` | [F] | seats released since the previous plan (finished, aborted, preempted); freed before any seat of this plan is bound |
-//! | `first_scheduled`, `first_scheduled_cached` | [N] | requests whose first row is in this plan, and their prompt tokens served from the prefix cache |
-//! | `preempted`, `preempted_index` | [P] | (request handle, sample index) of sequences preempted while building this plan |
-//! | `decode_only` | bool | every row has exactly one query token: the runner may use its decode-specialized attention |
+//! Shapes: T tokens, S rows (scheduled sequences), R sampled rows, C block
+//! copies, F freed seats, N first-scheduled requests, P preemptions. Arrays
+//! are unpadded (exactly these lengths); the runner pads T, S, R and W to its
+//! bucket sizes.
+//!
+//! | field | dtype | shape | meaning |
+//! |---|---|---|---|
+//! | `token_ids` | int32 | [T] | the step's new tokens, flattened over rows |
+//! | `positions` | int32 | [T] | absolute position of each token in its sequence |
+//! | `slot_mapping` | int32 | [T] | where token i's K/V goes: `block * block_size + offset`; the scratch slot `num_blocks * block_size` for rows whose writes are discarded |
+//! | `cu_q_lens` | int32 | [S+1] | row s owns tokens `cu_q_lens[s]..cu_q_lens[s+1]` of the flat arrays |
+//! | `kv_lens` | int32 | [S] | each row's KV length after this step (what attention reads) |
+//! | `row_request` | uint64 | [S] | request handle of each row |
+//! | `block_tables` | int32 | [S, W] | physical block of each logical block; padded with the scratch block id `num_blocks`; W >= the blocks of the widest row (the core gives exactly that; the runner pads to its `max_blocks`) |
+//! | `logits_indices` | int32 | [R] | flat token index whose logits feed sampled row r |
+//! | `copy_src`, `copy_dst` | int32 | [C] | copy-on-write whole-block copies to run before the step |
+//! | `sample_request` | uint64 | [R] | request handle of row r |
+//! | `sample_index` | int32 | [R] | sample index (0..n) of row r within its request |
+//! | `sample_output_len` | int32 | [R] | the sample's output length so far |
+//! | `sample_suppress_stop` | bool | [R] | EOS/stop tokens must be suppressed (min_tokens not reached); the sampling knobs themselves live in the runner's per-seat device table |
+//! | `sample_rows` | int32 | [R] | the seat of row r: its sample's row of the runner's sampling table (`0..max_num_seqs`) |
+//! | `sample_new_seat` | bool | [R] | the seat was bound to this sample at this row: the engine loads the sample's sampling parameters into it before the step |
+//! | `freed_seats` | int32 | [F] | seats released since the previous plan (finished, aborted, preempted); freed before any seat of this plan is bound |
+//! | `first_scheduled` | uint64 | [N] | requests whose first row is in this plan |
+//! | `first_scheduled_cached` | int32 | [N] | their prompt tokens served from the prefix cache |
+//! | `preempted`, `preempted_index` | uint64, int32 | [P] | (request handle, sample index) of sequences preempted while building this plan |
+//! | `num_tokens`, `num_seqs`, `num_sampled` | int | scalar | T, S, R |
+//! | `num_prefill_tokens`, `num_decode_tokens` | int | scalar | the T tokens split into prefill (rows of several tokens or inside the prompt) and decode (one-token rows past the prompt); static ghost rows count in neither |
+//! | `decode_only` | bool | scalar | every row has exactly one query token: the runner may use its decode-specialized attention |
+//! | `token_bitmask` | int32 | [R, ceil(vocab / 32)] | optional, not built by the core: the allowed tokens of each sampled row (structured outputs), from `Scheduler::fill_token_bitmask` (bit t % 32 of word t / 32 allows token t); absent or None allows every token |
+//!
+//! The runner reads `token_ids`, `positions`, `slot_mapping`, `cu_q_lens`,
+//! `kv_lens`, `block_tables`, `logits_indices`, `sample_rows`, `copy_src`,
+//! `copy_dst`, `num_seqs`, `num_tokens` and `decode_only` (`StepPlanLike` in
+//! `python/kvpage/runner/step_plan.py`) and, when present, `token_bitmask`;
+//! the other fields are the engine's.
 //!
 //! Invariants: a seat appears at most once in `sample_rows`; a seat in
 //! `sample_rows` is held by that row's sample until `update` or an abort
 //! frees it; `sample_new_seat[r]` is true exactly on the first sampled row
 //! of a sample since it was (re)admitted.
 //!
-//! With n > 1, the row that completes a prompt appears R = n times in
-//! `logits_indices` (same flat index), once per forked sample. Arrays are
-//! unpadded; the runner pads T, S and R to its bucket sizes.
+//! With n > 1, the row that completes a prompt appears n times in
+//! `logits_indices` (same flat index), once per forked sample.
 
 #[derive(Debug, Clone, Default)]
 pub struct StepPlan {

@@ -57,9 +57,9 @@ def simulate(
     *,
     policy: str = "fcfs",
     num_blocks: int = 4096,
-    block_size: int = 16,
+    block_size: int | None = None,
     max_num_seqs: int = 64,
-    max_num_batched_tokens: int = 2048,
+    max_num_batched_tokens: int | None = None,
     max_model_len: int = 4096,
     enable_prefix_caching: bool = True,
     seed: int = 0,
@@ -71,13 +71,16 @@ def simulate(
     With ``max_tokens=None`` each request asks for exactly its output length
     (``ignore_eos``). With a cap, requests ask for ``max_tokens`` (as users
     do, not knowing their length) and the fake model emits EOS when a
-    request reaches its drawn length, as a real model would."""
+    request reaches its drawn length, as a real model would.
+
+    ``block_size`` and ``max_num_batched_tokens`` left as None are the engine's
+    defaults (``EngineConfig``'s, which ``kvpage._core.Scheduler`` mirrors)."""
     eos = 2
+    sizes = {"block_size": block_size, "max_num_batched_tokens": max_num_batched_tokens}
     sched = Scheduler(
         num_blocks,
-        block_size,
+        **{name: value for name, value in sizes.items() if value is not None},
         max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
         enable_prefix_caching=enable_prefix_caching,
         scheduling_policy=policy,
@@ -204,9 +207,16 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="Poisson arrivals per step (inf = all at once)",
     )
     p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks in the pool")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument(
+        "--block-size", type=int, default=None, help="tokens per KV block (default: the engine's)"
+    )
     p.add_argument("--max-num-seqs", type=int, default=64, help="seats in the running batch")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="token budget per step (default: the engine's)",
+    )
     p.add_argument("--max-model-len", type=int, default=4096, help="longest sequence allowed")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     p.add_argument(

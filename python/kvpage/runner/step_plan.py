@@ -1,36 +1,12 @@
-"""The step plan: the int32 arrays one scheduler step hands to the model runner.
+"""The step plan: the arrays one scheduler step hands to the model runner.
 
-The contract is owned by ``rust/sched/step_plan.rs`` (the Rust core builds the plan the
-engine passes straight to the runner); this is the runner's part of it, the fields
-the runner reads. Any object with these attributes works (the runner only
-duck-types); :class:`StepPlan` is a plain Python implementation for tests, tools and
-Python-side schedulers.
-
-Arrays arrive unpadded (exactly T tokens, S sequences, S' sampled rows, C copies); the
-runner pads them to its buckets.
-
-=================  ==================  ==============================================
-field              shape               meaning
-=================  ==================  ==============================================
-token_ids          [T] int32           new tokens, flattened over sequences
-positions          [T] int32           absolute position of each token in its sequence
-slot_mapping       [T] int32           ``block * block_size + offset`` for the token's K/V
-cu_q_lens          [S + 1] int32       sequence s owns tokens ``cu_q_lens[s]:cu_q_lens[s+1]``
-kv_lens            [S] int32           KV length of each sequence after this step
-block_tables       [S, max_blocks]     physical block of each logical block; unused
-                                       entries hold the scratch block id ``num_blocks``
-logits_indices     [S'] int32          flat token positions whose logits are sampled
-sample_rows        [S'] int32          the row's seat: the sampling-table row whose sampling
-                                       state applies to it (bound with ``set_request``)
-copy_src/copy_dst  [C] int32           whole-block copy-on-write copies, run before the step
-num_seqs           int                 S
-num_tokens         int                 T
-decode_only        bool                every sequence has exactly one new token (the
-                                       decode-specialized attention applies)
-token_bitmask      [S', W] int32       optional: allowed tokens of each sampled row (structured
-                                       outputs; W = ceil(vocab / 32), see
-                                       :mod:`kvpage.sampling.token_bitmask`); None allows all
-=================  ==================  ==============================================
+The format (every field's dtype, shape and meaning) is documented once, in
+``rust/sched/step_plan.rs``: the Rust core builds the plan the engine passes straight to
+the runner. :class:`StepPlanLike` names the fields the runner reads; any object with
+them works (the runner only duck-types). :class:`StepPlan` is a plain Python
+implementation of those fields for tests, tools and Python-side schedulers;
+``tests/core/test_step_plan_contract.py`` checks it against a plan the Rust scheduler
+produces.
 """
 
 from __future__ import annotations
@@ -63,7 +39,9 @@ def _empty() -> np.ndarray:
 
 @dataclass(slots=True)
 class StepPlan:
-    """A step plan built in Python (see the module docstring for the fields)."""
+    """A step plan built in Python (format: ``rust/sched/step_plan.rs``). ``num_seqs``,
+    ``num_tokens`` and ``decode_only`` are derived from the arrays when not given;
+    ``token_bitmask`` None allows every token."""
 
     token_ids: np.ndarray
     positions: np.ndarray

@@ -83,8 +83,8 @@ impl Scheduler {
             .map(|(row, &(_, _, seq))| (seq, row))
             .collect();
         let mut matchers: Vec<Option<&mut GrammarMatcher>> = (0..rows).map(|_| None).collect();
-        for (index, slot) in self.seqs.iter_mut().enumerate() {
-            if let (Some(&row), Some(seq)) = (row_of.get(&(index as u32)), slot.as_mut()) {
+        for (index, entry) in self.seqs.iter_mut().enumerate() {
+            if let (Some(&row), Some(seq)) = (row_of.get(&(index as u32)), entry.as_mut()) {
                 matchers[row] = seq.grammar.as_mut();
             }
         }

@@ -41,9 +41,12 @@
 //!   finishes (ghosts included) or is preempted. The scheduler is the only
 //!   owner of seats: the plan carries each sampled row's seat, the seats
 //!   bound in it and those freed since the last plan (see `sched/step_plan.rs`);
-//!   seats are handed out last-freed-first.
+//!   seats are handed out last-freed-first;
+//! - the phase-specific ones, each at the top of its file: `static_batching.rs`
+//!   (seated batches, ghosts), `grammar.rs` (matchers), `lookahead.rs`
+//!   (continuation plans); the KV manager's own at the top of `kv/kv_cache.rs`.
 //!
-//! Id spaces (request index, handle, seq, seat, KV `SeqId`): `sched/request.rs`.
+//! Which integer names what (the id spaces) and who owns each: `sched/request.rs`.
 
 use std::collections::BTreeSet;
 
@@ -84,6 +87,20 @@ impl Policy {
     }
 }
 
+/// The sizes a caller that names none gets: `SchedulerConfig::default()` and
+/// the defaults of the PyO3 `Scheduler` constructor (`rust/py/scheduler.rs`)
+/// read them from here. Their owner is Python's `EngineConfig`
+/// (`python/kvpage/engine/config.py`), which the engine passes in full;
+/// these mirror it for Rust callers and direct users of `kvpage._core`, and
+/// `tests/core/test_scheduler_defaults.py` checks they agree.
+pub mod defaults {
+    pub const BLOCK_SIZE: usize = 16;
+    pub const MAX_NUM_SEQS: usize = 256;
+    pub const MAX_NUM_BATCHED_TOKENS: usize = 2048;
+    /// Not an `EngineConfig` default (the engine derives it from the model).
+    pub const MAX_MODEL_LEN: usize = 2048;
+}
+
 #[derive(Debug, Clone)]
 pub struct SchedulerConfig {
     pub num_blocks: usize,
@@ -103,10 +120,10 @@ impl Default for SchedulerConfig {
     fn default() -> Self {
         Self {
             num_blocks: 1024,
-            block_size: 16,
-            max_num_seqs: 256,
-            max_num_batched_tokens: 2048,
-            max_model_len: 2048,
+            block_size: defaults::BLOCK_SIZE,
+            max_num_seqs: defaults::MAX_NUM_SEQS,
+            max_num_batched_tokens: defaults::MAX_NUM_BATCHED_TOKENS,
+            max_model_len: defaults::MAX_MODEL_LEN,
             enable_chunked_prefill: true,
             long_prefill_token_threshold: 0,
             enable_prefix_caching: true,
@@ -373,7 +390,7 @@ impl Scheduler {
         self.awaiting_update = false;
         let rows = std::mem::take(&mut self.sample_rows);
         for (row, (&(handle, sample_index, seq), &token)) in rows.iter().zip(sampled).enumerate() {
-            // The sequence may have been aborted (and its slot reused) since
+            // The sequence may have been aborted (and its index reused) since
             // the plan was made: its request handle must still match.
             let live = match &self.seqs[seq as usize] {
                 Some(s) if s.state == SeqState::Running => self.requests[s.request as usize]
