@@ -129,6 +129,24 @@ def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+def hf_greedy_logits(model: Any, prompt: list[int], max_new_tokens: int
+                     ) -> tuple[list[int], np.ndarray]:
+    """HF greedy generation with the logits of every step (``[max_new_tokens, vocab]``)."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    logits = np.stack([step[0].float().numpy() for step in out.logits])
+    return out.sequences[0, len(prompt) :].tolist(), logits
+
+
 # --------------------------------------------------------------------------- forward helper
 def prefill_logits(
     config: ModelConfig, params: Params, token_ids: list[int], block_size: int = 4
@@ -156,6 +174,47 @@ def prefill_logits(
         )
     )(params, pools)
     return np.asarray(logits)
+
+
+def paged_greedy(
+    config: ModelConfig, params: Params, prompt: list[int], max_new_tokens: int,
+    block_size: int = 4,
+) -> tuple[list[int], np.ndarray]:
+    """Greedy decoding of one prompt straight through :func:`forward` (no model runner,
+    so no ``max_model_len`` cap): the prompt in one step, then one token per step on the
+    same paged KV cache. Returns the tokens and every step's logits ``[new, vocab]``."""
+    total = len(prompt) + max_new_tokens
+    used = math.ceil(total / block_size)
+    pools = allocate_kv_cache(
+        KVCacheSpec.for_model(config, block_size, used + 1, "float32"), None
+    )
+    blocks = np.arange(used, 0, -1, dtype=np.int32)  # non-contiguous, block 0 unused
+
+    @jax.jit
+    def step(p: Params, pools: Any, tokens: jax.Array, positions: jax.Array) -> Any:
+        n = tokens.shape[0]
+        kv_len = positions[-1] + 1
+        table = jnp.asarray(blocks)
+        meta = AttentionMetadata(
+            slot_mapping=table[positions // block_size] * block_size + positions % block_size,
+            block_tables=table[None, :],
+            kv_lens=kv_len[None].astype(jnp.int32),
+            cu_q_lens=jnp.asarray([0, n], jnp.int32),
+            num_seqs=jnp.asarray([1], jnp.int32),
+        )
+        return forward(p, config, tokens, positions, pools, meta,
+                       jnp.asarray([n - 1], jnp.int32), get_attention_backend(None))
+
+    tokens = list(prompt)
+    logits_steps = []
+    start = 0
+    while len(tokens) < total:
+        logits, pools = step(params, pools, jnp.asarray(tokens[start:], jnp.int32),
+                             jnp.arange(start, len(tokens), dtype=jnp.int32))
+        logits_steps.append(np.asarray(logits)[0])
+        start = len(tokens)
+        tokens.append(int(np.argmax(logits_steps[-1])))
+    return tokens[len(prompt):], np.stack(logits_steps)
 
 
 # --------------------------------------------------------------------------- planner

@@ -97,8 +97,8 @@ def test_model_type_used_when_architectures_missing() -> None:
 
 
 def test_unsupported_rope_type_rejected() -> None:
-    raw = {**hf_dict("llama"), "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}
-    with pytest.raises(ValueError, match="yarn"):
+    raw = {**hf_dict("llama"), "rope_parameters": {"rope_type": "mrope", "factor": 4.0}}
+    with pytest.raises(ValueError, match="mrope"):
         ModelConfig.from_hf_dict(raw)
 
 

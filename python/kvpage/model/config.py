@@ -26,17 +26,36 @@ _ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCHITECTURES)
 _MODEL_TYPE_TO_ARCH = {model_type: arch for arch, (model_type, _, _) in _ARCHITECTURES.items()}
 
-SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = (
+    "default", "linear", "llama3", "yarn", "longrope", "dynamic"
+)
 SUPPORTED_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True, slots=True)
 class RopeConfig:
-    """Rotary embedding parameters.
+    """Rotary embedding parameters (the math lives in :mod:`kvpage.model.rope`).
 
-    ``rope_type`` is ``"default"`` (plain RoPE), ``"linear"`` (positions divided by
-    ``factor``) or ``"llama3"`` (Llama 3.1 frequency-dependent scaling using ``factor``,
-    ``low_freq_factor``, ``high_freq_factor`` and ``original_max_position_embeddings``).
+    ``rope_type`` is one of :data:`SUPPORTED_ROPE_TYPES`:
+
+    * ``"default"``: plain RoPE of base ``theta``;
+    * ``"linear"``: positions divided by ``factor``;
+    * ``"llama3"``: Llama 3.1 frequency-dependent scaling (``factor``,
+      ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``);
+    * ``"yarn"``: YaRN (``factor``, ``original_max_position_embeddings``, ``beta_fast``,
+      ``beta_slow``, ``truncate``) with the cos/sin attention scaling ``attention_factor``,
+      or when that is None the one derived from ``factor``, ``mscale``, ``mscale_all_dim``;
+    * ``"longrope"``: Phi-3 LongRoPE, per-frequency divisors ``short_factor`` /
+      ``long_factor`` (tuples of ``head_dim / 2`` floats) switched at
+      ``original_max_position_embeddings``, attention scaling ``attention_factor`` or
+      derived from ``factor``;
+    * ``"dynamic"``: dynamic NTK scaling by ``factor`` once a sequence exceeds the model's
+      ``max_position_embeddings``.
+
+    Parsed configs have every default already resolved the way transformers resolves it
+    (``factor`` of yarn / longrope from the context ratio when absent,
+    ``original_max_position_embeddings`` from ``max_position_embeddings``). Every field
+    is hashable: the config is a ``jax.jit`` static argument.
     """
 
     theta: float = 10000.0
@@ -45,6 +64,17 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
+    # yarn
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+    # yarn and longrope: the cos/sin scale; None derives it from ``factor``
+    attention_factor: float | None = None
+    # longrope
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
 
 
 _SIZE_LIMITS = {
@@ -103,11 +133,7 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        if self.rope.rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(
-                f"unsupported rope_type {self.rope.rope_type!r}; "
-                f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-            )
+        _check_rope(self.rope, self.head_dim)
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(
                 f"unsupported dtype {self.dtype!r}; supported: {', '.join(SUPPORTED_DTYPES)}"
@@ -179,29 +205,81 @@ def _architecture(raw: Mapping[str, Any]) -> str:
     raise ValueError(_unknown_architecture_message(f"<model_type {model_type!r}>"))
 
 
+def _unsupported_rope_message(rope_type: Any) -> str:
+    return f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+
+
+def _check_rope(rope: RopeConfig, head_dim: int) -> None:
+    if rope.rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(_unsupported_rope_message(rope.rope_type))
+    if rope.rope_type == "longrope":
+        for name in ("short_factor", "long_factor"):
+            values = getattr(rope, name)
+            if len(values) != head_dim // 2:
+                raise ValueError(
+                    f"longrope {name} has {len(values)} values, expected head_dim / 2 = "
+                    f"{head_dim // 2}"
+                )
+    if rope.rope_type in ("yarn", "dynamic", "linear") and not rope.factor > 0:
+        raise ValueError(f"{rope.rope_type} rope factor must be positive, got {rope.factor}")
+
+
 def _rope(raw: Mapping[str, Any]) -> RopeConfig:
     # transformers 5 writes ``rope_parameters`` (theta inside); older files write a
-    # top-level ``rope_theta`` and an optional ``rope_scaling`` dict.
+    # top-level ``rope_theta`` and an optional ``rope_scaling`` dict. Defaults are
+    # resolved as transformers' ``standardize_rope_params`` and ``ROPE_INIT_FUNCTIONS`` do.
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if not isinstance(params, Mapping):
         raise ValueError(f"rope parameters must be an object, got {params!r}")
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(
-            f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
+        raise ValueError(_unsupported_rope_message(rope_type))
+    max_positions = int(raw.get("max_position_embeddings", 4096))
     original = params.get("original_max_position_embeddings")
-    if rope_type == "llama3" and original is None:
-        original = raw.get("max_position_embeddings")
+    if rope_type in ("llama3", "yarn", "longrope"):
+        # A top-level value (Phi-3 keeps it there) wins over the rope dict, as in HF.
+        top_level = raw.get("original_max_position_embeddings")
+        original = (top_level if top_level is not None else original) or max_positions
+    original = None if original is None else int(original)
+    factor = params.get("factor")
+    if factor is None:
+        if rope_type in ("yarn", "longrope"):
+            factor = max_positions / original  # the context-extension ratio
+        elif rope_type == "dynamic":
+            raise ValueError(f"rope_type {rope_type!r} needs a 'factor'")
+        else:
+            factor = 1.0
+    extra: dict[str, Any] = {}
+    if rope_type == "yarn":
+        extra = {
+            "beta_fast": float(params.get("beta_fast") or 32.0),
+            "beta_slow": float(params.get("beta_slow") or 1.0),
+            "mscale": _optional_float(params.get("mscale")),
+            "mscale_all_dim": _optional_float(params.get("mscale_all_dim")),
+            "truncate": bool(params.get("truncate", True)),
+        }
+    if rope_type == "longrope":
+        for name in ("short_factor", "long_factor"):
+            values = params.get(name)
+            if not isinstance(values, (list, tuple)) or not values:
+                raise ValueError(f"longrope needs a list {name!r}, got {values!r}")
+            extra[name] = tuple(float(v) for v in values)
+    if rope_type in ("yarn", "longrope"):
+        extra["attention_factor"] = _optional_float(params.get("attention_factor"))
     return RopeConfig(
         theta=float(theta),
         rope_type=str(rope_type),
-        factor=float(params.get("factor", 1.0)),
+        factor=float(factor),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=None if original is None else int(original),
+        original_max_position_embeddings=original,
+        **extra,
     )
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def _dtype(raw: Mapping[str, Any]) -> str:

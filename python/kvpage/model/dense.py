@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from kvpage.model.config import ModelConfig
 from kvpage.model.llama import compute_logits, embed_tokens, layer_params, linear, rms_norm
 from kvpage.model.params import Params
-from kvpage.model.rope import apply_rope, config_inverse_frequencies, rope_cos_sin
+from kvpage.model.rope import apply_rope, config_rope_cos_sin
 
 
 def _attention(
@@ -48,7 +48,7 @@ def dense_hidden_states(params: Params, config: ModelConfig, token_ids: jax.Arra
     batch, length = token_ids.shape
     hidden = embed_tokens(params, token_ids)
     positions = jnp.tile(jnp.arange(length, dtype=jnp.int32), batch)
-    cos, sin = rope_cos_sin(positions, config_inverse_frequencies(config))
+    cos, sin = config_rope_cos_sin(config, positions)
     eps = config.rms_norm_eps
     for i in range(config.num_layers):
         layer = layer_params(params, i)

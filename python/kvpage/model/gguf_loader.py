@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import re
@@ -55,7 +56,7 @@ from kvpage.model.gguf_metadata import (
 )
 from kvpage.model.gguf_tokenizer import tokenizer_of
 from kvpage.model.params import Params, jnp_dtype, param_spec, tree_from_flat
-from kvpage.model.rope import inverse_frequencies
+from kvpage.model.rope import attention_scaling, inverse_frequencies
 from kvpage.quant.int8 import quantize_int8
 from kvpage.quant.modes import GGUF_KEPT, check_mode, keeps_gguf_blocks
 from kvpage.quant.weights import QuantizedWeight
@@ -125,10 +126,51 @@ def _rope(reader: Any, arch: str, head_dim: int, context: int, path: Path) -> Ro
         return RopeConfig(theta=theta)
     if scaling == "linear":
         return RopeConfig(theta=theta, rope_type="linear", factor=factor)
+    if scaling == "yarn":
+        return _yarn_rope(reader, arch, theta, factor, context, path)
     raise CheckpointError(
-        f"GGUF file {path} uses rope scaling {scaling!r}; supported: none, linear, "
+        f"GGUF file {path} uses rope scaling {scaling!r}; supported: none, linear, yarn, "
         "and Llama 3 frequency factors (rope_freqs.weight)"
     )
+
+
+def _yarn_rope(
+    reader: Any, arch: str, theta: float, factor: float, context: int, path: Path
+) -> RopeConfig:
+    """YaRN from the keys llama.cpp's ``convert_hf_to_gguf.py`` writes: ``factor``,
+    ``original_context_length``, ``yarn_beta_fast`` / ``yarn_beta_slow`` and
+    ``yarn_attn_factor`` (HF's ``attention_factor``) when the HF config had them,
+    ``yarn_log_multiplier`` (HF's ``mscale_all_dim``, with ``mscale`` 1 as llama.cpp
+    assumes). llama.cpp always truncates the correction range (transformers'
+    ``truncate=True``); ``rope.scaling.attn_factor`` multiplies the attention scaling."""
+    key = f"{arch}.rope.scaling."
+    ext_factor = float_field(reader, key + "yarn_ext_factor", path, 1.0)
+    if ext_factor != 1.0:
+        raise CheckpointError(
+            f"GGUF file {path}: metadata {key + 'yarn_ext_factor'!r} is {ext_factor}; only "
+            "1.0 (transformers' YaRN) is supported"
+        )
+    log_mul = float_field(reader, key + "yarn_log_multiplier", path, 0.0)
+    attn = field(reader, key + "yarn_attn_factor")
+    rope = RopeConfig(
+        theta=theta,
+        rope_type="yarn",
+        factor=factor,
+        original_max_position_embeddings=(
+            int_field(reader, key + "original_context_length", path, 0) or context
+        ),
+        beta_fast=float_field(reader, key + "yarn_beta_fast", path, 32.0) or 32.0,
+        beta_slow=float_field(reader, key + "yarn_beta_slow", path, 1.0) or 1.0,
+        mscale=1.0 if log_mul else None,
+        mscale_all_dim=log_mul or None,
+        attention_factor=(
+            None if attn is None else float_field(reader, key + "yarn_attn_factor", path, 1.0)
+        ),
+    )
+    extra = float_field(reader, key + "attn_factor", path, 1.0)
+    if extra != 1.0:
+        rope = dataclasses.replace(rope, attention_factor=attention_scaling(rope, context) * extra)
+    return rope
 
 
 def _llama3_rope(

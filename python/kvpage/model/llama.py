@@ -28,7 +28,7 @@ from kvpage.model.linear_kernels import (
     matmul_nt,
 )
 from kvpage.model.params import Params
-from kvpage.model.rope import apply_rope, config_inverse_frequencies, rope_cos_sin
+from kvpage.model.rope import apply_rope, config_rope_cos_sin
 
 KVPool = tuple[jax.Array, jax.Array]
 """One layer's ``(k_pages, v_pages)``, each ``[num_kv_heads, num_blocks + 1, block_size,
@@ -130,7 +130,8 @@ def decoder_layer(
     each with its residual. Every layer of a model has the same shapes, so the model
     runner compiles this once and calls it per layer (compile time independent of depth)."""
     eps = config.rms_norm_eps
-    cos, sin = rope_cos_sin(positions, config_inverse_frequencies(config))
+    # Attention scaling included; longrope / dynamic pick per sequence by its KV length.
+    cos, sin = config_rope_cos_sin(config, positions, meta.cu_q_lens, meta.kv_lens)
 
     # Tokens past cu_q_lens[num_seqs] are padding (their rows' outputs are never read).
     with live_rows(hidden.shape[0], meta.cu_q_lens[meta.num_seqs[0]]):
