@@ -114,6 +114,9 @@ class FakeEngine:
     def step_executables_pending(self) -> int:
         return 0
 
+    def check_invariants(self) -> None:  # no KV blocks to check
+        return None
+
     def get_stats(self) -> dict[str, Any]:
         return {"num_requests_running": len(self._requests), "num_requests_waiting": 0,
                 "kv_cache_usage_perc": 0.0, "generation_tokens_total": self.counters["steps"],
