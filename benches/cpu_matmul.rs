@@ -19,8 +19,9 @@ use std::hint::black_box;
 use criterion::{criterion_group, criterion_main, Criterion};
 use kvpage_core::kernels::cpu_matmul::OutPtr;
 use kvpage_core::kernels::cpu_matmul::{matmul_nt, MatmulShape};
+use kvpage_core::kernels::quant::call::{tiles, QuantShape};
 use kvpage_core::kernels::quant::formats::QuantType;
-use kvpage_core::kernels::quant::qmatmul::{qmatmul, tile, tiles, Inputs, QuantShape};
+use kvpage_core::kernels::quant::qmatmul::{qmatmul, tile, Inputs};
 
 const LAYERS: usize = 30;
 

@@ -23,6 +23,7 @@ __all__ = [
     "StepPlan",
     "TokenDecoder",
     "byte_level_token_bytes",
+    "quant_formats",
 ]
 
 @final
@@ -281,3 +282,5 @@ class TokenDecoder:
     def is_byte_level(self) -> bool: ...
 
 def byte_level_token_bytes(tokens: Sequence[str]) -> list[bytes]: ...
+
+def quant_formats() -> list[tuple[int, str, int, int, bool, str | None]]: ...

@@ -16,7 +16,7 @@
 
 use std::arch::x86_64::*;
 
-use super::cpu_attention::{KvElement, MAX_BLOCK, MAX_GROUP};
+use super::kv_element::{KvElement, MAX_BLOCK, MAX_GROUP};
 
 /// One KV head's pages and the shape of the query group that reads them.
 pub(super) struct HeadPages<'a, E> {

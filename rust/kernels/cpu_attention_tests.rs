@@ -1,5 +1,8 @@
 //! Unit and seeded randomized tests of the host decode-attention kernel.
 
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
 use super::*;
 use crate::kernels::parallel::{ScopedThreads, Sequential};
 use crate::test_rng::SplitMix64 as TestRng;

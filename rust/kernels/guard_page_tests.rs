@@ -16,8 +16,10 @@ use super::cpu_attention::{paged_decode_attention, Bf16, DecodeShape, KvElement,
 use super::cpu_matmul::{self, matmul_nt, MatmulShape, OutPtr};
 use super::guard_page::{Edge, Guarded};
 use super::parallel::{Parallel, ScopedThreads, Sequential};
+use super::quant::call::{self, QuantShape};
+use super::quant::dequantize;
 use super::quant::formats::QuantType;
-use super::quant::qmatmul::{self, qmatmul, Inputs, QuantShape};
+use super::quant::qmatmul::{self, qmatmul, Inputs};
 use super::quant::tests::random_weights;
 use crate::test_rng::SplitMix64 as TestRng;
 
@@ -47,7 +49,7 @@ fn dispatched(shape: &QuantShape, x: &[f32], w: &[u8], s: &[f32], y: &mut [f32])
 }
 
 fn portable(shape: &QuantShape, x: &[f32], w: &[u8], s: &[f32], y: &mut [f32]) {
-    qmatmul::validate(shape, x, w, s, y).unwrap();
+    call::validate(shape, x, w, s, y).unwrap();
     let inputs = Inputs::prepare(shape, x);
     // SAFETY: validated; one thread.
     unsafe { qmatmul::portable_for_tests(shape, &inputs, w, s, OutPtr::new(y)) };
@@ -98,20 +100,20 @@ fn quantized_products_read_nothing_past_their_buffers() {
 
 /// Every tile of a dequantization: the dispatching kernel, or the portable loop.
 fn dequantize(portable: bool, kind: QuantType, inner: usize, w: &[u8], s: &[f32], out: &mut [f32]) {
-    qmatmul::validate_dequantize(kind, inner, w, s, out).unwrap();
+    dequantize::validate_dequantize(kind, inner, w, s, out).unwrap();
     let outs = out.len() / inner;
     let target = OutPtr::new(out);
-    for index in 0..outs.div_ceil(qmatmul::OUTS_PER_TILE) {
+    for index in 0..outs.div_ceil(call::OUTS_PER_TILE) {
         let (start, end) = (
-            index * qmatmul::OUTS_PER_TILE,
-            ((index + 1) * qmatmul::OUTS_PER_TILE).min(outs),
+            index * call::OUTS_PER_TILE,
+            ((index + 1) * call::OUTS_PER_TILE).min(outs),
         );
         // SAFETY: validated; one thread.
         unsafe {
             if portable {
-                qmatmul::portable_dequantize_rows(kind, inner, w, s, target, start, end)
+                dequantize::portable_dequantize_rows(kind, inner, w, s, target, start, end)
             } else {
-                qmatmul::dequantize_tile(kind, inner, w, s, target, outs, index)
+                dequantize::dequantize_tile(kind, inner, w, s, target, outs, index)
             }
         };
     }

@@ -1,17 +1,22 @@
 //! Host CPU kernels for the `xla` attention backend, and their XLA FFI export.
 //!
 //! - [`cpu_attention`]: paged decode attention on the host CPU: one query
-//!   token per row, K/V read straight from the paged pool.
+//!   token per row, K/V read straight from the paged pool; its AVX2 kernel in
+//!   `cpu_attention_avx2.rs`; the pool element types and buffer limits both
+//!   share in `kv_element.rs` (both depend on it, it on neither).
 //! - [`cpu_matmul`]: linear layers of few rows (decode steps): `y = x · wᵀ`.
 //! - [`quant`]: linear layers with quantized weights (GGUF blocks, int8),
-//!   read as they are stored: `y = x · dequant(w)ᵀ`.
+//!   read as they are stored: `y = x · dequant(w)ᵀ`, and their dequantization;
+//!   `quant/formats.rs` owns the table of formats every language reads.
 //! - [`lazy_zeros`]: zero-filling the KV pools without writing their pages,
 //!   so a pool costs memory only where blocks are used.
 //! - [`parallel`]: where those kernels' parallel work runs (XLA's intra-op
 //!   pool when XLA calls them, scoped threads in tests and benches); kernels
 //!   never spawn threads themselves.
 //! - [`xla_ffi`]: the `#[no_mangle]` C-ABI handlers that JAX registers as
-//!   CPU custom-call targets, and the slice of XLA's FFI C API they need.
+//!   CPU custom-call targets, and the slice of XLA's FFI C API they need
+//!   ([`xla_ffi_quant`]: the quantized ones, [`xla_ffi_zeros`]: the pools'
+//!   zero-fill).
 //!
 //! Invariants:
 //! - every buffer is checked for its size (and at the FFI boundary, count,
@@ -35,6 +40,7 @@ pub mod cpu_matmul;
 mod guard_page;
 #[cfg(test)]
 mod guard_page_tests;
+mod kv_element;
 pub mod lazy_zeros;
 pub mod parallel;
 pub mod quant;

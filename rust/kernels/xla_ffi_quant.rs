@@ -20,8 +20,10 @@ use std::ffi::c_void;
 
 use super::cpu_matmul::OutPtr;
 use super::parallel::Parallel;
+use super::quant::call::{self, QuantShape};
+use super::quant::dequantize;
 use super::quant::formats::QuantType;
-use super::quant::qmatmul::{self, Inputs, QuantShape};
+use super::quant::qmatmul::{self, Inputs};
 use super::xla_ffi::{
     buffers, handle, CallFrame, View, XlaPool, DTYPE_F32, DTYPE_S32, DTYPE_S8, DTYPE_U8,
 };
@@ -90,7 +92,7 @@ unsafe fn run_qmatmul(frame: &CallFrame, kind: QuantType) -> Result<(), String> 
     let x_s = std::slice::from_raw_parts(x.data as *const f32, x.len());
     let w_s = std::slice::from_raw_parts(w.data as *const u8, w.len());
     let y_s = std::slice::from_raw_parts_mut(y.data as *mut f32, y.len());
-    qmatmul::validate(&shape, x_s, w_s, row_scales, y_s)?;
+    call::validate(&shape, x_s, w_s, row_scales, y_s)?;
     let live = live_rows(&args[want - 1], shape.rows)?;
     let (y_s, padding) = y_s.split_at_mut(live * shape.outs);
     padding.fill(0.0);
@@ -107,7 +109,7 @@ unsafe fn run_qmatmul(frame: &CallFrame, kind: QuantType) -> Result<(), String> 
     // SAFETY: validated; each tile is claimed by exactly one thread.
     let tile =
         |index: usize| unsafe { qmatmul::tile(&shape, &inputs, w_s, row_scales, out, index) };
-    XlaPool { frame }.run(qmatmul::tiles(&shape), &tile)
+    XlaPool { frame }.run(call::tiles(&shape), &tile)
 }
 
 unsafe fn run_dequantize(frame: &CallFrame, kind: QuantType) -> Result<(), String> {
@@ -144,13 +146,13 @@ unsafe fn run_dequantize(frame: &CallFrame, kind: QuantType) -> Result<(), Strin
     };
     let w_s = std::slice::from_raw_parts(w.data as *const u8, w.len());
     let out_s = std::slice::from_raw_parts_mut(out.data as *mut f32, out.len());
-    qmatmul::validate_dequantize(kind, inner, w_s, row_scales, out_s)?;
+    dequantize::validate_dequantize(kind, inner, w_s, row_scales, out_s)?;
     let target = OutPtr::new(out_s);
     // SAFETY: validated; each tile is claimed by exactly one thread.
     let tile = |index: usize| unsafe {
-        qmatmul::dequantize_tile(kind, inner, w_s, row_scales, target, outs, index)
+        dequantize::dequantize_tile(kind, inner, w_s, row_scales, target, outs, index)
     };
-    XlaPool { frame }.run(outs.div_ceil(qmatmul::OUTS_PER_TILE), &tile)
+    XlaPool { frame }.run(outs.div_ceil(call::OUTS_PER_TILE), &tile)
 }
 
 macro_rules! handlers {
@@ -195,5 +197,5 @@ handlers! {
 /// the portable loop.
 #[no_mangle]
 pub extern "C" fn kvpage_qmatmul_vectorized() -> i32 {
-    i32::from(qmatmul::vectorized())
+    i32::from(call::vectorized())
 }

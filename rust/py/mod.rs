@@ -19,6 +19,7 @@ mod detokenizer;
 mod errors;
 mod kv;
 mod output_streams;
+mod quant;
 mod scheduler;
 mod step_plan;
 mod structured;
@@ -50,5 +51,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Grammar>()?;
     detokenizer::register(m)?;
     output_streams::register(m)?;
+    quant::register(m)?;
     Ok(())
 }

@@ -24,13 +24,14 @@ from gguf_fixtures import TOKENIZER_VOCAB, random_blocks, write_gguf
 from kvpage.kernels.host import cpu_qmatmul
 from kvpage.model.gguf_loader import load_gguf
 from kvpage.model.linear_kernels import host_matmuls, live_rows, matmul_nt
-from kvpage.quant import QuantizedWeight, is_quantized
+from kvpage.quant import QuantizedWeight, formats, is_quantized
 from kvpage.quant.gguf_blocks import dequantize_blocks
 from kvpage.quant.int8 import quantize_int8
 from kvpage.quant.modes import keeps_gguf_blocks
 from model_fixtures import build_hf_model, prefill_logits, save_hf_model
 
-GGUF_KINDS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q4_K": "q4_k", "Q6_K": "q6_k"}
+# GGUF type name -> kvpage format, from the formats table (tests/quant/test_formats.py).
+GGUF_KINDS = formats.GGUF_KEPT
 # Types gguf-py quantizes itself; the K-quants are written as random blocks.
 QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1")
 
@@ -70,7 +71,7 @@ def test_embedding_rows_dequantize_only_the_rows_asked_for() -> None:
     np.testing.assert_array_equal(np.asarray(weight.take_rows(ids)), want)
 
 
-@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1", "q4_k", "q6_k", "int8"])
+@pytest.mark.parametrize("kind", formats.KINDS)
 @pytest.mark.parametrize("rows", [1, 3, 8, 37, 130])
 def test_cpu_kernel_matches_dequantize_then_matmul(kind: str, rows: int) -> None:
     inner, outs = 512, 72
@@ -281,13 +282,16 @@ def test_int8_quantizes_a_float_checkpoint_at_load(tmp_path: Path) -> None:
 
 
 def test_int8_is_a_per_channel_round_trip() -> None:
-    w = np.array([[0.5, -1.0, 0.25, 0.0], [0.0, 0.0, 0.0, 0.0]], np.float32)
+    # Rows of int8 are blocks of 32 weights (the formats table), so 8 x the pattern.
+    w = np.tile(np.array([[0.5, -1.0, 0.25, 0.0], [0.0, 0.0, 0.0, 0.0]], np.float32), 8)
     q = quantize_int8(w)
-    np.testing.assert_array_equal(q.blocks, [[64, -127, 32, 0], [0, 0, 0, 0]])
+    np.testing.assert_array_equal(q.blocks, np.tile([[64, -127, 32, 0], [0, 0, 0, 0]], 8))
     np.testing.assert_allclose(q.row_scales, [1.0 / 127, 0.0])
     np.testing.assert_allclose(np.asarray(q.dequantize()), w, atol=1 / 254)
     with pytest.raises(ValueError, match=r"\[out, in\] weights"):
         quantize_int8(np.zeros(4))
+    with pytest.raises(ValueError, match="int8 weights need rows of a multiple of 32"):
+        quantize_int8(np.ones((2, 4), np.float32))
 
 
 def test_a_bad_quantization_mode_is_a_clear_error() -> None:

@@ -1,5 +1,7 @@
 """Weight-only quantization: linear weights kept in their quantized blocks.
 
+* :mod:`kvpage.quant.formats`: the formats' names and block layouts, from the table that
+  owns them (``rust/kernels/quant/formats.rs``, through ``kvpage._core.quant_formats()``).
 * :mod:`kvpage.quant.weights`: :class:`QuantizedWeight`, the pytree node a quantized
   ``[out, in]`` weight is in the params tree, and its float view.
 * :mod:`kvpage.quant.gguf_blocks`: GGUF's block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)

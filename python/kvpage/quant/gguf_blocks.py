@@ -4,7 +4,7 @@ Owns :func:`dequantize_blocks`: stored rows ``uint8 [..., row_bytes]`` of Q8_0, 
 Q4_1, Q4_K or Q6_K to float32 ``[..., in]``, in the same float32 operations, in the
 same order, as ``gguf.quants`` (llama.cpp's reference), so an embedding row or a
 weight dequantized inside a step equals what the load-time path produced. Layouts:
-``rust/kernels/quant/formats.rs``.
+``rust/kernels/quant/formats.rs`` (block sizes from its table, :mod:`kvpage.quant.formats`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kvpage.quant.weights import BLOCK_LAYOUTS
+from kvpage.quant.formats import BLOCK_LAYOUTS
 
 
 def _f16(raw: jax.Array) -> jax.Array:

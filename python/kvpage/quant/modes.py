@@ -16,11 +16,11 @@ Other GGUF types (Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, float types) are always dequanti
 
 from __future__ import annotations
 
+from kvpage.quant import formats
+
 QUANTIZATION_MODES: tuple[str, ...] = ("auto", "none", "gguf", "int8")
-# GGUF tensor type names kept as blocks, and their kvpage format names.
-GGUF_KEPT: dict[str, str] = {
-    "Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q4_K": "q4_k", "Q6_K": "q6_k",
-}
+# GGUF tensor type names kept as blocks -> their kvpage format names (the formats table).
+GGUF_KEPT: dict[str, str] = formats.GGUF_KEPT
 
 
 def check_mode(mode: str) -> str:

@@ -7,8 +7,10 @@ step sees the format and jit, ``device_put`` and shardings treat the arrays as a
 other leaves. ``shape`` and ``dtype`` are the float weight's, so code that sizes
 activations from a weight (hidden size, dtype) works unchanged.
 
-Invariant: ``blocks.shape == (out, row_bytes(kind, in))`` (int8: ``(out, in)`` with
-``row_scales.shape == (out,)``); checked at construction from concrete arrays.
+Invariant: ``blocks.shape == (out, row_bytes(kind, in))`` (int8: ``(out, in)``, ``in`` a
+multiple of 32, with ``row_scales.shape == (out,)``); checked at construction from
+concrete arrays. The formats' layouts are :mod:`kvpage.quant.formats`' (owned by
+``rust/kernels/quant/formats.rs``).
 """
 
 from __future__ import annotations
@@ -19,25 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# kind -> (weights per block, bytes per block); int8 is a "block" of one weight.
-BLOCK_LAYOUTS: dict[str, tuple[int, int]] = {
-    "q8_0": (32, 34),
-    "q4_0": (32, 18),
-    "q4_1": (32, 20),
-    "q4_k": (256, 144),
-    "q6_k": (256, 210),
-    "int8": (1, 1),
-}
-KINDS: tuple[str, ...] = tuple(BLOCK_LAYOUTS)
-
-
-def row_bytes(kind: str, inner: int) -> int:
-    """Bytes of one stored row of ``inner`` weights (ValueError if ``inner`` is not a
-    multiple of the format's block)."""
-    elems, size = BLOCK_LAYOUTS[kind]
-    if inner <= 0 or inner % elems:
-        raise ValueError(f"{kind} weights need rows of a multiple of {elems} values, got {inner}")
-    return inner // elems * size
+from kvpage.quant.formats import BLOCK_LAYOUTS, KINDS, ROW_SCALED, row_bytes
+from kvpage.quant.gguf_blocks import dequantize_blocks
 
 
 @jax.tree_util.register_pytree_node_class
@@ -70,7 +55,7 @@ class QuantizedWeight:
         if tuple(self.blocks.shape) != want:
             raise ValueError(f"{self.kind} blocks of a {self.shape} weight must be {want}, "
                              f"got {tuple(self.blocks.shape)}")
-        if (self.kind == "int8") != (self.row_scales is not None):
+        if (self.kind in ROW_SCALED) != (self.row_scales is not None):
             raise ValueError("int8 weights (and only they) carry row_scales")
         if self.row_scales is not None and tuple(self.row_scales.shape) != (out,):
             raise ValueError(f"row_scales must be ({out},), got {tuple(self.row_scales.shape)}")
@@ -119,8 +104,6 @@ def dequantize_rows(
     weight: QuantizedWeight, blocks: jax.Array, row_scales: jax.Array | None, dtype: Any
 ) -> jax.Array:
     """Float values of stored rows ``blocks [..., row_bytes]`` of ``weight``'s format."""
-    from kvpage.quant.gguf_blocks import dequantize_blocks
-
     target = weight.dtype if dtype is None else jnp.dtype(dtype)
     if weight.kind == "int8":
         values = blocks.astype(jnp.float32) * row_scales[..., None].astype(jnp.float32)

@@ -1,6 +1,14 @@
 //! The quantized weight formats the kernels read, and their reference unpacking.
 //!
-//! Owns [`QuantType`] (block sizes and byte layouts) and [`unpack`], which turns
+//! Owns [`FORMATS`], the one table of formats in kvpage: each format's name,
+//! weights and bytes per block, whether its rows carry a float scale, its GGUF
+//! type name, and its code (its index, `QuantType as usize`, the order of
+//! [`QuantType::ALL`]). Nothing else writes these numbers: [`QuantType`]'s
+//! methods read the table; Python reads it through `kvpage._core.quant_formats()`
+//! (`rust/py/quant.rs`) into `kvpage.quant.formats` (`BLOCK_LAYOUTS`, `KINDS`,
+//! `GGUF_KEPT`), and `kvpage.kernels.host.cpu_qmatmul.KINDS` is that `KINDS`.
+//!
+//! Also owns [`unpack`], which turns
 //! one 32-weight sub-block into integers, scales and offsets:
 //! `w[i] = scale[i / 16] * q[i] + min[i / 16]`. The AVX2 kernel unpacks the
 //! same values in registers; the tests check both against this.
@@ -23,38 +31,121 @@
 /// Weights per sub-block: the unit of the kernels' inner product.
 pub const SUB: usize = 32;
 
-/// A weight format the kernels read.
+/// A weight format the kernels read; its value is its code (its row of
+/// [`FORMATS`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum QuantType {
-    Q8_0,
-    Q4_0,
-    Q4_1,
-    Q4K,
-    Q6K,
-    Int8,
+    Q8_0 = 0,
+    Q4_0 = 1,
+    Q4_1 = 2,
+    Q4K = 3,
+    Q6K = 4,
+    Int8 = 5,
 }
 
+/// One format's row of [`FORMATS`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FormatInfo {
+    pub kind: QuantType,
+    /// The name Python uses (`kvpage.quant`), also the suffix of the FFI targets
+    /// (`kvpage_qmatmul_<name>`, `kvpage_dequantize_<name>`).
+    pub name: &'static str,
+    /// Weights per block.
+    pub block_elems: usize,
+    /// Bytes per block.
+    pub block_bytes: usize,
+    /// Each weight row carries one float scale beside its blocks.
+    pub row_scaled: bool,
+    /// GGUF's name of the tensor type stored in these blocks, if a GGUF file
+    /// stores it.
+    pub gguf: Option<&'static str>,
+}
+
+/// Every format, in the order of their codes: `FORMATS[kind as usize].kind ==
+/// kind` (checked at compile time). Int8 (kvpage's per-channel int8) is a block
+/// of 32 `i8` like the others' sub-blocks, so a row needs a multiple of 32
+/// weights.
+pub const FORMATS: [FormatInfo; 6] = [
+    FormatInfo {
+        kind: QuantType::Q8_0,
+        name: "q8_0",
+        block_elems: 32,
+        block_bytes: 34,
+        row_scaled: false,
+        gguf: Some("Q8_0"),
+    },
+    FormatInfo {
+        kind: QuantType::Q4_0,
+        name: "q4_0",
+        block_elems: 32,
+        block_bytes: 18,
+        row_scaled: false,
+        gguf: Some("Q4_0"),
+    },
+    FormatInfo {
+        kind: QuantType::Q4_1,
+        name: "q4_1",
+        block_elems: 32,
+        block_bytes: 20,
+        row_scaled: false,
+        gguf: Some("Q4_1"),
+    },
+    FormatInfo {
+        kind: QuantType::Q4K,
+        name: "q4_k",
+        block_elems: 256,
+        block_bytes: 144,
+        row_scaled: false,
+        gguf: Some("Q4_K"),
+    },
+    FormatInfo {
+        kind: QuantType::Q6K,
+        name: "q6_k",
+        block_elems: 256,
+        block_bytes: 210,
+        row_scaled: false,
+        gguf: Some("Q6_K"),
+    },
+    FormatInfo {
+        kind: QuantType::Int8,
+        name: "int8",
+        block_elems: 32,
+        block_bytes: 32,
+        row_scaled: true,
+        gguf: None,
+    },
+];
+
+// Each row sits at its code, and every block is whole sub-blocks.
+const _: () = {
+    let mut i = 0;
+    while i < FORMATS.len() {
+        assert!(FORMATS[i].kind as usize == i);
+        assert!(FORMATS[i].block_elems.is_multiple_of(SUB));
+        i += 1;
+    }
+};
+
 impl QuantType {
-    /// Every format, in the order of their codes (`python/kvpage/kernels/host/cpu_qmatmul.py`'s `KINDS`).
-    pub const ALL: [QuantType; 6] = [
-        QuantType::Q8_0,
-        QuantType::Q4_0,
-        QuantType::Q4_1,
-        QuantType::Q4K,
-        QuantType::Q6K,
-        QuantType::Int8,
-    ];
+    /// Every format, in the order of their codes ([`FORMATS`]' order).
+    pub const ALL: [QuantType; FORMATS.len()] = {
+        let mut all = [QuantType::Q8_0; FORMATS.len()];
+        let mut i = 0;
+        while i < all.len() {
+            all[i] = FORMATS[i].kind;
+            i += 1;
+        }
+        all
+    };
+
+    /// This format's row of [`FORMATS`].
+    pub const fn info(self) -> FormatInfo {
+        FORMATS[self as usize]
+    }
 
     /// The name Python uses (`kvpage.quant`), also the suffix of the FFI target.
     pub fn name(self) -> &'static str {
-        match self {
-            QuantType::Q8_0 => "q8_0",
-            QuantType::Q4_0 => "q4_0",
-            QuantType::Q4_1 => "q4_1",
-            QuantType::Q4K => "q4_k",
-            QuantType::Q6K => "q6_k",
-            QuantType::Int8 => "int8",
-        }
+        self.info().name
     }
 
     pub fn from_name(name: &str) -> Option<Self> {
@@ -63,22 +154,12 @@ impl QuantType {
 
     /// Weights per block.
     pub const fn block_elems(self) -> usize {
-        match self {
-            QuantType::Q4K | QuantType::Q6K => 256,
-            _ => 32,
-        }
+        self.info().block_elems
     }
 
     /// Bytes per block.
     pub const fn block_bytes(self) -> usize {
-        match self {
-            QuantType::Q8_0 => 34,
-            QuantType::Q4_0 => 18,
-            QuantType::Q4_1 => 20,
-            QuantType::Q4K => 144,
-            QuantType::Q6K => 210,
-            QuantType::Int8 => 32,
-        }
+        self.info().block_bytes
     }
 
     /// Whether `q` is signed (`-128..=127`); otherwise it is `0..=63`, with the
@@ -89,7 +170,7 @@ impl QuantType {
 
     /// Whether each weight row carries one float scale beside its blocks.
     pub const fn row_scaled(self) -> bool {
-        matches!(self, QuantType::Int8)
+        self.info().row_scaled
     }
 
     /// Bytes of one weight row of `inner` weights, `None` unless `inner` is a

@@ -10,11 +10,17 @@
 //! bits ([`activations`]) in integer multiply-adds, and a call of more rows
 //! expands each sub-block to float once and shares it across the rows.
 //!
-//! - [`formats`]: the block layouts, and the reference unpacking every kernel
+//! Files, each depending only on those above it (no cycles):
+//! - [`formats`]: the table of formats (name, block bytes, weights per block,
+//!   FFI code: the one place they are written; Python reads it through
+//!   `kvpage._core.quant_formats()`), and the reference unpacking every kernel
 //!   agrees with.
 //! - [`activations`]: the 16-bit rows of `x`, with per-block scales and sums.
-//! - [`qmatmul`]: the product, its validation, tiles for the thread pool, the
-//!   AVX2 kernels and the portable loops.
+//! - [`call`]: a call's shape, its validation, its tiles, the kernel choice.
+//! - `unpack_avx2.rs`: the formats' blocks unpacked in AVX2 registers.
+//! - [`qmatmul`]: the product and its portable loops; `qmatmul_avx2.rs` its
+//!   AVX2 kernels.
+//! - [`dequantize`]: the float weights, for products of many rows.
 //!
 //! Invariants:
 //! - a weight buffer has exactly `outs * row_bytes(inner)` bytes and `inner` is a
@@ -30,8 +36,14 @@
 //!   other rows of a multi-row call.
 
 pub mod activations;
+pub mod call;
+pub mod dequantize;
 pub mod formats;
 pub mod qmatmul;
+#[cfg(target_arch = "x86_64")]
+mod qmatmul_avx2;
+#[cfg(target_arch = "x86_64")]
+mod unpack_avx2;
 
 #[cfg(test)]
 pub(crate) mod tests;

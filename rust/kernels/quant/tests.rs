@@ -3,8 +3,10 @@
 //! kernels and random shapes.
 
 use super::activations::Q16Rows;
+use super::call::{self, QuantShape};
+use super::dequantize;
 use super::formats::{self, f16_to_f32, QuantType, SUB};
-use super::qmatmul::{self, qmatmul, Inputs, QuantShape, INTEGER_ROWS};
+use super::qmatmul::{self, qmatmul, Inputs, INTEGER_ROWS};
 use crate::kernels::cpu_matmul::OutPtr;
 use crate::test_rng::SplitMix64 as TestRng;
 
@@ -143,7 +145,7 @@ fn every_type_matches_a_float64_reference_on_random_shapes() {
 #[test]
 fn the_portable_loop_matches_the_reference_too() {
     check(19, 60, |shape, x, w, s, y| {
-        super::qmatmul::validate(shape, x, w, s, y).unwrap();
+        call::validate(shape, x, w, s, y).unwrap();
         let inputs = Inputs::prepare(shape, x);
         let out = OutPtr::new(y);
         // SAFETY: validated; one thread.
@@ -299,11 +301,11 @@ fn dequantize_tiles_equal_the_reference_unpacking() {
             Vec::new()
         };
         let mut out = vec![f32::NAN; outs * inner];
-        qmatmul::validate_dequantize(kind, inner, &w, &scales, &out).unwrap();
+        dequantize::validate_dequantize(kind, inner, &w, &scales, &out).unwrap();
         let target = OutPtr::new(&mut out);
-        for index in 0..outs.div_ceil(qmatmul::OUTS_PER_TILE) {
+        for index in 0..outs.div_ceil(call::OUTS_PER_TILE) {
             // SAFETY: validated; one thread.
-            unsafe { qmatmul::dequantize_tile(kind, inner, &w, &scales, target, outs, index) };
+            unsafe { dequantize::dequantize_tile(kind, inner, &w, &scales, target, outs, index) };
         }
         let row_bytes = kind.row_bytes(inner).unwrap();
         for o in 0..outs {
@@ -370,5 +372,17 @@ fn a_nan_or_infinite_input_gives_a_non_finite_row_on_every_path() {
                 }
             }
         }
+    }
+}
+
+#[test]
+fn the_format_table_is_in_code_order_and_its_names_round_trip() {
+    for (code, (kind, info)) in QuantType::ALL.iter().zip(formats::FORMATS).enumerate() {
+        assert_eq!((*kind as usize, info.kind), (code, *kind));
+        assert_eq!(QuantType::from_name(info.name), Some(*kind));
+        assert_eq!(kind.row_bytes(info.block_elems), Some(info.block_bytes));
+        // GGUF stores every format but kvpage's per-channel int8, which alone
+        // carries row scales.
+        assert_eq!(info.gguf.is_none(), info.row_scaled, "{kind:?}");
     }
 }

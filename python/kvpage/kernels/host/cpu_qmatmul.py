@@ -33,8 +33,10 @@ import jax
 import jax.numpy as jnp
 
 from kvpage.kernels.host._host_ffi import core_library, register
+from kvpage.quant import formats
 
-KINDS = ("q8_0", "q4_0", "q4_1", "q4_k", "q6_k", "int8")
+# Every format, in the order of Rust's QuantType::ALL (the table: kvpage.quant.formats).
+KINDS: tuple[str, ...] = formats.KINDS
 DEQUANTIZE_ROWS = 128
 
 

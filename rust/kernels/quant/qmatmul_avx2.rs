@@ -1,0 +1,420 @@
+//! The AVX2 + FMA + F16C kernels of [`super::qmatmul`]: integer
+//! multiply-adds over 32 weights at once for one row, float sub-blocks shared
+//! by row groups or a panel for more (the paths are described in
+//! [`super::qmatmul`]). Sub-blocks are unpacked by [`super::unpack_avx2`].
+//!
+//! Every function here needs AVX2, FMA and F16C: [`super::qmatmul::tile`]
+//! checks [`super::call::vectorized`] first.
+
+use std::arch::x86_64::*;
+
+use super::activations::Q16Rows;
+use super::call::{row_scale, QuantShape, OUTS_PER_TILE};
+use super::formats::{QuantType, SUB};
+use super::unpack_avx2::{by_format, expand, Format};
+use crate::kernels::cpu_matmul::avx2::horizontal_sum;
+use crate::kernels::cpu_matmul::OutPtr;
+
+/// Inner elements of a tile's weight rows expanded to float at once (a
+/// multiple of every format's block, so a span never splits one): the
+/// tile's span, 16 x 256 floats, stays in L1 while every input row reads it.
+const PANEL_INNER: usize = 256;
+/// Input rows per expansion of a weight row on the few-row float path: one
+/// accumulator per row, four weight vectors and one input within 16
+/// registers (measured against 5 rows with two chains each: 8 rows 21.8 ->
+/// 17.0 ms, 16 rows 44 -> 35 ms for 30 layers of SmolLM2's matmuls).
+const FLOAT_ROW_GROUP: usize = 10;
+/// Calls of at least this many rows take the panel float path, fewer the
+/// row groups: expanding a span of the tile first, then its FMAs, does not
+/// overlap the two, and costs more than the panel's blocking saves below
+/// 16 rows (`cargo bench --bench cpu_matmul -- quant_qmatmul`, Q4_1, 30
+/// products: 4 rows 6.0 -> 10.9 ms, 16 rows 20.4 -> 19.9 ms, 32 rows 37 ->
+/// 29 ms).
+const PANEL_MIN_ROWS: usize = 16;
+/// Register blocking of the panel float path: input rows x weight rows per block,
+/// one accumulator each (8 accumulators, 4 weight vectors and 2 input
+/// vectors: 14 of the 16 registers).
+const BLOCK_ROWS: usize = 2;
+const BLOCK_OUTS: usize = 4;
+
+pub(super) unsafe fn integer_tile(
+    shape: &QuantShape,
+    xq: &Q16Rows,
+    w: &[u8],
+    row_scales: &[f32],
+    y: OutPtr,
+    start: usize,
+    end: usize,
+) {
+    by_format!(
+        shape.kind,
+        integer_tile_of,
+        (shape, xq, w, row_scales, y, start, end)
+    )
+}
+
+pub(super) unsafe fn float_tile(
+    shape: &QuantShape,
+    x: &[f32],
+    w: &[u8],
+    row_scales: &[f32],
+    y: OutPtr,
+    start: usize,
+    end: usize,
+) {
+    by_format!(
+        shape.kind,
+        float_tile_of,
+        (shape, x, w, row_scales, y, start, end)
+    )
+}
+
+/// The float path: the panel for [`PANEL_MIN_ROWS`] rows and more, row groups
+/// below. Both sum each output in the same order.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn float_tile_of<F: Format>(
+    shape: &QuantShape,
+    x: &[f32],
+    w: &[u8],
+    row_scales: &[f32],
+    y: OutPtr,
+    start: usize,
+    end: usize,
+) {
+    if shape.rows >= PANEL_MIN_ROWS {
+        panel_tile_of::<F>(shape, x, w, row_scales, y, start, end)
+    } else {
+        row_group_tile_of::<F>(shape, x, w, row_scales, y, start, end)
+    }
+}
+
+/// The float path for few rows: each sub-block of a weight row expanded in
+/// registers and used at once by up to [`FLOAT_ROW_GROUP`] input rows, so
+/// the expansion overlaps the FMAs.
+unsafe fn row_group_tile_of<F: Format>(
+    shape: &QuantShape,
+    x: &[f32],
+    w: &[u8],
+    row_scales: &[f32],
+    y: OutPtr,
+    start: usize,
+    end: usize,
+) {
+    for first_row in (0..shape.rows).step_by(FLOAT_ROW_GROUP) {
+        let rows = (shape.rows - first_row).min(FLOAT_ROW_GROUP);
+        macro_rules! dispatch {
+            ($($r:literal),*) => {
+                match rows {
+                    $($r => float_group::<F, $r>(shape, x, w, row_scales, y, first_row, start, end),)*
+                    _ => unreachable!("float row groups hold 1..={} rows", FLOAT_ROW_GROUP),
+                }
+            };
+        }
+        dispatch!(1, 2, 3, 4, 5, 6, 7, 8, 9, 10);
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn float_group<F: Format, const R: usize>(
+    shape: &QuantShape,
+    x: &[f32],
+    w: &[u8],
+    row_scales: &[f32],
+    y: OutPtr,
+    first_row: usize,
+    start: usize,
+    end: usize,
+) {
+    let row_bytes = F::KIND.row_bytes(shape.inner).expect("validated");
+    let x = x.as_ptr().add(first_row * shape.inner);
+    for out in start..end {
+        let row = w.as_ptr().add(out * row_bytes);
+        let scale = row_scale(shape, row_scales, out);
+        let sums = float_row_dots::<F, R>(row, scale, x, shape.inner);
+        for (r, value) in sums.iter().enumerate() {
+            *y.at((first_row + r) * shape.outs + out) = *value;
+        }
+    }
+}
+
+/// `x[r] · w_row` for `R` float input rows (stride `inner`), each sub-block
+/// expanded to float once; one accumulator chain per row, so a row's sum
+/// does not depend on `R`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::needless_range_loop)] // index loops name the register blocking
+unsafe fn float_row_dots<F: Format, const R: usize>(
+    row: *const u8,
+    row_scale: f32,
+    x: *const f32,
+    inner: usize,
+) -> [f32; R] {
+    let subs_per_block = F::KIND.block_elems() / SUB;
+    let blocks = inner / F::KIND.block_elems();
+    let mut acc = [_mm256_setzero_ps(); R];
+    for b in 0..blocks {
+        for j in 0..subs_per_block {
+            let sub = F::sub(row.add(b * F::KIND.block_bytes()), j, row_scale);
+            let weights = expand(&sub);
+            let base = (b * subs_per_block + j) * SUB;
+            for r in 0..R {
+                let xr = x.add(r * inner + base);
+                for c in 0..4 {
+                    let xv = _mm256_loadu_ps(xr.add(8 * c));
+                    acc[r] = _mm256_fmadd_ps(xv, weights[c], acc[r]);
+                }
+            }
+        }
+    }
+    let mut sums = [0.0f32; R];
+    for r in 0..R {
+        sums[r] = horizontal_sum(acc[r]);
+    }
+    sums
+}
+
+/// The panel float path: the tile's weight rows are expanded to float a span of
+/// [`PANEL_INNER`] at a time, then every block of input rows x weight rows
+/// sums its span. Each output keeps one 8-lane accumulator that runs over
+/// `inner` front to back, as the float kernel's does, so a sum does not
+/// depend on the row count or the blocking.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn panel_tile_of<F: Format>(
+    shape: &QuantShape,
+    x: &[f32],
+    w: &[u8],
+    row_scales: &[f32],
+    y: OutPtr,
+    start: usize,
+    end: usize,
+) {
+    let (rows, inner, outs) = (shape.rows, shape.inner, end - start);
+    debug_assert!(outs <= OUTS_PER_TILE && PANEL_INNER.is_multiple_of(F::KIND.block_elems()));
+    let row_bytes = F::KIND.row_bytes(inner).expect("validated");
+    let mut panel = Panel([0.0f32; OUTS_PER_TILE * PANEL_INNER]);
+    let panel = &mut panel.0;
+    let mut acc = vec![_mm256_setzero_ps(); rows * OUTS_PER_TILE];
+    for span in (0..inner).step_by(PANEL_INNER) {
+        let len = (inner - span).min(PANEL_INNER);
+        for o in 0..outs {
+            let row = w.as_ptr().add((start + o) * row_bytes);
+            let scale = row_scale(shape, row_scales, start + o);
+            expand_span::<F>(
+                row,
+                scale,
+                span,
+                len,
+                panel.as_mut_ptr().add(o * PANEL_INNER),
+            );
+        }
+        // While the blocks below compute, fetch the weights the next span
+        // expands (the next tile's first when this is the last): expanding
+        // is a burst of loads that would otherwise wait on L3 or DRAM.
+        prefetch_next_span(w, row_bytes, start, outs, span + len, inner, F::KIND);
+        for r in (0..rows).step_by(BLOCK_ROWS) {
+            let x_span = x.as_ptr().add(r * inner + span);
+            for o in (0..outs).step_by(BLOCK_OUTS) {
+                let block = Block {
+                    panel: panel.as_ptr().add(o * PANEL_INNER),
+                    x: x_span,
+                    x_stride: inner,
+                    len,
+                    acc: acc.as_mut_ptr().add(r * OUTS_PER_TILE + o),
+                };
+                macro_rules! dispatch {
+                    ($(($r:literal, $o:literal)),*) => {
+                        match ((rows - r).min(BLOCK_ROWS), (outs - o).min(BLOCK_OUTS)) {
+                            $(($r, $o) => block.run::<$r, $o>(),)*
+                            _ => unreachable!("blocks of 1..=2 rows x 1..=4 outs"),
+                        }
+                    };
+                }
+                dispatch!(
+                    (1, 1),
+                    (1, 2),
+                    (1, 3),
+                    (1, 4),
+                    (2, 1),
+                    (2, 2),
+                    (2, 3),
+                    (2, 4)
+                );
+            }
+        }
+    }
+    for r in 0..rows {
+        for o in 0..outs {
+            *y.at(r * shape.outs + start + o) = horizontal_sum(acc[r * OUTS_PER_TILE + o]);
+        }
+    }
+}
+
+/// Prefetch the bytes of weight rows `start..start + outs` that hold inner
+/// elements `next..next + PANEL_INNER` (`next == inner`: the following
+/// tile's first span).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn prefetch_next_span(
+    w: &[u8],
+    row_bytes: usize,
+    start: usize,
+    outs: usize,
+    next: usize,
+    inner: usize,
+    kind: QuantType,
+) {
+    let (start, next) = if next < inner {
+        (start, next)
+    } else {
+        (start + outs, 0)
+    };
+    let per_elem = kind.block_bytes() as f32 / kind.block_elems() as f32;
+    let first = (next as f32 * per_elem) as usize;
+    let bytes = (PANEL_INNER.min(inner - next) as f32 * per_elem) as usize;
+    for o in start..(start + OUTS_PER_TILE).min(w.len() / row_bytes) {
+        let row = o * row_bytes + first;
+        for line in (0..bytes).step_by(64) {
+            if let Some(at) = w.get(row + line) {
+                _mm_prefetch::<_MM_HINT_T0>((at as *const u8).cast());
+            }
+        }
+    }
+}
+
+/// The expanded span of a tile's weight rows, cache-line aligned so no
+/// vector load straddles two lines.
+#[repr(align(64))]
+struct Panel([f32; OUTS_PER_TILE * PANEL_INNER]);
+
+/// Weights `span..span + len` of one weight row as floats into `dst`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn expand_span<F: Format>(
+    row: *const u8,
+    row_scale: f32,
+    span: usize,
+    len: usize,
+    dst: *mut f32,
+) {
+    let block_elems = F::KIND.block_elems();
+    for k in (span..span + len).step_by(SUB) {
+        let block = row.add(k / block_elems * F::KIND.block_bytes());
+        let sub = F::sub(block, k % block_elems / SUB, row_scale);
+        for (c, weights) in expand(&sub).iter().enumerate() {
+            _mm256_storeu_ps(dst.add(k - span + 8 * c), *weights);
+        }
+    }
+}
+
+/// One block of input rows x weight rows over one span: `acc[r][o] += x[r] *
+/// panel[o]`, eight lanes at a time.
+struct Block {
+    /// The first weight row's span, rows `PANEL_INNER` apart.
+    panel: *const f32,
+    /// The first input row's span, rows `x_stride` apart.
+    x: *const f32,
+    x_stride: usize,
+    len: usize,
+    /// The first row's first accumulator, rows `OUTS_PER_TILE` apart.
+    acc: *mut __m256,
+}
+
+impl Block {
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::needless_range_loop)] // index loops name the register blocking
+    unsafe fn run<const R: usize, const O: usize>(&self) {
+        let mut acc = [[_mm256_setzero_ps(); O]; R];
+        for r in 0..R {
+            for o in 0..O {
+                acc[r][o] = *self.acc.add(r * OUTS_PER_TILE + o);
+            }
+        }
+        for k in (0..self.len).step_by(8) {
+            let mut weights = [_mm256_setzero_ps(); O];
+            for o in 0..O {
+                weights[o] = _mm256_loadu_ps(self.panel.add(o * PANEL_INNER + k));
+            }
+            for r in 0..R {
+                let xv = _mm256_loadu_ps(self.x.add(r * self.x_stride + k));
+                for o in 0..O {
+                    acc[r][o] = _mm256_fmadd_ps(xv, weights[o], acc[r][o]);
+                }
+            }
+        }
+        for r in 0..R {
+            for o in 0..O {
+                *self.acc.add(r * OUTS_PER_TILE + o) = acc[r][o];
+            }
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn integer_tile_of<F: Format>(
+    shape: &QuantShape,
+    xq: &Q16Rows,
+    w: &[u8],
+    row_scales: &[f32],
+    y: OutPtr,
+    start: usize,
+    end: usize,
+) {
+    let row_bytes = F::KIND.row_bytes(shape.inner).expect("validated");
+    for r in 0..shape.rows {
+        for out in start..end {
+            let row = w.as_ptr().add(out * row_bytes);
+            let scale = row_scale(shape, row_scales, out);
+            *y.at(r * shape.outs + out) = integer_row_dot::<F>(row, scale, xq, r);
+        }
+    }
+}
+
+/// `x[r] · w_row` with 16-bit inputs: two `pmaddwd` per 32 weights.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn integer_row_dot<F: Format>(
+    row: *const u8,
+    row_scale: f32,
+    xq: &Q16Rows,
+    r: usize,
+) -> f32 {
+    let subs_per_block = F::KIND.block_elems() / SUB;
+    let subs = xq.inner / SUB;
+    let mut acc = _mm256_setzero_ps();
+    let mut offset = 0.0f32;
+    let x_q = xq.q.as_ptr().add(r * xq.inner);
+    let (x_d, x_half) = (
+        xq.d.as_ptr().add(r * subs),
+        xq.half_sums.as_ptr().add(2 * r * subs),
+    );
+    for b in 0..xq.inner / F::KIND.block_elems() {
+        for j in 0..subs_per_block {
+            let s = b * subs_per_block + j;
+            let sub = F::wide_sub(row.add(b * F::KIND.block_bytes()), j, row_scale);
+            let [low, high] = sub.q;
+            let x0 = _mm256_loadu_si256(x_q.add(s * SUB) as *const __m256i);
+            let x1 = _mm256_loadu_si256(x_q.add(s * SUB + 16) as *const __m256i);
+            let low = _mm256_madd_epi16(low, x0);
+            let high = _mm256_madd_epi16(high, x1);
+            let dx = *x_d.add(s);
+            let (h0, h1) = (*x_half.add(2 * s), *x_half.add(2 * s + 1));
+            if F::HALVES_DIFFER {
+                let s0 = _mm256_set1_ps(sub.scale[0] * dx);
+                let s1 = _mm256_set1_ps(sub.scale[1] * dx);
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(low), s0, acc);
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(high), s1, acc);
+                offset += sub.min[0] * h0 + sub.min[1] * h1;
+            } else {
+                let sum = _mm256_cvtepi32_ps(_mm256_add_epi32(low, high));
+                acc = _mm256_fmadd_ps(sum, _mm256_set1_ps(sub.scale[0] * dx), acc);
+                if !F::SIGNED {
+                    offset += sub.min[0] * (h0 + h1);
+                }
+            }
+        }
+    }
+    horizontal_sum(acc) + offset
+}
