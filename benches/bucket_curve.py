@@ -49,7 +49,7 @@ def main() -> None:
         compile_s = time.perf_counter() - start
         layout, template = runner.executables.layout(key[:2])
         packed = jax.device_put(template)
-        bitmask = runner._token_bitmask_input(None, key[1])
+        bitmask = runner.steps.token_bitmask_input(None, key[1])
 
         def step(bucket=bucket, head=head, packed=packed, bitmask=bitmask) -> object:
             hidden = bucket.embed(embed_weight(runner.params), packed)

@@ -67,7 +67,7 @@ def runner(config: ModelConfig, params: Any) -> ModelRunner:
 def test_warmup_compiles_every_bucket_once(runner: ModelRunner) -> None:
     assert runner.executables.compiled_buckets == sorted(runner.executables.warmup_buckets())
     # per bucket embed, layer-group and logits pieces; a sampler per sequence bucket; the
-    # slot writer and the stand-alone block copier (kvpage.runner.layered_step); a
+    # seat writer and the stand-alone block copier (kvpage.runner.layered_step); a
     # multi-step decode executable per small sequence bucket (kvpage.runner.multi_step)
     buckets = runner.executables.warmup_buckets()
     samplers = {seqs for _, seqs, _ in buckets}
@@ -126,7 +126,7 @@ def _decode(
     token: int,
     position: int,
     tables: list[list[int]],
-    slots: list[int],
+    seats: list[int],
     copy_src: list[int],
     copy_dst: list[int],
 ) -> StepOutput:
@@ -142,7 +142,7 @@ def _decode(
         kv_lens=np.full(s, position + 1, np.int32),
         block_tables=table,
         logits_indices=np.arange(s, dtype=np.int32),
-        sample_rows=np.asarray(slots, np.int32),
+        sample_rows=np.asarray(seats, np.int32),
         copy_src=np.asarray(copy_src, np.int32),
         copy_dst=np.asarray(copy_dst, np.int32),
     )
@@ -154,8 +154,8 @@ def test_copy_on_write_forks_share_history(config: ModelConfig, params: Any) -> 
     greedy = DeviceSamplingParams(temperature=0.0, logprobs=1)
     prompt = PROMPTS[0][:10]  # blocks 5, 9 full; block 2 holds 2 tokens
     token = _prefill(runner, 0, prompt, [5, 9, 2])
-    for slot in (1, 2, 3):
-        runner.set_request(slot, greedy, prompt)
+    for seat in (1, 2, 3):
+        runner.set_request(seat, greedy, prompt)
 
     def k_pool() -> np.ndarray:
         return np.asarray(runner.kv_pools[1][0])

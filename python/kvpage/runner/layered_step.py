@@ -20,7 +20,7 @@ and shared by every token bucket. A step that scores prompt tokens runs a ``sele
 that also projects every token through the lm_head (compiled on first use). The host
 enqueues the pieces in order; dispatch is asynchronous, so it queues group ``i + 1`` while
 the device runs group ``i`` (benches/RESULTS.md, "Cold start").
-Grammar masks computed on the host slot in between ``select`` and ``head``, so their
+Grammar masks are computed on the host between ``select`` and ``head``, so their
 host work overlaps the layers with no separate executable.
 
 Invariants:
@@ -52,7 +52,7 @@ from kvpage.model.linear_kernels import live_rows
 from kvpage.model.llama import KVPool, decoder_layer, embed_tokens
 from kvpage.model.params import Params
 from kvpage.runner.kv_cache import KVPools
-from kvpage.runner.prompt_logprobs import score_prompt_tokens
+from kvpage.runner.prompt_scoring import score_prompt_tokens
 from kvpage.runner.step_inputs import PackedLayout
 from kvpage.sampling.sampler import sample
 from kvpage.sampling.table import SamplingTable, gather_inputs, record_sampled
@@ -259,7 +259,7 @@ def make_select(
     """The select piece: the last-layer hidden states of the sampled rows, and
     :class:`SampleInfo`. Takes ``(hidden, packed)``; with ``score_prompts`` it takes
     ``(head params, hidden, packed, targets)`` and also returns the :class:`PromptScores`
-    of the int32 ``[T]`` prompt targets (:mod:`kvpage.runner.prompt_logprobs`)."""
+    of the int32 ``[T]`` prompt targets (:mod:`kvpage.runner.prompt_scoring`)."""
 
     def select(hidden: jax.Array, packed: jax.Array) -> tuple[jax.Array, jax.Array]:
         rows = jnp.take(hidden, layout.unpack(packed).logits_indices, axis=0)

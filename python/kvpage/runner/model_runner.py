@@ -1,22 +1,28 @@
 """The model runner: runs the scheduler's step plans on the device(s).
 
 This file owns :class:`ModelRunner`, the facade the engine drives (its interface:
-:class:`kvpage.runner.protocol.StepRunner`) and the state it holds: the params, the paged
-KV pools and the sampling table (one row per seat). A step
-(:meth:`ModelRunner.dispatch`) packs the plan into one int32 buffer
-(:mod:`kvpage.runner.step_inputs`), then runs the bucket's compiled pieces in turn:
-embed, the layer groups (copy-on-write block copies, K/V written at the slot mapping,
-paged attention), select (the sampled rows' hidden states) and head (lm_head, sampling
-and the sampling-state update) -- :mod:`kvpage.runner.layered_step`. The pools and the
-sampling table are donated, so they are updated in place. Grammar masks computed by
-``token_bitmask_fn`` are computed on the host between select and head, while the layers
-run. Small pure-decode batches may run several steps in one call
-(:meth:`ModelRunner.dispatch_multi_step`, :mod:`kvpage.runner.multi_step`).
+:class:`kvpage.runner.protocol.StepRunner`): construction (checks, placement, KV-cache
+sizing, buckets), the state every step reads and donates -- the params, the paged KV
+pools, the sampling table (one row per seat), the step counter -- the live weight swap
+(:meth:`~ModelRunner.update_params`) and the recovery of donated buffers after a failed
+step (:meth:`~ModelRunner.recover_device_state`). Each job of a step is a collaborator of
+its own, which the facade delegates to:
 
-Collaborators, one job each: :class:`~kvpage.runner.placement.Placement` (shardings),
-:class:`~kvpage.runner.step_executables.StepExecutables` (bucket policy, building and
-caching every executable, warm-up), :func:`~kvpage.runner.plan_check.check_plan` and
-:mod:`kvpage.runner.pending` (the dispatched calls' results).
+* :class:`~kvpage.runner.placement.Placement` (``placement``) -- where arrays live: one
+  device, or sharded over a tensor-parallel mesh;
+* :class:`~kvpage.runner.step_executables.StepExecutables` (``executables``) -- the
+  bucket policy, building and caching every executable (also across starts), the
+  warm-up and the background compile with its fallback to a larger bucket;
+* :class:`~kvpage.runner.seats.Seats` (``seats``) -- :meth:`~ModelRunner.set_request` and
+  :meth:`~ModelRunner.free_request`, the sampling-table writes;
+* :func:`~kvpage.runner.plan_check.check_plan` -- a plan's range checks;
+* :class:`~kvpage.runner.step_dispatch.StepDispatch` (``steps``) --
+  :meth:`~ModelRunner.dispatch`: pack the plan into one buffer, then enqueue the bucket's
+  pieces (embed -> layer groups -> select -> head: :mod:`kvpage.runner.layered_step`);
+* :class:`~kvpage.runner.multi_step_decode.MultiStepDecode` (``multi_step``) --
+  :meth:`~ModelRunner.dispatch_multi_step`: several decode steps in one device call;
+* :mod:`kvpage.runner.pending` -- the dispatched calls' results, copied to the host on
+  ``result()``.
 
 With ``tensor_parallel_size=N`` (or an explicit ``mesh``) the same step runs over N devices
 (:mod:`kvpage.runner.tensor_parallel`): params split Megatron-style, KV pools split by KV
@@ -29,9 +35,7 @@ from __future__ import annotations
 
 import functools
 import math
-import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import numpy as np
@@ -41,32 +45,18 @@ from kvpage.model.attention import get_attention_backend
 from kvpage.model.config import ModelConfig
 from kvpage.model.params import Params, check_same_layout, validate_params
 from kvpage.runner.background_compiler import BackgroundCompiler
-from kvpage.runner.buckets import (
-    default_buckets,
-    normalize_buckets,
-)
-from kvpage.runner.kv_cache import (
-    KVPools,
-    allocate_kv_cache,
-    pool_bytes_on,
-)
+from kvpage.runner.buckets import default_buckets, normalize_buckets
+from kvpage.runner.kv_cache import KVPools, allocate_kv_cache, pool_bytes_on
 from kvpage.runner.kv_cache_sizing import size_kv_cache
-from kvpage.runner.layered_step import (
-    embed_weight,
-    head_params,
-    is_stacked,
-    layer_plan,
-    layer_signature,
-)
-from kvpage.runner.multi_step import (
-    MULTI_STEP_MAX_ROWS,
-    default_scheduler_steps,
-)
+from kvpage.runner.layered_step import is_stacked, layer_plan, layer_signature
+from kvpage.runner.multi_step import MULTI_STEP_MAX_ROWS, default_scheduler_steps
 from kvpage.runner.multi_step_decode import MultiStepDecode
 from kvpage.runner.pending import PendingMultiStep, PendingStep
 from kvpage.runner.placement import Placement
 from kvpage.runner.plan_check import check_plan
-from kvpage.runner.step_executables import COPY_CHUNK, StepExecutables
+from kvpage.runner.seats import Seats
+from kvpage.runner.step_dispatch import StepDispatch
+from kvpage.runner.step_executables import StepExecutables
 from kvpage.runner.step_inputs import PaddingValues
 from kvpage.runner.step_output import StepOutput
 from kvpage.runner.step_plan import StepPlanLike
@@ -78,12 +68,7 @@ from kvpage.runner.tensor_parallel import (
     shard_attention_backend,
 )
 from kvpage.sampling.device_params import DeviceSamplingParams
-from kvpage.sampling.table import (
-    SamplingTable,
-    init_sampling_table,
-    seat_row,
-)
-from kvpage.sampling.token_bitmask import ALLOW_ALL, bitmask_words, pad_bitmask
+from kvpage.sampling.table import SamplingTable, init_sampling_table
 
 
 class ModelRunner:
@@ -228,12 +213,9 @@ class ModelRunner:
         self.sampling_table: SamplingTable = init_sampling_table(
             max_num_seqs, config.vocab_size, enable_penalties, self.placement.replicated
         )
-        self.seat_logprobs = np.zeros(max_num_seqs + 1, np.int32)
-        """Top logprobs asked for by the request at each seat (0: none)."""
         self.seed = seed
         self.step_counter = 0
 
-        self._allow_all_masks: dict[int, jax.Array] = {}
         self.last_enqueue_time = 0.0
         """``time.perf_counter()`` when the last step's device work was enqueued (with
         overlapped masks: the forward pass, before the masks are computed)."""
@@ -245,12 +227,11 @@ class ModelRunner:
             [None] * config.num_layers if self.stacked
             else [layer_signature(layer) for layer in self.params["layers"]]
         )
-        self._layer_indices = [
-            jax.device_put(np.int32(i), self.placement.replicated) for i in range(config.num_layers)
-        ] if self.stacked else []
         # Executables of earlier starts are not used with a mesh, whose executables are
         # placed on several devices.
         self.executables = StepExecutables(self, self.placement, use_store=mesh is None)
+        self.seats = Seats(self, self.executables, self.placement)
+        self.steps = StepDispatch(self, self.executables, self.placement)
         self.multi_step = MultiStepDecode(self, self.executables)
 
     # ------------------------------------------------------------------ properties
@@ -289,7 +270,7 @@ class ModelRunner:
     def dispatch_multi_step(self, plan: StepPlanLike, num_steps: int) -> PendingMultiStep:
         return self.multi_step.dispatch(plan, num_steps)
 
-    # ------------------------------------------------------------------ requests
+    # ------------------------------------------------------------------ seats
     def set_request(
         self,
         seat: int,
@@ -303,30 +284,13 @@ class ModelRunner:
         change the parameters; it never recompiles. The histories feed the penalties,
         and ``len(output_token_ids)`` is the index of the next generated token (seeded keys).
         """
-        if not 0 <= seat < self.max_num_seqs:
-            raise ValueError(f"seat {seat} out of range [0, {self.max_num_seqs})")
-        if params.logprobs is not None and params.logprobs > self.max_logprobs:
-            raise ValueError(
-                f"logprobs={params.logprobs} exceeds this runner's max_logprobs "
-                f"{self.max_logprobs}"
-            )
-        if params.uses_penalties and not self.enable_penalties:
-            raise ValueError("penalties requested but the runner has enable_penalties=False")
-        row = seat_row(
-            seat, params, prompt_token_ids, output_token_ids, self.max_model_len,
-            self.enable_penalties, self.config.vocab_size,
-        )
-        host = self.placement.host_input
-        self.sampling_table = self.executables.write_seat_fn()(
-            self.sampling_table, *(host(value) for value in row)
-        )
-        self.seat_logprobs[seat] = params.logprobs or 0
+        self.seats.set_request(seat, params, prompt_token_ids, output_token_ids)
 
     def free_request(self, seat: int) -> None:
         """Forget a finished request's host-side flags (its device row is simply reused)."""
-        self.seat_logprobs[seat] = 0
+        self.seats.free_request(seat)
 
-    # ------------------------------------------------------------------ params
+    # ------------------------------------------------------------------ params and device state
     def update_params(self, params: Params) -> int:
         """Swap in new weights of identical tree structure, shapes and dtypes.
 
@@ -343,23 +307,6 @@ class ModelRunner:
         self.params, self.last_update_copies = place(params, self.placement.param_shardings)
         return self.last_update_copies
 
-    # ------------------------------------------------------------------ execution
-    def run_block_copies(self, src: np.ndarray, dst: np.ndarray) -> None:
-        """Copy whole blocks ``src -> dst`` (all layers, K and V) outside a step."""
-        src = np.asarray(src, np.int32)
-        dst = np.asarray(dst, np.int32)
-        copy = self.executables.copy_fn()
-        for start in range(0, len(src), COPY_CHUNK):
-            chunk_src = np.full(COPY_CHUNK, self.padding.scratch_block, np.int32)
-            chunk_dst = np.full(COPY_CHUNK, self.padding.dropped_block, np.int32)
-            n = min(COPY_CHUNK, len(src) - start)
-            chunk_src[:n] = src[start : start + n]
-            chunk_dst[:n] = dst[start : start + n]
-            host = self.placement.host_input
-            chunk_src, chunk_dst = host(chunk_src), host(chunk_dst)
-            for i, pool in enumerate(self.kv_pools):
-                self.kv_pools[i] = copy(pool, chunk_src, chunk_dst)
-
     def recover_device_state(self) -> bool:
         """After a failed step: if the donated KV pools or sampling table were
         consumed, allocate fresh ones and return True (every sequence's KV is
@@ -372,9 +319,10 @@ class ModelRunner:
             self.max_num_seqs, self.config.vocab_size, self.enable_penalties,
             self.placement.replicated,
         )
-        self.seat_logprobs[:] = 0
+        self.seats.reset()
         return True
 
+    # ------------------------------------------------------------------ steps
     def execute(
         self, plan: StepPlanLike, prompt_targets: np.ndarray | None = None
     ) -> StepOutput:
@@ -395,79 +343,16 @@ class ModelRunner:
         do other work, such as detokenizing the previous step, in between.
 
         ``prompt_targets`` (int32 ``[num_tokens]``, -1 = none; see
-        :func:`kvpage.runner.prompt_logprobs.prompt_targets`) asks for the
+        :func:`kvpage.runner.prompt_scoring.prompt_targets`) asks for the
         log-probability of each target token under the distribution at that step
-        token, from this same forward pass; the result then carries
-        ``prompt_logprobs`` and friends.
+        token, from this same forward pass (the bucket's prompt-scoring select, compiled
+        on first use); the result then carries ``prompt_logprobs`` and friends.
 
         Grammar masks come either with the plan (``plan.token_bitmask``) or from
-        ``token_bitmask_fn``: then the forward pass is enqueued first and the function
-        runs on the host while the device computes it; sampling is enqueued with its
-        result (two executables instead of one). A step that also scores prompt tokens
-        computes its masks first (one executable, no overlap)."""
-        num_sampled = len(plan.logits_indices)
-        self.check(plan, num_sampled)
-        num_tokens, num_seqs = int(plan.num_tokens), int(plan.num_seqs)
-        # Sampled rows share the sequence bucket; with n > 1 there are more
-        # sampled rows (one per forked sample) than sequence rows.
-        t_pad, s_pad = self.executables.padded_sizes(num_tokens, max(num_seqs, num_sampled))
-        decode_only = bool(plan.decode_only) and self.executables.has_decode_variant(s_pad)
-        (t_pad, s_pad, _), bucket = self.executables.bucket_for((t_pad, s_pad, decode_only))
-        fuse_copies = len(plan.copy_src) <= self.max_fused_copies
-        if not fuse_copies:
-            self.run_block_copies(plan.copy_src, plan.copy_dst)
-        layout, template = self.executables.layout((t_pad, s_pad))
-        want_top = self.max_logprobs > 0 and bool(
-            num_sampled and self.seat_logprobs[plan.sample_rows].max() > 0
-        )
-        packed_host = layout.pack(
-            plan, template, self.block_size, self.step_counter, want_top, fuse_copies
-        )
-        targets = None
-        if prompt_targets is not None:
-            targets = np.full(t_pad, -1, np.int32)
-            targets[:num_tokens] = np.asarray(prompt_targets, np.int32)[:num_tokens]
-            if targets.max() >= self.config.vocab_size:
-                raise ValueError("prompt_targets hold a token id outside the vocabulary")
-        try:
-            # One transfer; every piece of the step reads the same device buffer.
-            place = self.placement
-            packed = jax.device_put(place.host_input(packed_host), place.replicated)
-            params = self.params
-            hidden = bucket.embed(embed_weight(params), packed)
-            pools = self.kv_pools
-            for start, count, kind in self.layer_plan.groups:
-                end = start + count
-                if self.stacked:
-                    hidden, pools[start:end] = bucket.layers[kind](
-                        params["layers"], self._layer_indices[start], pools[start:end], hidden,
-                        packed,
-                    )
-                else:
-                    hidden, pools[start:end] = bucket.layers[kind](
-                        params["layers"][start:end], pools[start:end], hidden, packed
-                    )
-            head = head_params(self.config, params)
-            scores = None
-            if targets is not None:
-                scored = self.executables.scored_select_fn((t_pad, s_pad))
-                rows, info, scores = scored(head, hidden, packed, place.host_input(targets))
-            else:
-                rows, info = bucket.select(hidden, packed)
-            self.last_enqueue_time = time.perf_counter()
-            if token_bitmask_fn is not None:
-                masks = token_bitmask_fn()  # host work while the layers run
-                self.last_bitmask_overlapped = not rows.is_ready()
-            else:
-                masks = getattr(plan, "token_bitmask", None)
-            out, self.sampling_table = self.executables.head_fn(s_pad)(
-                head, rows, info, self.sampling_table, self.token_bitmask_input(masks, s_pad)
-            )
-        except Exception as exc:
-            self.raise_if_params_deleted(exc)
-            raise
-        self.step_counter += 1
-        return PendingStep(out, num_sampled, want_top, scores, num_tokens)
+        ``token_bitmask_fn``, which is called on the host once embed, the layer groups
+        and select are enqueued, so it runs while the device computes them; head
+        (sampling) is enqueued with its result."""
+        return self.steps.dispatch(plan, prompt_targets, token_bitmask_fn)
 
     def check(self, plan: StepPlanLike, num_sampled: int) -> None:
         """Range-check ``plan`` (:func:`check_plan`) unless ``validate_plans`` is off."""
@@ -481,20 +366,3 @@ class ModelRunner:
                 "the runner's params were deleted (donated to a training step?): pass "
                 "the new params to update_params before generating again"
             ) from exc
-
-    def token_bitmask_input(self, bitmask: np.ndarray | None, rows: int) -> Any:
-        """The step's grammar bitmask: the plan's rows padded to ``rows``, or (no
-        constrained row) an allow-all mask kept on the device, so unconstrained steps
-        transfer nothing extra."""
-        if bitmask is not None:
-            return self.placement.host_input(pad_bitmask(bitmask, rows, self.config.vocab_size))
-        cached = self._allow_all_masks.get(rows)
-        if cached is None:
-            words = bitmask_words(self.config.vocab_size)
-            cached = jax.device_put(
-                self.placement.host_input(np.full((rows, words), ALLOW_ALL, np.int32)),
-                self.placement.replicated,
-            )
-            self._allow_all_masks[rows] = cached
-        return cached
-

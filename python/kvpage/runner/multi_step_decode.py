@@ -136,16 +136,14 @@ class MultiStepDecode:
             raise ValueError("a multi-step plan must be pure decode with no block copies")
         _, s_pad = self._exec.padded_sizes(rows, rows)
         layout, template = self._exec.layout((s_pad, s_pad))
-        want_top = self._r.max_logprobs > 0 and bool(
-            self._r.seat_logprobs[plan.sample_rows].max() > 0
-        )
+        want_top = self._r.seats.want_top(plan.sample_rows)
         packed_host = layout.pack(
             plan, template, self._r.block_size, self._r.step_counter, want_top, True
         )
         try:
             outs, self._r.kv_pools, self._r.sampling_table = self.multi_step_fn(s_pad)(
                 self._r.params, self._r.kv_pools, self._r.sampling_table,
-                self._r.token_bitmask_input(None, s_pad), packed_host, np.int32(num_steps),
+                self._r.steps.token_bitmask_input(None, s_pad), packed_host, np.int32(num_steps),
             )
         except Exception as exc:
             self._r.raise_if_params_deleted(exc)

@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 
-from kvpage.runner.prompt_logprobs import PromptScores
+from kvpage.runner.prompt_scoring import PromptScores
 from kvpage.runner.step_output import StepOutput
 
 

@@ -41,8 +41,6 @@ class PendingResult(Protocol):
 class StepRunner(Protocol):
     """Runs the steps the scheduler plans. Not thread-safe: one engine thread calls it."""
 
-    num_blocks: int
-    """Blocks in the KV pool (the scheduler's block pool has exactly as many)."""
     num_scheduler_steps: int
     """Most decode steps one device call may run (1: multi-step decode off)."""
     multi_step_max_rows: int
@@ -51,6 +49,11 @@ class StepRunner(Protocol):
     """``time.perf_counter()`` when the last call was handed to the device."""
     last_bitmask_overlapped: bool
     """Whether the last step's grammar masks were computed while the device ran."""
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the KV pool (the scheduler's block pool has exactly as many)."""
+        ...
 
     @property
     def background_compiler(self) -> BackgroundCompiler | None:

@@ -81,7 +81,7 @@ class StepExecutables:
 
     @property
     def num_compilations(self) -> int:
-        """Executables compiled so far (step buckets, slot writer, copy kernel)."""
+        """Executables compiled so far (step buckets, seat writer, copy kernel)."""
         return self._num_compilations
 
     @property

@@ -18,7 +18,7 @@ class StepOutput:
 
     The ``prompt_*`` arrays (``[T]`` / ``[T, K]``, one entry per token of the step) are
     present only when the step was dispatched with prompt targets
-    (:mod:`kvpage.runner.prompt_logprobs`): the log-probability and rank of each token's
+    (:mod:`kvpage.runner.prompt_scoring`): the log-probability and rank of each token's
     target, and the top-``K`` list of its distribution; entries without a target are
     meaningless.
     """

@@ -1,4 +1,4 @@
-"""Prompt log-probabilities (vLLM's ``prompt_logprobs``), scored in the prefill's forward pass.
+"""Scoring prompt tokens in the prefill's forward pass (vLLM's ``prompt_logprobs``).
 
 This file owns the scoring of prompt positions. A step that carries prompt tokens of a
 request asking for prompt logprobs runs a variant of the step executable that, besides
