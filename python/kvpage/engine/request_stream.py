@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from kvpage.outputs import RequestOutput
 
-if TYPE_CHECKING:
-    from kvpage.engine.async_engine import AsyncLLMEngine
+
+class StreamOwner(Protocol):
+    """What a stream needs of the engine that feeds it (``AsyncLLMEngine``)."""
+
+    def abort(self, request_id: str) -> None: ...
 
 
 class EngineClosedError(RuntimeError):
@@ -32,7 +35,7 @@ class RequestStream:
     (``delta=True`` in ``LLMEngine.add_request``).
     """
 
-    def __init__(self, engine: AsyncLLMEngine, request_id: str,
+    def __init__(self, engine: StreamOwner, request_id: str,
                  loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
         self._engine = engine

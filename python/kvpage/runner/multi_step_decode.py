@@ -25,14 +25,14 @@ from kvpage.runner.step_plan import StepPlanLike
 from kvpage.sampling.token_bitmask import bitmask_words
 
 if TYPE_CHECKING:
-    from kvpage.runner.model_runner import ModelRunner
+    from kvpage.runner.runner_state import RunnerState
 
 
 class MultiStepDecode:
     """Several decode steps per device call for one :class:`ModelRunner`."""
 
-    def __init__(self, runner: ModelRunner, executables: StepExecutables) -> None:
-        self._r: ModelRunner = weakref.proxy(runner)
+    def __init__(self, runner: RunnerState, executables: StepExecutables) -> None:
+        self._r: RunnerState = weakref.proxy(runner)
         self._exec = executables
         self._compilers: dict[int, BackgroundCompiler] = {}
 

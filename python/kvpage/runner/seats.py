@@ -25,7 +25,7 @@ from kvpage.sampling.device_params import DeviceSamplingParams
 from kvpage.sampling.table import seat_row
 
 if TYPE_CHECKING:
-    from kvpage.runner.model_runner import ModelRunner
+    from kvpage.runner.runner_state import RunnerState
 
 
 class Seats:
@@ -33,9 +33,9 @@ class Seats:
     writes its ``sampling_table``."""
 
     def __init__(
-        self, runner: ModelRunner, executables: StepExecutables, placement: Placement
+        self, runner: RunnerState, executables: StepExecutables, placement: Placement
     ) -> None:
-        self._r: ModelRunner = weakref.proxy(runner)
+        self._r: RunnerState = weakref.proxy(runner)
         self._exec = executables
         self._place = placement
         self.top_logprobs = np.zeros(runner.max_num_seqs + 1, np.int32)

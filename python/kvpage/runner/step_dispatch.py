@@ -33,7 +33,7 @@ from kvpage.runner.step_plan import StepPlanLike
 from kvpage.sampling.token_bitmask import ALLOW_ALL, bitmask_words, pad_bitmask
 
 if TYPE_CHECKING:
-    from kvpage.runner.model_runner import ModelRunner
+    from kvpage.runner.runner_state import RunnerState
 
 
 class StepDispatch:
@@ -41,9 +41,9 @@ class StepDispatch:
     (held weakly), whose params, pools, sampling table and counters it reads and updates."""
 
     def __init__(
-        self, runner: ModelRunner, executables: StepExecutables, placement: Placement
+        self, runner: RunnerState, executables: StepExecutables, placement: Placement
     ) -> None:
-        self._r: ModelRunner = weakref.proxy(runner)
+        self._r: RunnerState = weakref.proxy(runner)
         self._exec = executables
         self._place = placement
         self._allow_all_masks: dict[int, jax.Array] = {}

@@ -50,7 +50,7 @@ from kvpage.sampling.table import write_seat
 from kvpage.sampling.token_bitmask import bitmask_words
 
 if TYPE_CHECKING:
-    from kvpage.runner.model_runner import ModelRunner
+    from kvpage.runner.runner_state import RunnerState
 
 COPY_CHUNK = 64  # block copies per call of the stand-alone copy executable
 
@@ -61,8 +61,8 @@ StepKey = tuple[int, int, bool]
 class StepExecutables:
     """Every executable of one :class:`~kvpage.runner.model_runner.ModelRunner`."""
 
-    def __init__(self, runner: ModelRunner, placement: Placement, use_store: bool) -> None:
-        self._r: ModelRunner = weakref.proxy(runner)
+    def __init__(self, runner: RunnerState, placement: Placement, use_store: bool) -> None:
+        self._r: RunnerState = weakref.proxy(runner)
         self._place = placement
         self.cache = ExecutableCache()
         """Step buckets, samplers and helpers, by key."""
