@@ -127,3 +127,19 @@ def test_the_signature_check_catches_mismatches() -> None:
         "'prompt' has no default; the protocol's is ()"
     ]
     assert signature_problems(extra_required, proto) == ["extra parameter 'more' has no default"]
+
+
+def test_the_runners_defaults_are_the_engines() -> None:
+    """``ModelRunner`` keeps keyword defaults for direct use (tests, notebooks); they are
+    ``EngineConfig``'s, which owns them (the runner may not import the engine above it)."""
+    from kvpage.engine.config import EngineConfig
+
+    engine = EngineConfig()
+    defaults = {
+        name: p.default
+        for name, p in inspect.signature(ModelRunner.__init__).parameters.items()
+    }
+    assert defaults["max_num_seqs"] == engine.max_num_seqs
+    assert defaults["max_num_batched_tokens"] == engine.max_num_batched_tokens
+    assert defaults["max_logprobs"] == engine.max_logprobs
+    assert defaults["kv_memory_fraction"] == engine.gpu_memory_utilization
