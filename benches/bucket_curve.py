@@ -29,7 +29,7 @@ def main() -> None:
 
     from kvpage.engine.llm_engine import load_model_and_tokenizer
     from kvpage.model.real_models import find_or_fetch_smollm2
-    from kvpage.runner.layered_step import embed_weight, head_params, layer_groups
+    from kvpage.runner.layered_step import embed_weight, head_params
     from kvpage.runner.model_runner import ModelRunner
 
     model = args.model or str(find_or_fetch_smollm2())
@@ -54,8 +54,8 @@ def main() -> None:
         def step(bucket=bucket, head=head, packed=packed, bitmask=bitmask) -> object:
             hidden = bucket.embed(embed_weight(runner.params), packed)
             pools, layers = runner.kv_pools, runner.params["layers"]
-            for start, n in layer_groups(config.num_layers):
-                hidden, pools[start : start + n] = bucket.layers[n](
+            for start, n, kind in runner.layer_plan.groups:  # the list layout (GGUF)
+                hidden, pools[start : start + n] = bucket.layers[kind](
                     layers[start : start + n], pools[start : start + n], hidden, packed
                 )
             rows, info = bucket.select(hidden, packed)
