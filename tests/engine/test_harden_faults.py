@@ -21,10 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -36,12 +33,11 @@ import httpx
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kvpage.bench.loopback import free_port
 from kvpage.engine.config import EngineConfig
 from kvpage.engine.llm_engine import LLMEngine
 from server_harness import InProcessServer, metric, parse_metrics
 from test_harden_isolation import SpyScheduler, live_blocks
-from test_server_async_engine import _SERVE
+from test_server_async_engine import start_fake_server, stream_completion
 
 KEY = "faults-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
@@ -357,54 +353,14 @@ def test_step_exception_fails_only_the_requests_of_that_step(
 
 def test_sigint_drains_running_requests_and_exits_0() -> None:
     """``run_server`` on a scripted engine (no JAX) in a child process."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(
-            [str(Path(__file__).parents[2] / "python"), os.environ.get("PYTHONPATH", "")]
-        ),
-    )
-    code = _SERVE.format(tests=str(Path(__file__).parent), port=port)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc, url = start_fake_server()
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
-
-        def stream(max_tokens: int, out: list[str]) -> None:
-            body = {
-                "model": "fake-model",
-                "prompt": [1, 2, 3],
-                "max_tokens": max_tokens,
-                "stream": True,
-            }
-            try:
-                with httpx.stream(
-                    "POST", url + "/v1/completions", json=body, timeout=30
-                ) as response:
-                    out.extend(line for line in response.iter_lines() if line)
-            except httpx.HTTPError as exc:
-                out.append(f"error: {exc!r}")
-
         short: list[str] = []
         long: list[str] = []
         threads = [
-            threading.Thread(target=stream, args=(40, short)),  # ~0.4 s
-            threading.Thread(target=stream, args=(100_000, long)),
-        ]  # past the grace
+            threading.Thread(target=stream_completion, args=(url, 40, short)),  # ~0.4 s
+            threading.Thread(target=stream_completion, args=(url, 100_000, long)),  # past the grace
+        ]
         for t in threads:
             t.start()
         time.sleep(0.15)

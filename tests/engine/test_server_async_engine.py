@@ -372,7 +372,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_sigterm_drains_running_requests_and_exits_0() -> None:
+def start_fake_server() -> tuple[subprocess.Popen[str], str]:
+    """``run_server`` on :class:`FakeEngine` (no JAX) in a child process, once its
+    ``/health`` answers; returns the process and its URL."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -380,31 +382,41 @@ def test_sigterm_drains_running_requests_and_exits_0() -> None:
     code = _SERVE.format(tests=str(Path(__file__).parent), port=port)
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
     try:
-        deadline = time.monotonic() + 60
         while True:
             assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
             assert time.monotonic() < deadline, "the server did not come up"
             try:
                 if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
+                    return proc, url
             except httpx.TransportError:
                 time.sleep(0.1)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
 
-        def stream(max_tokens: int, out: list[str]) -> None:
-            body = {"model": "fake-model", "prompt": [1, 2, 3], "max_tokens": max_tokens,
-                    "stream": True}
-            try:
-                with httpx.stream("POST", url + "/v1/completions", json=body,
-                                  timeout=30) as response:
-                    out.extend(response.iter_lines())
-            except httpx.HTTPError as exc:
-                out.append(f"error: {exc!r}")
 
+def stream_completion(url: str, max_tokens: int, out: list[str]) -> None:
+    """Stream one completion of the fake model into ``out`` (its non-blank SSE lines, or
+    the error that ended it)."""
+    body = {"model": "fake-model", "prompt": [1, 2, 3], "max_tokens": max_tokens,
+            "stream": True}
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
+            out.extend(line for line in response.iter_lines() if line)
+    except httpx.HTTPError as exc:
+        out.append(f"error: {exc!r}")
+
+
+def test_sigterm_drains_running_requests_and_exits_0() -> None:
+    proc, url = start_fake_server()
+    try:
         short: list[str] = []
         long: list[str] = []
-        threads = [threading.Thread(target=stream, args=(30, short)),  # ~0.3 s
-                   threading.Thread(target=stream, args=(100_000, long))]  # past the grace
+        threads = [threading.Thread(target=stream_completion, args=(url, 30, short)),  # ~0.3 s
+                   threading.Thread(target=stream_completion, args=(url, 100_000, long))]
         for t in threads:
             t.start()
         time.sleep(0.15)
