@@ -40,7 +40,13 @@ if _SOURCE_PKG not in list(_pkg.__path__):
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from kvpage.model import AttentionMetadata, ModelConfig, forward, get_attention_backend  # noqa: E402
+from kvpage.model import (  # noqa: E402
+    AttentionMetadata,
+    ModelConfig,
+    forward,
+    get_attention_backend,
+    load_model,
+)
 from kvpage.model.params import Params  # noqa: E402
 from kvpage.runner import ModelRunner, StepOutput, StepPlan  # noqa: E402
 from kvpage.runner.kv_cache import KVCacheSpec, allocate_kv_cache  # noqa: E402
@@ -58,8 +64,29 @@ TINY = dict(
 
 
 # --------------------------------------------------------------------------- HF models
+# Tiny configs of the other architectures: a few experts, Gemma's habits, Phi-3's partial
+# RoPE; windows wider than the tests' contexts unless a test narrows them.
+ARCH_OVERRIDES: dict[str, dict[str, Any]] = {
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True, mlp_only_layers=[1]),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
+    "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32,
+                  pad_token_id=0, eos_token_id=1, bos_token_id=None),
+    "gemma2": dict(query_pre_attn_scalar=24, sliding_window=512,
+                   layer_types=["sliding_attention", "full_attention"],
+                   pad_token_id=0, eos_token_id=1, bos_token_id=2),
+    "gemma3": dict(query_pre_attn_scalar=24, sliding_window=512, rope_local_base_freq=500.0,
+                   layer_types=["sliding_attention", "full_attention"],
+                   pad_token_id=0, eos_token_id=1, bos_token_id=2),
+    "phi3": dict(partial_rotary_factor=0.5, pad_token_id=0, eos_token_id=1, bos_token_id=2),
+}
+
+
 def hf_config(arch: str, **overrides: Any) -> Any:
-    """A tiny transformers config for ``arch`` (llama / mistral / qwen2 / qwen3)."""
+    """A tiny transformers config for ``arch`` (llama / mistral / qwen2 / qwen3, and the
+    :data:`ARCH_OVERRIDES` architectures)."""
     import transformers
 
     classes = {
@@ -67,9 +94,16 @@ def hf_config(arch: str, **overrides: Any) -> Any:
         "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
+        "qwen2_moe": transformers.Qwen2MoeConfig,
+        "mixtral": transformers.MixtralConfig,
+        "olmoe": transformers.OlmoeConfig,
+        "gemma2": transformers.Gemma2Config,
+        "gemma3": transformers.Gemma3TextConfig,
+        "phi3": transformers.Phi3Config,
     }
-    kwargs: dict[str, Any] = {**TINY, "head_dim": 16}
-    if arch == "qwen2":
+    kwargs: dict[str, Any] = {**TINY, "head_dim": 16, **ARCH_OVERRIDES.get(arch, {})}
+    if arch in ("qwen2", "qwen2_moe", "mixtral", "olmoe", "phi3"):
         kwargs.pop("head_dim")
     kwargs.update(overrides)
     return classes[arch](**kwargs)
@@ -359,3 +393,35 @@ def generate(
             outputs.append((plan, out))
         planner.commit(plan, out.sampled_token_ids)
     return [seq.generated for seq in planner.seqs]
+
+
+def _runner(config: ModelConfig, params: Any, max_model_len: int = 64) -> Any:
+    return ModelRunner(config, params, num_blocks=64, block_size=4,
+                       max_model_len=max_model_len, max_num_seqs=4, token_buckets=(32,),
+                       seq_buckets=(4,), max_logprobs=1)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def check_engine_matches_hf(model: Any, directory: Path, prompts: list[list[int]],
+                            new_tokens: int) -> None:
+    """Greedy tokens and every generated token's logprob, all prompts batched in shared
+    steps through the model runner, against HF generating each prompt alone."""
+    config, params = load_model(directory)
+    expected = [hf_greedy_logits(model, p, new_tokens) for p in prompts]
+    outputs: list[Any] = []
+    got = generate(_runner(config, params), prompts, new_tokens,
+                   DeviceSamplingParams(temperature=0.0, logprobs=1), outputs=outputs,
+                   token_budget=32)
+    logprobs: dict[int, list[float]] = {i: [] for i in range(len(prompts))}
+    for plan, out in outputs:
+        for row, slot in enumerate(plan.sample_rows.tolist()):
+            logprobs[slot].append(float(out.logprobs[row]))
+    for i, (want_tokens, want_logits) in enumerate(expected):
+        assert got[i] == want_tokens, f"prompt {i}"
+        want = log_softmax(want_logits)[np.arange(new_tokens), want_tokens]
+        assert np.abs(np.asarray(logprobs[i]) - want).max() <= 1e-4, f"prompt {i}"

@@ -21,12 +21,11 @@ from kvpage.model.rope import (
     long_inverse_frequencies,
 )
 from model_fixtures import (
-    DeviceSamplingParams,
-    ModelRunner,
     build_hf_model,
-    generate,
+    check_engine_matches_hf,
     hf_greedy_logits,
     hf_logits,
+    log_softmax,
     paged_greedy,
     prefill_logits,
     save_hf_model,
@@ -253,37 +252,6 @@ def test_gguf_yarn_metadata_maps_to_the_hf_rope(tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- end to end
-def _runner(config: ModelConfig, params: Any) -> Any:
-    return ModelRunner(config, params, num_blocks=64, block_size=4, max_model_len=64,
-                       max_num_seqs=4, token_buckets=(32,), seq_buckets=(4,), max_logprobs=1)
-
-
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    x = logits.astype(np.float64)
-    x = x - x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
-
-
-def _check_engine_matches_hf(model: Any, directory: Path, prompts: list[list[int]],
-                             new_tokens: int) -> None:
-    """Greedy tokens and every generated token's logprob, all prompts batched in shared
-    steps through the model runner, against HF generating each prompt alone."""
-    config, params = load_model(directory)
-    expected = [hf_greedy_logits(model, p, new_tokens) for p in prompts]
-    outputs: list[Any] = []
-    got = generate(_runner(config, params), prompts, new_tokens,
-                   DeviceSamplingParams(temperature=0.0, logprobs=1), outputs=outputs,
-                   token_budget=32)
-    logprobs: dict[int, list[float]] = {i: [] for i in range(len(prompts))}
-    for plan, out in outputs:
-        for row, slot in enumerate(plan.sample_rows.tolist()):
-            logprobs[slot].append(float(out.logprobs[row]))
-    for i, (want_tokens, want_logits) in enumerate(expected):
-        assert got[i] == want_tokens, f"prompt {i}"
-        want = _log_softmax(want_logits)[np.arange(new_tokens), want_tokens]
-        assert np.abs(np.asarray(logprobs[i]) - want).max() <= 1e-4, f"prompt {i}"
-
-
 def test_qwen3_yarn_greedy_and_logprobs_match_hf(tmp_path: Path) -> None:
     model = build_hf_model("qwen3", seed=5, rope_parameters=dict(YARN))
     directory = save_hf_model(model, tmp_path)
@@ -292,7 +260,7 @@ def test_qwen3_yarn_greedy_and_logprobs_match_hf(tmp_path: Path) -> None:
     prompt = [7, 7, 7, 11, 13, 200, 17, 19, 23, 29, 31, 37, 41]
     np.testing.assert_allclose(prefill_logits(config, params, prompt), hf_logits(model, prompt),
                                atol=1e-4, rtol=0)
-    _check_engine_matches_hf(model, directory, [prompt, [1, 5, 9, 200, 3]], 12)
+    check_engine_matches_hf(model, directory, [prompt, [1, 5, 9, 200, 3]], 12)
 
 
 def test_llama_longrope_greedy_and_logprobs_match_hf_on_both_sides(tmp_path: Path) -> None:
@@ -304,7 +272,7 @@ def test_llama_longrope_greedy_and_logprobs_match_hf_on_both_sides(tmp_path: Pat
     below = [1, 5, 9, 200, 3]  # 5 + 8 <= 16: short factors throughout
     above = [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
     crossing = [250, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59]  # 12 + 8 crosses 16
-    _check_engine_matches_hf(model, directory, [below, above, crossing], 8)
+    check_engine_matches_hf(model, directory, [below, above, crossing], 8)
 
 
 def test_llama_dynamic_ntk_matches_hf_past_max_position_embeddings(tmp_path: Path) -> None:
@@ -321,4 +289,4 @@ def test_llama_dynamic_ntk_matches_hf_past_max_position_embeddings(tmp_path: Pat
     want_tokens, want_logits = hf_greedy_logits(model, prompt, 6)
     tokens, logits = paged_greedy(config, params, prompt, 6)
     assert tokens == want_tokens
-    np.testing.assert_allclose(_log_softmax(logits), _log_softmax(want_logits), atol=1e-4)
+    np.testing.assert_allclose(log_softmax(logits), log_softmax(want_logits), atol=1e-4)

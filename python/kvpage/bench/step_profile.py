@@ -101,7 +101,7 @@ def component_times(llm: Any, rows: int, context: int, repeats: int) -> dict[str
 
 def _component_times(llm: Any, rows: int, context: int, repeats: int) -> dict[str, float]:
     from kvpage.model.attention import AttentionBackend
-    from kvpage.model.llama import AttentionMetadata, compute_logits, decoder_hidden_states
+    from kvpage.model.decoder import AttentionMetadata, compute_logits, decoder_hidden_states
     from kvpage.runner.kv_cache import KVCacheSpec, allocate_kv_cache
     from kvpage.sampling.sampler import sample
     from kvpage.sampling.table import gather_inputs, record_sampled

@@ -6,7 +6,7 @@
 * :mod:`~kvpage.model.loader`   -- safetensors loading, random params, in-memory params.
 * :mod:`~kvpage.model.gguf_loader` -- GGUF files: config, dequantized params, tokenizer.
 * :mod:`~kvpage.model.real_models` -- finding or fetching the SmolLM2 GGUF of the benchmarks.
-* :mod:`~kvpage.model.llama`    -- the forward pass over a ragged batch and paged KV.
+* :mod:`~kvpage.model.decoder`    -- the forward pass over a ragged batch and paged KV.
 * :mod:`~kvpage.model.dense`    -- the same decoder, dense and causal, for training.
 * :mod:`~kvpage.model.attention` -- which paged-attention kernel the forward pass calls.
 * :mod:`~kvpage.model.rope`     -- rotary embeddings (default, linear, llama3).
@@ -16,9 +16,9 @@
 
 from kvpage.model.attention import AttentionBackend, get_attention_backend
 from kvpage.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeConfig
+from kvpage.model.decoder import AttentionMetadata, compute_logits, forward
 from kvpage.model.errors import CheckpointError
 from kvpage.model.gguf_loader import load_gguf, read_gguf_config
-from kvpage.model.llama import AttentionMetadata, compute_logits, forward
 from kvpage.model.loader import (
     load_model,
     load_params,

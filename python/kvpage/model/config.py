@@ -1,9 +1,12 @@
 """Model configuration: the decoder hyper-parameters kvpage needs, parsed from HF ``config.json``.
 
-This file owns :class:`ModelConfig` / :class:`RopeConfig` and the translation from the
-Hugging Face configuration dialects (transformers 4 ``rope_theta`` + ``rope_scaling``,
-transformers 5 ``rope_parameters``; ``torch_dtype`` or ``dtype``) into one normalised,
-hashable description. The config is frozen so it can be a static argument of ``jax.jit``.
+This file owns :class:`ModelConfig`: one normalised, hashable description of a model
+(frozen, so it can be a static argument of ``jax.jit``). Its fields say which shared
+blocks the decoder (:mod:`kvpage.model.decoder`) assembles: norm offset, sandwich norms,
+MLP activation, mixture-of-experts, each layer's attention kind, soft-caps, partial
+RoPE. The per-architecture translation from the Hugging Face dialects lives in
+:mod:`kvpage.model.architectures` (one file per family); :class:`RopeConfig` and
+:class:`MoEConfig` in :mod:`kvpage.model.config_types`.
 """
 
 from __future__ import annotations
@@ -14,68 +17,22 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kvpage.model.errors import CheckpointError
-
-# Architecture name -> (model_type, default q/k/v bias, per-head q/k RMSNorm).
-_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
-    "LlamaForCausalLM": ("llama", False, False),
-    "MistralForCausalLM": ("mistral", False, False),
-    "Qwen2ForCausalLM": ("qwen2", True, False),
-    "Qwen3ForCausalLM": ("qwen3", False, True),
-}
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCHITECTURES)
-_MODEL_TYPE_TO_ARCH = {model_type: arch for arch, (model_type, _, _) in _ARCHITECTURES.items()}
-
-SUPPORTED_ROPE_TYPES: tuple[str, ...] = (
-    "default", "linear", "llama3", "yarn", "longrope", "dynamic"
+from kvpage.model.architectures import (
+    REGISTRY,
+    SUPPORTED_ARCHITECTURES,
+    architecture_of,
+    unknown_architecture_message,
 )
-SUPPORTED_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
-
-
-@dataclass(frozen=True, slots=True)
-class RopeConfig:
-    """Rotary embedding parameters (the math lives in :mod:`kvpage.model.rope`).
-
-    ``rope_type`` is one of :data:`SUPPORTED_ROPE_TYPES`:
-
-    * ``"default"``: plain RoPE of base ``theta``;
-    * ``"linear"``: positions divided by ``factor``;
-    * ``"llama3"``: Llama 3.1 frequency-dependent scaling (``factor``,
-      ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``);
-    * ``"yarn"``: YaRN (``factor``, ``original_max_position_embeddings``, ``beta_fast``,
-      ``beta_slow``, ``truncate``) with the cos/sin attention scaling ``attention_factor``,
-      or when that is None the one derived from ``factor``, ``mscale``, ``mscale_all_dim``;
-    * ``"longrope"``: Phi-3 LongRoPE, per-frequency divisors ``short_factor`` /
-      ``long_factor`` (tuples of ``head_dim / 2`` floats) switched at
-      ``original_max_position_embeddings``, attention scaling ``attention_factor`` or
-      derived from ``factor``;
-    * ``"dynamic"``: dynamic NTK scaling by ``factor`` once a sequence exceeds the model's
-      ``max_position_embeddings``.
-
-    Parsed configs have every default already resolved the way transformers resolves it
-    (``factor`` of yarn / longrope from the context ratio when absent,
-    ``original_max_position_embeddings`` from ``max_position_embeddings``). Every field
-    is hashable: the config is a ``jax.jit`` static argument.
-    """
-
-    theta: float = 10000.0
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int | None = None
-    # yarn
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    truncate: bool = True
-    # yarn and longrope: the cos/sin scale; None derives it from ``factor``
-    attention_factor: float | None = None
-    # longrope
-    short_factor: tuple[float, ...] = ()
-    long_factor: tuple[float, ...] = ()
-
+from kvpage.model.config_types import (
+    FULL_ATTENTION,
+    LAYER_TYPES,
+    SLIDING_ATTENTION,
+    SUPPORTED_DTYPES,
+    SUPPORTED_ROPE_TYPES,
+    MoEConfig,
+    RopeConfig,
+)
+from kvpage.model.errors import CheckpointError
 
 _SIZE_LIMITS = {
     # Far above any real model; a malformed config fails here instead of
@@ -96,7 +53,25 @@ class ModelConfig:
 
     Attention projections hold ``num_heads * head_dim`` (queries) and
     ``num_kv_heads * head_dim`` (keys, values) features; query head ``h`` reads KV head
-    ``h // (num_heads // num_kv_heads)``.
+    ``h // (num_heads // num_kv_heads)``. The defaults are the Llama layout; the other
+    fields switch shared blocks on (see :mod:`kvpage.model.decoder`):
+
+    * ``layer_types``: each layer's attention kind (:data:`FULL_ATTENTION` or
+      :data:`SLIDING_ATTENTION`, attending the last ``sliding_window`` positions); empty
+      means every layer is full. ``rope_local``: the RoPE of sliding layers, when it
+      differs (Gemma 3).
+    * ``qk_norm``: RMS-normalise queries and keys, per head (``qk_norm_over="head"``,
+      Qwen3, Gemma 3) or over the whole projection (``"projection"``, OLMoE).
+    * ``norm_offset``: RMSNorm scales by ``norm_offset + weight`` (Gemma: 1).
+      ``sandwich_norms``: norms after attention and MLP too, and a separate norm before
+      the MLP (Gemma 2/3).
+    * ``hidden_act``: ``"silu"`` (SwiGLU) or ``"gelu_tanh"`` (GeGLU).
+    * ``embedding_multiplier``: input embeddings are multiplied by it (Gemma).
+    * ``query_scale``: the attention score scale (default ``head_dim ** -0.5``).
+    * ``attn_logit_softcap`` / ``final_logit_softcap``: ``cap * tanh(x / cap)`` of the
+      attention scores / the output logits (Gemma 2).
+    * ``partial_rotary_factor``: RoPE rotates the first ``rotary_dim`` features only.
+    * ``moe``: the feed-forward block is a routed mixture of experts.
     """
 
     architecture: str
@@ -118,10 +93,22 @@ class ModelConfig:
     sliding_window: int | None = None
     dtype: str = "bfloat16"
     eos_token_ids: tuple[int, ...] = ()
+    layer_types: tuple[str, ...] = ()
+    rope_local: RopeConfig | None = None
+    qk_norm_over: str = "head"
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    hidden_act: str = "silu"
+    embedding_multiplier: float | None = None
+    query_scale: float | None = None
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    partial_rotary_factor: float = 1.0
+    moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
-        if self.architecture not in _ARCHITECTURES:
-            raise ValueError(_unknown_architecture_message(self.architecture))
+        if self.architecture not in REGISTRY:
+            raise ValueError(unknown_architecture_message(self.architecture))
         for name, upper in _SIZE_LIMITS.items():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= upper:
@@ -133,15 +120,45 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        _check_rope(self.rope, self.head_dim)
+        if self.rotary_dim % 2 or self.rotary_dim <= 0:
+            raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} gives an "
+                             f"odd or empty rotary dimension {self.rotary_dim}")
+        _check_rope(self.rope, self.rotary_dim)
+        if self.rope_local is not None:
+            _check_rope(self.rope_local, self.rotary_dim)
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(
                 f"unsupported dtype {self.dtype!r}; supported: {', '.join(SUPPORTED_DTYPES)}"
             )
+        self._check_layers()
+
+    def _check_layers(self) -> None:
+        if self.layer_types:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"layer_types lists {len(self.layer_types)} layers, the "
+                                 f"model has {self.num_layers}")
+            unknown = set(self.layer_types) - set(LAYER_TYPES)
+            if unknown:
+                raise ValueError(f"unknown layer types {sorted(unknown)}; known: "
+                                 f"{', '.join(LAYER_TYPES)}")
+            if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
+                raise ValueError("sliding-attention layers need a sliding_window")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
+        if self.qk_norm_over not in ("head", "projection"):
+            raise ValueError(f"qk_norm_over must be 'head' or 'projection', got "
+                             f"{self.qk_norm_over!r}")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: "
+                             "silu, gelu_tanh")
+        if self.moe is not None:
+            bad = [i for i in self.moe.dense_layers if not 0 <= i < self.num_layers]
+            if bad:
+                raise ValueError(f"MoE dense_layers {bad} are not layers of the model")
 
     @property
     def model_type(self) -> str:
-        return _ARCHITECTURES[self.architecture][0]
+        return REGISTRY[self.architecture].model_type
 
     @property
     def q_size(self) -> int:
@@ -151,14 +168,41 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def rotary_dim(self) -> int:
+        """Features of each head RoPE rotates (the first ones)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def layer_type(self, index: int) -> str:
+        """Layer ``index``'s attention kind."""
+        return self.layer_types[index] if self.layer_types else FULL_ATTENTION
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer ``index``'s feed-forward block is the mixture of experts."""
+        return self.moe is not None and index not in self.moe.dense_layers
+
+    @property
+    def all_layers_slide(self) -> bool:
+        """Whether every layer attends only the last ``sliding_window`` positions (then
+        KV blocks that leave the window are never read again)."""
+        return bool(self.layer_types) and all(
+            t == SLIDING_ATTENTION for t in self.layer_types
+        )
+
     def with_overrides(self, **changes: Any) -> ModelConfig:
         """A copy with some fields replaced (e.g. ``num_layers=2`` for a quick benchmark)."""
+        if "num_layers" in changes and self.layer_types and "layer_types" not in changes:
+            n = changes["num_layers"]
+            changes["layer_types"] = tuple(
+                self.layer_types[i % len(self.layer_types)] for i in range(n)
+            )
         return replace(self, **changes)
 
     @classmethod
     def from_hf_dict(cls, raw: Mapping[str, Any]) -> ModelConfig:
         """Parse the contents of an HF ``config.json`` (any transformers 4.x / 5.x dialect)."""
-        return _parse_hf_config(raw)
+        arch = architecture_of(raw)
+        return cls(architecture=arch.name, **arch.parse(raw))
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> ModelConfig:
@@ -173,36 +217,16 @@ class ModelConfig:
         if not isinstance(raw, dict):
             raise CheckpointError(f"malformed model config {path}: top level is not an object")
         try:
-            return _parse_hf_config(raw)
-        except (KeyError, TypeError, ValueError) as exc:
+            return cls.from_hf_dict(raw)
+        except KeyError as exc:
+            raise CheckpointError(f"invalid model config {path}: missing field {exc}") from exc
+        except (TypeError, ValueError) as exc:
             raise CheckpointError(f"invalid model config {path}: {exc}") from exc
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
         """Parse ``<model_dir>/config.json``."""
         return cls.from_json_file(Path(model_dir) / "config.json")
-
-
-def _unknown_architecture_message(name: str) -> str:
-    return (
-        f"unsupported architecture {name!r}; "
-        f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
-    )
-
-
-def _architecture(raw: Mapping[str, Any]) -> str:
-    archs = raw.get("architectures")
-    if archs:
-        if isinstance(archs, str):
-            archs = [archs]
-        for arch in archs:
-            if arch in _ARCHITECTURES:
-                return arch
-        raise ValueError(_unknown_architecture_message(", ".join(map(str, archs))))
-    model_type = raw.get("model_type")
-    if model_type in _MODEL_TYPE_TO_ARCH:
-        return _MODEL_TYPE_TO_ARCH[model_type]
-    raise ValueError(_unknown_architecture_message(f"<model_type {model_type!r}>"))
 
 
 def _unsupported_rope_message(rope_type: Any) -> str:
@@ -224,128 +248,11 @@ def _check_rope(rope: RopeConfig, head_dim: int) -> None:
         raise ValueError(f"{rope.rope_type} rope factor must be positive, got {rope.factor}")
 
 
-def _rope(raw: Mapping[str, Any]) -> RopeConfig:
-    # transformers 5 writes ``rope_parameters`` (theta inside); older files write a
-    # top-level ``rope_theta`` and an optional ``rope_scaling`` dict. Defaults are
-    # resolved as transformers' ``standardize_rope_params`` and ``ROPE_INIT_FUNCTIONS`` do.
-    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    if not isinstance(params, Mapping):
-        raise ValueError(f"rope parameters must be an object, got {params!r}")
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(_unsupported_rope_message(rope_type))
-    max_positions = int(raw.get("max_position_embeddings", 4096))
-    original = params.get("original_max_position_embeddings")
-    if rope_type in ("llama3", "yarn", "longrope"):
-        # A top-level value (Phi-3 keeps it there) wins over the rope dict, as in HF.
-        top_level = raw.get("original_max_position_embeddings")
-        original = (top_level if top_level is not None else original) or max_positions
-    original = None if original is None else int(original)
-    factor = params.get("factor")
-    if factor is None:
-        if rope_type in ("yarn", "longrope"):
-            factor = max_positions / original  # the context-extension ratio
-        elif rope_type == "dynamic":
-            raise ValueError(f"rope_type {rope_type!r} needs a 'factor'")
-        else:
-            factor = 1.0
-    extra: dict[str, Any] = {}
-    if rope_type == "yarn":
-        extra = {
-            "beta_fast": float(params.get("beta_fast") or 32.0),
-            "beta_slow": float(params.get("beta_slow") or 1.0),
-            "mscale": _optional_float(params.get("mscale")),
-            "mscale_all_dim": _optional_float(params.get("mscale_all_dim")),
-            "truncate": bool(params.get("truncate", True)),
-        }
-    if rope_type == "longrope":
-        for name in ("short_factor", "long_factor"):
-            values = params.get(name)
-            if not isinstance(values, (list, tuple)) or not values:
-                raise ValueError(f"longrope needs a list {name!r}, got {values!r}")
-            extra[name] = tuple(float(v) for v in values)
-    if rope_type in ("yarn", "longrope"):
-        extra["attention_factor"] = _optional_float(params.get("attention_factor"))
-    return RopeConfig(
-        theta=float(theta),
-        rope_type=str(rope_type),
-        factor=float(factor),
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=original,
-        **extra,
-    )
-
-
-def _optional_float(value: Any) -> float | None:
-    return None if value is None else float(value)
-
-
-def _dtype(raw: Mapping[str, Any]) -> str:
-    value = raw.get("dtype") or raw.get("torch_dtype") or "float32"
-    value = str(value).removeprefix("torch.")
-    aliases = {"bf16": "bfloat16", "fp32": "float32", "float": "float32", "half": "float16"}
-    value = aliases.get(value, value)
-    if value not in SUPPORTED_DTYPES:
-        raise ValueError(f"unsupported dtype {value!r}; supported: {', '.join(SUPPORTED_DTYPES)}")
-    return value
-
-
-def _eos_ids(raw: Mapping[str, Any]) -> tuple[int, ...]:
-    eos = raw.get("eos_token_id")
-    if eos is None:
-        return ()
-    if isinstance(eos, int):
-        return (eos,)
-    return tuple(int(x) for x in eos)
-
-
-def _parse_hf_config(raw: Mapping[str, Any]) -> ModelConfig:
-    arch = _architecture(raw)
-    model_type, default_qkv_bias, qk_norm = _ARCHITECTURES[arch]
-    act = raw.get("hidden_act", raw.get("hidden_activation", "silu"))
-    if act not in ("silu", "swish"):
-        raise ValueError(f"unsupported hidden_act {act!r} (only silu/SwiGLU is implemented)")
-
-    hidden = int(raw["hidden_size"])
-    heads = int(raw["num_attention_heads"])
-    kv_heads = int(raw.get("num_key_value_heads") or heads)
-    head_dim = raw.get("head_dim")
-    head_dim = int(head_dim) if head_dim else hidden // heads
-    if not raw.get("head_dim") and hidden % heads:
-        raise ValueError(f"hidden_size {hidden} is not divisible by num_attention_heads {heads}")
-
-    attention_bias = bool(raw.get("attention_bias", False))
-    if model_type == "qwen2":
-        qkv_bias, o_bias = True, False
-    else:
-        qkv_bias, o_bias = attention_bias or default_qkv_bias, attention_bias
-
-    sliding = raw.get("sliding_window")
-    if model_type == "qwen2" or model_type == "qwen3":
-        sliding = sliding if raw.get("use_sliding_window", False) else None
-    if model_type == "llama":
-        sliding = None
-
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=int(raw["vocab_size"]),
-        hidden_size=hidden,
-        intermediate_size=int(raw["intermediate_size"]),
-        num_layers=int(raw["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope=_rope(raw),
-        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=qkv_bias,
-        o_proj_bias=o_bias,
-        mlp_bias=bool(raw.get("mlp_bias", False)),
-        qk_norm=qk_norm,
-        sliding_window=None if sliding is None else int(sliding),
-        dtype=_dtype(raw),
-        eos_token_ids=_eos_ids(raw),
-    )
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "SUPPORTED_DTYPES",
+    "SUPPORTED_ROPE_TYPES",
+    "ModelConfig",
+    "MoEConfig",
+    "RopeConfig",
+]

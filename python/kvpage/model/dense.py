@@ -1,7 +1,7 @@
 """A dense (unpaged) causal forward pass over the same parameter pytree, for training.
 
 This file owns :func:`dense_logits` and :func:`causal_lm_loss`: the Llama-family decoder
-of :mod:`kvpage.model.llama` applied to a ``[batch, length]`` block of token ids with an
+of :mod:`kvpage.model.decoder` applied to a ``[batch, length]`` block of token ids with an
 ordinary causal mask and no KV cache. It shares the building blocks (RMSNorm, linear
 layers, RoPE, logits) with the paged inference path, so a model trained through these
 functions generates through the engine exactly as it was trained -- the params pytree
@@ -11,17 +11,22 @@ untouched.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
-from kvpage.model.config import ModelConfig
-from kvpage.model.llama import compute_logits, embed_tokens, layer_params, linear, rms_norm
+from kvpage.model.config import SLIDING_ATTENTION, ModelConfig
+from kvpage.model.decoder import compute_logits, embed_tokens, feed_forward, layer_params
+from kvpage.model.linear_kernels import linear
+from kvpage.model.norms import rms_norm
 from kvpage.model.params import Params
 from kvpage.model.rope import apply_rope, config_rope_cos_sin
+from kvpage.model.self_attention import qk_norms
 
 
 def _attention(
-    config: ModelConfig, attn: Params, x: jax.Array, cos: jax.Array, sin: jax.Array
+    config: ModelConfig, attn: Params, x: jax.Array, positions: jax.Array, layer_type: str
 ) -> jax.Array:
     batch, length, _ = x.shape
     d, hq, hkv = config.head_dim, config.num_heads, config.num_kv_heads
@@ -30,14 +35,22 @@ def _attention(
     k = linear(flat, attn["k_proj"]).reshape(batch * length, hkv, d)
     v = linear(flat, attn["v_proj"]).reshape(batch * length, hkv, d)
     if config.qk_norm:
-        q = rms_norm(q, attn["q_norm"]["weight"], config.rms_norm_eps)
-        k = rms_norm(k, attn["k_norm"]["weight"], config.rms_norm_eps)
+        q, k = qk_norms(config, attn, q, k)
+    rope = config.rope_local if layer_type == SLIDING_ATTENTION else None
+    cos, sin = config_rope_cos_sin(config, positions, rope=rope)
     q = apply_rope(q, cos, sin).reshape(batch, length, hkv, hq // hkv, d)
     k = apply_rope(k, cos, sin).reshape(batch, length, hkv, d)
     v = v.reshape(batch, length, hkv, d)
-    scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32) * (d**-0.5)
-    causal = jnp.tril(jnp.ones((length, length), jnp.bool_))
-    scores = jnp.where(causal, scores, -jnp.inf)
+    scale = config.query_scale if config.query_scale is not None else d**-0.5
+    scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32) * scale
+    if config.attn_logit_softcap is not None:
+        cap = config.attn_logit_softcap
+        scores = jnp.tanh(scores / cap) * cap
+    query, key = jnp.arange(length)[:, None], jnp.arange(length)[None, :]
+    visible = key <= query
+    if layer_type == SLIDING_ATTENTION:
+        visible &= key > query - config.sliding_window
+    scores = jnp.where(visible, scores, -jnp.inf)
     weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bhgqk,bkhd->bqhgd", weights, v).reshape(batch * length, hq * d)
     return linear(out.astype(x.dtype), attn["o_proj"]).reshape(batch, length, -1)
@@ -46,19 +59,27 @@ def _attention(
 def dense_hidden_states(params: Params, config: ModelConfig, token_ids: jax.Array) -> jax.Array:
     """Last-layer hidden states ``[B, L, hidden]`` (before the final norm)."""
     batch, length = token_ids.shape
-    hidden = embed_tokens(params, token_ids)
+    hidden = embed_tokens(params, token_ids, config)
     positions = jnp.tile(jnp.arange(length, dtype=jnp.int32), batch)
-    cos, sin = config_rope_cos_sin(config, positions)
-    eps = config.rms_norm_eps
+    eps, offset = config.rms_norm_eps, config.norm_offset
     for i in range(config.num_layers):
         layer = layer_params(params, i)
-        normed = rms_norm(hidden, layer["input_layernorm"]["weight"], eps)
-        hidden = hidden + _attention(config, layer["self_attn"], normed, cos, sin)
-        normed = rms_norm(hidden, layer["post_attention_layernorm"]["weight"], eps)
-        mlp = layer["mlp"]
-        gate = linear(normed, mlp["gate_proj"])
-        up = linear(normed, mlp["up_proj"])
-        hidden = hidden + linear(jax.nn.silu(gate) * up, mlp["down_proj"])
+
+        def norm(x: jax.Array, name: str, layer: Any = layer) -> jax.Array:
+            return rms_norm(x, layer[name]["weight"], eps, offset)
+
+        attn = _attention(config, layer["self_attn"], norm(hidden, "input_layernorm"),
+                          positions, config.layer_type(i))
+        pre_mlp = "post_attention_layernorm"
+        if config.sandwich_norms:
+            attn = norm(attn, "post_attention_layernorm")
+            pre_mlp = "pre_feedforward_layernorm"
+        hidden = hidden + attn
+        flat = norm(hidden, pre_mlp).reshape(batch * length, -1)
+        out = feed_forward(config, layer["mlp"], flat).reshape(batch, length, -1)
+        if config.sandwich_norms:
+            out = norm(out, "post_feedforward_layernorm")
+        hidden = hidden + out
     return hidden
 
 

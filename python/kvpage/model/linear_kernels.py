@@ -144,6 +144,15 @@ def _quantized_matmul_nt(
     return y.reshape(*x.shape[:-1], w.shape[0]).astype(out_dtype)
 
 
+def linear(x: jax.Array, layer: dict[str, Any]) -> jax.Array:
+    """A linear layer: ``x @ weight.T (+ bias)`` with an HF-oriented ``[out, in]`` weight,
+    in ``x``'s dtype."""
+    y = matmul_nt(x, layer["weight"])
+    if "bias" in layer:
+        y = y + layer["bias"]
+    return y.astype(x.dtype)
+
+
 def embedding_rows(weight: jax.Array | QuantizedWeight, token_ids: jax.Array) -> jax.Array:
     """Rows ``token_ids`` of an embedding table (a quantized one dequantizes only them)."""
     if isinstance(weight, QuantizedWeight):

@@ -1,6 +1,6 @@
 """Getting a parameter pytree: from an HF directory, from random numbers, or from memory.
 
-This file owns the three ways to obtain params for :mod:`kvpage.model.llama`:
+This file owns the three ways to obtain params for :mod:`kvpage.model.decoder`:
 
 * :func:`load_model` / :func:`load_params` read an HF-format directory (``config.json``
   plus one ``*.safetensors`` file or a sharded set with ``model.safetensors.index.json``).
@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvpage.model.architectures import TensorSource, get_architecture
 from kvpage.model.config import ModelConfig
 from kvpage.model.errors import CheckpointError
 from kvpage.model.params import (
@@ -144,31 +145,40 @@ def load_params(
     model_dir = Path(model_dir)
     target = jnp_dtype(resolve_dtype(config, dtype))
     where = _weight_files(model_dir)
+    arch = get_architecture(config.architecture)
     spec = param_spec(config)
-    missing = [name for name in spec if name not in where]
+    sources = {name: arch.source(name, config) for name in spec}
+    missing = [n for source in sources.values() for n in source.names if n not in where]
     if missing:
         more = f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""
         raise CheckpointError(
             f"checkpoint {model_dir} lacks tensors: {', '.join(missing[:8])}{more}"
         )
     files: dict[Path, SafetensorsFile] = {}
-    flat: dict[str, Any] = {}
-    for name, shape in spec.items():
+
+    def get(name: str) -> Any:
         path = where[name]
         if path not in files:
             files[path] = SafetensorsFile(path)
         shard = files[path]
         if name not in shard:
             raise CheckpointError(f"tensor {name!r} is listed for {path} but absent from it")
-        if shard.shape(name) != shape:
+        return shard.get(name)
+
+    flat: dict[str, Any] = {}
+    for name, shape in spec.items():
+        source = sources[name]
+        host = source.read(get)
+        if host.shape != shape:
             raise CheckpointError(
-                f"tensor {name!r} in {path} has shape {shard.shape(name)}, expected {shape}"
+                f"tensor {name!r} (from {', '.join(source.names[:2])}) in {model_dir} has "
+                f"shape {host.shape}, expected {shape}"
             )
         if int8 and len(shape) == 2:
-            flat[name] = jax.device_put(quantize_int8(shard.get(name), target), device)
+            flat[name] = jax.device_put(quantize_int8(host, target), device)
             continue
         # Convert on the device: the host only streams the file's bytes.
-        value = jax.device_put(np.asarray(shard.get(name)), device)
+        value = jax.device_put(host, device)
         flat[name] = value if value.dtype == target else value.astype(target)
     return tree_from_flat(config, flat)
 
@@ -179,18 +189,24 @@ def params_from_hf_tensors(
     dtype: str = "auto",
     device: jax.Device | None = None,
 ) -> Params:
-    """Adopt an in-memory HF-named flat mapping (e.g. a converted ``state_dict``)."""
-    spec = param_spec(config)
-    missing = [name for name in spec if name not in tensors]
-    if missing:
-        raise CheckpointError(f"tensors missing from mapping: {', '.join(missing[:8])}")
+    """Adopt an in-memory HF-named flat mapping (e.g. a converted ``state_dict``), in
+    the checkpoint spelling of ``config``'s architecture (per-expert tensors, fused
+    projections) or already in kvpage's names."""
+    arch = get_architecture(config.architecture)
     flat = {}
-    for name, shape in spec.items():
-        if tuple(np.shape(tensors[name])) != shape:
+    for name, shape in param_spec(config).items():
+        source = TensorSource((name,)) if name in tensors else arch.source(name, config)
+        absent = [n for n in source.names if n not in tensors]
+        if absent:
+            raise CheckpointError(f"tensors missing from mapping: {', '.join(absent[:8])}")
+        value = source.read(tensors.__getitem__) if source.stacked or source.rows else (
+            tensors[source.names[0]]
+        )
+        if tuple(np.shape(value)) != shape:
             raise CheckpointError(
-                f"tensor {name!r} has shape {tuple(np.shape(tensors[name]))}, expected {shape}"
+                f"tensor {name!r} has shape {tuple(np.shape(value))}, expected {shape}"
             )
-        flat[name] = tensors[name]
+        flat[name] = value
     return cast_params(tree_from_flat(config, flat), resolve_dtype(config, dtype), device)
 
 
@@ -216,7 +232,8 @@ def random_params(
     device: jax.Device | None = None,
     scale: float = 0.02,
 ) -> Params:
-    """Normal(0, ``scale``) weights (norm weights 1, biases 0) at the config's real shapes.
+    """Normal(0, ``scale``) weights (norms scaling by 1, biases 0) at the config's real
+    shapes.
 
     Generated on the device tensor by tensor, so an 8B model needs no host memory.
     """
@@ -224,8 +241,8 @@ def random_params(
     base = jax.random.key(seed)
     flat: dict[str, jax.Array] = {}
     for index, (name, shape) in enumerate(param_spec(config).items()):
-        if name.endswith("norm.weight"):
-            value = jnp.ones(shape, target, device=device)
+        if name.endswith("norm.weight"):  # scale 1 (Gemma scales by 1 + weight)
+            value = jnp.full(shape, 1.0 - config.norm_offset, target, device=device)
         elif name.endswith(".bias"):
             value = jnp.zeros(shape, target, device=device)
         else:

@@ -72,11 +72,10 @@ def jnp_dtype(name: str) -> Any:
         ) from None
 
 
-def layer_spec(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Shapes of one decoder layer's tensors, keyed by the name inside the layer."""
+def _attention_spec(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     h, d = config.hidden_size, config.head_dim
-    q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
-    spec: dict[str, tuple[int, ...]] = {"input_layernorm.weight": (h,)}
+    q, kv = config.q_size, config.kv_size
+    spec: dict[str, tuple[int, ...]] = {}
     for name, out in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
         spec[f"self_attn.{name}.weight"] = (out, h)
         if config.qkv_bias:
@@ -85,16 +84,62 @@ def layer_spec(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if config.o_proj_bias:
         spec["self_attn.o_proj.bias"] = (h,)
     if config.qk_norm:
-        spec["self_attn.q_norm.weight"] = (d,)
-        spec["self_attn.k_norm.weight"] = (d,)
-    spec["post_attention_layernorm.weight"] = (h,)
-    for name, out, inp in (
-        ("gate_proj", inter, h), ("up_proj", inter, h), ("down_proj", h, inter)
-    ):
-        spec[f"mlp.{name}.weight"] = (out, inp)
-        if config.mlp_bias:
-            spec[f"mlp.{name}.bias"] = (out,)
+        per_head = config.qk_norm_over == "head"
+        spec["self_attn.q_norm.weight"] = (d,) if per_head else (q,)
+        spec["self_attn.k_norm.weight"] = (d,) if per_head else (kv,)
     return spec
+
+
+def _gated_mlp_spec(prefix: str, hidden: int, inter: int, bias: bool
+                    ) -> dict[str, tuple[int, ...]]:
+    spec: dict[str, tuple[int, ...]] = {}
+    for name, out, inp in (
+        ("gate_proj", inter, hidden), ("up_proj", inter, hidden), ("down_proj", hidden, inter)
+    ):
+        spec[f"{prefix}.{name}.weight"] = (out, inp)
+        if bias:
+            spec[f"{prefix}.{name}.bias"] = (out,)
+    return spec
+
+
+def _moe_spec(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    moe = config.moe
+    assert moe is not None
+    h, e, inter = config.hidden_size, moe.num_experts, moe.intermediate_size
+    spec: dict[str, tuple[int, ...]] = {"mlp.gate.weight": (e, h)}
+    if moe.router_bias:
+        spec["mlp.gate.bias"] = (e,)
+    spec["mlp.experts.gate_proj.weight"] = (e, inter, h)
+    spec["mlp.experts.up_proj.weight"] = (e, inter, h)
+    spec["mlp.experts.down_proj.weight"] = (e, h, inter)
+    if moe.shared_expert_intermediate_size:
+        spec.update(_gated_mlp_spec(
+            "mlp.shared_expert", h, moe.shared_expert_intermediate_size, False
+        ))
+        if moe.shared_expert_gate:
+            spec["mlp.shared_expert_gate.weight"] = (1, h)
+    return spec
+
+
+def layer_spec(config: ModelConfig, index: int = 0) -> dict[str, tuple[int, ...]]:
+    """Shapes of decoder layer ``index``'s tensors, keyed by the name inside the layer."""
+    h = config.hidden_size
+    spec: dict[str, tuple[int, ...]] = {"input_layernorm.weight": (h,)}
+    spec.update(_attention_spec(config))
+    spec["post_attention_layernorm.weight"] = (h,)
+    if config.sandwich_norms:
+        spec["pre_feedforward_layernorm.weight"] = (h,)
+        spec["post_feedforward_layernorm.weight"] = (h,)
+    if config.is_moe_layer(index):
+        spec.update(_moe_spec(config))
+    else:
+        spec.update(_gated_mlp_spec("mlp", h, config.intermediate_size, config.mlp_bias))
+    return spec
+
+
+def uniform_layers(config: ModelConfig) -> bool:
+    """Whether every layer has the same tensors (required by the stacked layout)."""
+    return config.moe is None or not config.moe.dense_layers
 
 
 def param_spec(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -102,9 +147,8 @@ def param_spec(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     spec: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (config.vocab_size, config.hidden_size)
     }
-    per_layer = layer_spec(config)
     for i in range(config.num_layers):
-        for name, shape in per_layer.items():
+        for name, shape in layer_spec(config, i).items():
             spec[f"model.layers.{i}.{name}"] = shape
     spec["model.norm.weight"] = (config.hidden_size,)
     if not config.tie_word_embeddings:
@@ -144,15 +188,17 @@ def iter_leaves(config: ModelConfig, params: Params) -> Iterator[tuple[str, Any,
     for name, shape in top.items():
         yield name, _lookup(params, hf_name_to_path(name)), shape
     layers = params.get("layers") if isinstance(params, Mapping) else None
-    per_layer = layer_spec(config)
     if isinstance(layers, Mapping):
-        for name, shape in per_layer.items():
+        if not uniform_layers(config):
+            raise CheckpointError("the stacked layers layout needs layers of one structure; "
+                                  "this model mixes dense and MoE layers (use a list)")
+        for name, shape in layer_spec(config).items():
             value = _lookup(layers, hf_name_to_path(name))
             yield f"model.layers.*.{name}", value, (config.num_layers, *shape)
         return
     for i in range(config.num_layers):
         layer = layers[i] if isinstance(layers, list | tuple) and i < len(layers) else None
-        for name, shape in per_layer.items():
+        for name, shape in layer_spec(config, i).items():
             value = None if layer is None else _lookup(layer, hf_name_to_path(name))
             yield f"model.layers.{i}.{name}", value, shape
 

@@ -182,10 +182,12 @@ def _longrope(head_dim: int, rope: RopeConfig, factors: tuple[float, ...]) -> np
     return (np.float32(1.0) / (ext * _theta_powers(head_dim, rope.theta))).astype(np.float32)
 
 
-def config_inverse_frequencies(config: ModelConfig) -> np.ndarray:
+def config_inverse_frequencies(config: ModelConfig, rope: RopeConfig | None = None) -> np.ndarray:
     """:func:`inverse_frequencies` of ``config`` (the below-threshold ones for the
     length-dependent types; :func:`config_rope_cos_sin` handles those fully)."""
-    return inverse_frequencies(config.head_dim, config.rope, config.max_position_embeddings)
+    return inverse_frequencies(
+        config.rotary_dim, rope or config.rope, config.max_position_embeddings
+    )
 
 
 def token_sequence_lengths(
@@ -223,18 +225,20 @@ def config_rope_cos_sin(
     positions: jax.Array,
     cu_q_lens: jax.Array | None = None,
     kv_lens: jax.Array | None = None,
+    rope: RopeConfig | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """float32 ``cos, sin`` ``[T, head_dim]`` of ``config``'s RoPE, attention scaling
-    included, for int positions ``[T]``.
+    """float32 ``cos, sin`` ``[T, rotary_dim]`` of ``config``'s RoPE (or ``rope``, e.g.
+    the sliding layers' :attr:`~ModelConfig.rope_local`), attention scaling included, for
+    int positions ``[T]``.
 
     The length-dependent types need each token's sequence length: from the paged step's
     ``cu_q_lens`` / ``kv_lens`` (see the module docstring), or, without them, the largest
     position + 1 of the whole batch (transformers' rule for a padded dense batch).
     """
-    rope = config.rope
+    rope = rope or config.rope
     scale = attention_scaling(rope, config.max_position_embeddings)
     if rope.rope_type not in LENGTH_DEPENDENT_ROPE_TYPES:
-        return rope_cos_sin(positions, config_inverse_frequencies(config), scale)
+        return rope_cos_sin(positions, config_inverse_frequencies(config, rope), scale)
     num_tokens = positions.shape[0]
     if cu_q_lens is None or kv_lens is None:
         lengths = jnp.broadcast_to(jnp.max(positions).astype(jnp.int32) + 1, (num_tokens,))
@@ -242,12 +246,12 @@ def config_rope_cos_sin(
         lengths = token_sequence_lengths(cu_q_lens, kv_lens, num_tokens)
     if rope.rope_type == "longrope":
         original = rope.original_max_position_embeddings or config.max_position_embeddings
-        short = jnp.asarray(config_inverse_frequencies(config))
-        long = jnp.asarray(long_inverse_frequencies(config.head_dim, rope))
+        short = jnp.asarray(config_inverse_frequencies(config, rope))
+        long = jnp.asarray(long_inverse_frequencies(config.rotary_dim, rope))
         inv_freq = jnp.where((lengths > original)[:, None], long[None, :], short[None, :])
     else:
         inv_freq = _dynamic_inverse_frequencies(
-            config.head_dim, rope, config.max_position_embeddings, lengths
+            config.rotary_dim, rope, config.max_position_embeddings, lengths
         )
     return rope_cos_sin(positions, inv_freq, scale)
 
@@ -270,7 +274,14 @@ def rope_cos_sin(
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate ``x`` ``[T, heads, head_dim]`` by per-token angles (``cos``/``sin`` ``[T, D]``)."""
+    """Rotate ``x`` ``[T, heads, head_dim]`` by per-token angles (``cos``/``sin``
+    ``[T, D]``); with ``D < head_dim`` (partial RoPE) only the first ``D`` features
+    rotate and the rest pass through."""
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return jnp.concatenate(
+            [apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]], axis=-1
+        )
     half = x.shape[-1] // 2
     xf = x.astype(jnp.float32)
     rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)

@@ -1,4 +1,5 @@
-"""A quantized ``[out, in]`` linear weight as one node of the params pytree.
+"""A quantized ``[out, in]`` linear weight (or ``[experts, out, in]`` stacked experts) as
+one node of the params pytree.
 
 Owns :class:`QuantizedWeight`: the stored arrays (GGUF's blocks as ``uint8 [out,
 row_bytes]``, or int8 values ``[out, in]`` with float32 ``row_scales [out]``) as pytree
@@ -7,8 +8,10 @@ step sees the format and jit, ``device_put`` and shardings treat the arrays as a
 other leaves. ``shape`` and ``dtype`` are the float weight's, so code that sizes
 activations from a weight (hidden size, dtype) works unchanged.
 
-Invariant: ``blocks.shape == (out, row_bytes(kind, in))`` (int8: ``(out, in)``, ``in`` a
-multiple of 32, with ``row_scales.shape == (out,)``); checked at construction from
+Invariant: ``blocks.shape == (*lead, row_bytes(kind, in))`` for a weight of shape
+``(*lead, in)`` (int8: ``(*lead, in)``, ``in`` a multiple of 32, with
+``row_scales.shape == lead``), ``lead`` one axis ``(out,)`` or two ``(experts, out)``;
+checked at construction from
 concrete arrays. The formats' layouts are :mod:`kvpage.quant.formats`' (owned by
 ``rust/kernels/quant/formats.rs``).
 """
@@ -27,7 +30,8 @@ from kvpage.quant.gguf_blocks import dequantize_blocks
 
 @jax.tree_util.register_pytree_node_class
 class QuantizedWeight:
-    """An ``[out, in]`` weight in format ``kind`` (see :data:`KINDS`)."""
+    """An ``[out, in]`` (or ``[experts, out, in]``) weight in format ``kind`` (see
+    :data:`KINDS`)."""
 
     __slots__ = ("blocks", "row_scales", "kind", "shape", "dtype")
 
@@ -35,7 +39,7 @@ class QuantizedWeight:
         self,
         blocks: Any,
         kind: str,
-        shape: tuple[int, int],
+        shape: tuple[int, ...],
         dtype: Any = jnp.float32,
         row_scales: Any = None,
     ) -> None:
@@ -44,29 +48,32 @@ class QuantizedWeight:
         self.blocks = blocks
         self.row_scales = row_scales
         self.kind = kind
-        self.shape = (int(shape[0]), int(shape[1]))
+        if len(shape) not in (2, 3):
+            raise ValueError(f"a quantized weight is 2-D or 3-D, got shape {tuple(shape)}")
+        self.shape = tuple(int(n) for n in shape)
         self.dtype = jnp.dtype(dtype)
         if isinstance(blocks, np.ndarray | jax.Array):
             self._check()
 
     def _check(self) -> None:
-        out, inner = self.shape
-        want = (out, row_bytes(self.kind, inner))
+        *lead, inner = self.shape
+        want = (*lead, row_bytes(self.kind, inner))
         if tuple(self.blocks.shape) != want:
             raise ValueError(f"{self.kind} blocks of a {self.shape} weight must be {want}, "
                              f"got {tuple(self.blocks.shape)}")
         if (self.kind in ROW_SCALED) != (self.row_scales is not None):
             raise ValueError("int8 weights (and only they) carry row_scales")
-        if self.row_scales is not None and tuple(self.row_scales.shape) != (out,):
-            raise ValueError(f"row_scales must be ({out},), got {tuple(self.row_scales.shape)}")
+        if self.row_scales is not None and tuple(self.row_scales.shape) != tuple(lead):
+            raise ValueError(f"row_scales must be {tuple(lead)}, got "
+                             f"{tuple(self.row_scales.shape)}")
 
     # ---- pytree
-    def tree_flatten(self) -> tuple[tuple[Any, ...], tuple[str, tuple[int, int], Any]]:
+    def tree_flatten(self) -> tuple[tuple[Any, ...], tuple[str, tuple[int, ...], Any]]:
         children = (self.blocks,) if self.row_scales is None else (self.blocks, self.row_scales)
         return children, (self.kind, self.shape, self.dtype)
 
     @classmethod
-    def tree_unflatten(cls, aux: tuple[str, tuple[int, int], Any], children: Any) -> Any:
+    def tree_unflatten(cls, aux: tuple[str, tuple[int, ...], Any], children: Any) -> Any:
         obj = object.__new__(cls)
         obj.kind, obj.shape, obj.dtype = aux
         obj.blocks = children[0]
@@ -76,7 +83,7 @@ class QuantizedWeight:
     # ---- views
     @property
     def ndim(self) -> int:
-        return 2
+        return len(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -87,7 +94,7 @@ class QuantizedWeight:
         return total
 
     def dequantize(self, dtype: Any = None) -> jax.Array:
-        """The float weight ``[out, in]`` (traceable; bit-exact with ``gguf``'s reference
+        """The float weight of :attr:`shape` (traceable; bit-exact with ``gguf``'s reference
         for GGUF formats, in float32 then cast to ``dtype``, default :attr:`dtype`)."""
         return dequantize_rows(self, self.blocks, self.row_scales, dtype)
 
@@ -108,7 +115,7 @@ def dequantize_rows(
     if weight.kind == "int8":
         values = blocks.astype(jnp.float32) * row_scales[..., None].astype(jnp.float32)
     else:
-        values = dequantize_blocks(weight.kind, blocks, weight.shape[1])
+        values = dequantize_blocks(weight.kind, blocks, weight.shape[-1])
     return values.astype(target)
 
 

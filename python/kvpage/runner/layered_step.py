@@ -25,7 +25,7 @@ host work overlaps the layers with no separate executable.
 
 Invariants:
 
-* The math is :func:`kvpage.model.llama.forward`'s, layer by layer (greedy parity with the
+* The math is :func:`kvpage.model.decoder.forward`'s, layer by layer (greedy parity with the
   all-layers-in-one trace is exact: same ops, same order).
 * ``layers`` never sees more than ``max(LAYERS_PER_CALL)`` layers' weights and KV pools:
   its HLO, and so its compile time, is independent of ``num_layers``.
@@ -48,8 +48,8 @@ import jax.numpy as jnp
 
 from kvpage.model.attention import AttentionBackend
 from kvpage.model.config import ModelConfig
+from kvpage.model.decoder import KVPool, decoder_layer, embed_tokens
 from kvpage.model.linear_kernels import live_rows
-from kvpage.model.llama import KVPool, decoder_layer, embed_tokens
 from kvpage.model.params import Params
 from kvpage.runner.kv_cache import KVPools
 from kvpage.runner.prompt_scoring import score_prompt_tokens
@@ -106,9 +106,12 @@ class SampleInfo(NamedTuple):
         )
 
 
-def make_embed(layout: PackedLayout) -> Callable[[jax.Array, jax.Array], jax.Array]:
+def make_embed(layout: PackedLayout, config: ModelConfig
+               ) -> Callable[[jax.Array, jax.Array], jax.Array]:
     def embed(weight: jax.Array, packed: jax.Array) -> jax.Array:
-        return embed_tokens({"embed_tokens": {"weight": weight}}, layout.unpack(packed).token_ids)
+        return embed_tokens(
+            {"embed_tokens": {"weight": weight}}, layout.unpack(packed).token_ids, config
+        )
 
     return embed
 
@@ -145,11 +148,12 @@ class LayerPlan(NamedTuple):
     kinds: list[LayerGroup]
 
 
-def layer_signature(layer: Any) -> Hashable:
-    """What a compiled layer piece depends on: the layer's pytree structure (which names
-    each weight's quantized format) and every leaf's shape and dtype."""
+def layer_signature(layer: Any, layer_type: str) -> Hashable:
+    """What a compiled layer piece depends on: the layer's attention kind (sliding or
+    full), its pytree structure (which names each weight's quantized format, and says
+    dense MLP or experts) and every leaf's shape and dtype."""
     leaves, treedef = jax.tree_util.tree_flatten(layer)
-    return treedef, tuple((tuple(leaf.shape), str(leaf.dtype)) for leaf in leaves)
+    return layer_type, treedef, tuple((tuple(leaf.shape), str(leaf.dtype)) for leaf in leaves)
 
 
 def _cut(signatures: Sequence[Hashable], size: int) -> LayerPlan:
@@ -210,11 +214,12 @@ def make_layers(
     backend: AttentionBackend,
     decode_only: bool,
     copy_blocks: Callable[[KVPools, jax.Array, jax.Array], KVPools],
-    count: int,
+    layer_types: Sequence[str],
     stacked: bool,
 ) -> Callable[..., tuple[jax.Array, list[KVPool]]]:
-    """The layer piece: ``count`` consecutive layers, each doing this step's fused
-    copy-on-write block copies in its pool, then :func:`decoder_layer`. Takes ``(layers,
+    """The layer piece: ``len(layer_types)`` consecutive layers of those attention kinds,
+    each doing this step's fused copy-on-write block copies in its pool, then
+    :func:`decoder_layer`. Takes ``(layers,
     pools, hidden, packed)`` with ``count``-long lists of layer params and pools; with
     ``stacked`` it takes ``(stacked layers, first index, pools, hidden, packed)`` and
     slices its layers from the stacked tree inside the executable."""
@@ -222,11 +227,12 @@ def make_layers(
     def run(layers: Any, pools: list[KVPool], hidden: jax.Array, packed: jax.Array) -> Any:
         a = layout.unpack(packed)
         out = []
-        for layer, pool in zip(layers, pools, strict=True):
+        for layer, pool, layer_type in zip(layers, pools, layer_types, strict=True):
             if layout.num_copies:
                 pool = copy_blocks([pool], a.copy_src, a.copy_dst)[0]
             hidden, pool = decoder_layer(
-                config, layer, hidden, a.positions, pool, a.meta, backend, decode_only
+                config, layer, hidden, a.positions, pool, a.meta, backend, decode_only,
+                layer_type,
             )
             out.append(pool)
         return hidden, out
@@ -243,7 +249,7 @@ def make_layers(
                 lambda leaf, i=i: jax.lax.dynamic_index_in_dim(leaf, first + i, keepdims=False),
                 stacked_layers,
             )
-            for i in range(count)
+            for i in range(len(layer_types))
         ]
         return run(layers, pools, hidden, packed)
 

@@ -147,11 +147,6 @@ class ModelRunner:
                 f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
                 f"{config.max_position_embeddings}"
             )
-        if config.sliding_window is not None and max_model_len > config.sliding_window:
-            raise ValueError(
-                f"sliding-window attention is not implemented: max_model_len {max_model_len} "
-                f"must not exceed the model's sliding_window {config.sliding_window}"
-            )
         if mesh is None and tensor_parallel_size > 1:
             check_tensor_parallel(config, tensor_parallel_size)
             mesh = make_mesh(tensor_parallel_size)
@@ -224,8 +219,11 @@ class ModelRunner:
         ``token_bitmask_fn`` returned (its host work hidden behind the device)."""
         self.stacked = is_stacked(self.params)
         self.layer_plan = layer_plan(
-            [None] * config.num_layers if self.stacked
-            else [layer_signature(layer) for layer in self.params["layers"]]
+            [config.layer_type(i) for i in range(config.num_layers)] if self.stacked
+            else [
+                layer_signature(layer, config.layer_type(i))
+                for i, layer in enumerate(self.params["layers"])
+            ]
         )
         # Executables of earlier starts are not used with a mesh, whose executables are
         # placed on several devices.

@@ -115,9 +115,10 @@ def make_multi_step(
     stacked [max_steps, ...], pools, table)``."""
     if layout.num_tokens != layout.num_seqs:
         raise ValueError("multi-step decode needs a pure-decode bucket (tokens == seqs)")
-    embed = make_embed(layout)
+    embed = make_embed(layout, config)
     layers = make_layers(
-        config, layout, backend, True, _no_copies, config.num_layers, stacked=False
+        config, layout, backend, True, _no_copies,
+        [config.layer_type(i) for i in range(config.num_layers)], stacked=False,
     )
     select = make_select(layout, logits_of, num_top, score_prompts=False)
     head = make_head(layout.num_seqs, logits_of, num_top, base_seed)

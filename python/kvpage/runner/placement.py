@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from kvpage.model.config import ModelConfig
-from kvpage.model.llama import compute_logits
+from kvpage.model.decoder import compute_logits
 from kvpage.model.params import Params
 from kvpage.runner.kv_cache import KVPools, copy_blocks
 from kvpage.runner.tensor_parallel import TP_AXIS, mesh_size, param_shardings

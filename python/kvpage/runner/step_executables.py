@@ -219,7 +219,7 @@ class StepExecutables:
         pool_sh = (self._place.pool_sharding, self._place.pool_sharding)
         embed = self.compile(
             ("embed", t, s),
-            make_embed(layout),
+            make_embed(layout, self._r.config),
             (),
             (embed_weight(params), packed),
             (embed_weight(shardings), rep),
@@ -233,7 +233,7 @@ class StepExecutables:
                 self._r.backend,
                 decode_only,
                 self._place.copy_blocks,
-                count,
+                [self._r.config.layer_type(i) for i in range(start, start + count)],
                 self._r.stacked,
             )
             pools = [pool] * count

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from kvpage.model.llama import AttentionMetadata
+from kvpage.model.decoder import AttentionMetadata
 from kvpage.runner.step_plan import StepPlanLike
 
 # Scalars at the end of the buffer.

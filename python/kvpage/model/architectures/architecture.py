@@ -1,0 +1,108 @@
+"""What an architecture file declares: how its checkpoints spell a model kvpage knows.
+
+This file owns :class:`Architecture` (the declarative description one file of
+:mod:`kvpage.model.architectures` gives) and :class:`TensorSource` (where one tensor of
+kvpage's parameter layout comes from in a checkpoint). An architecture does not contain
+a forward pass: the decoder (:mod:`kvpage.model.decoder`) is assembled from shared blocks
+by the fields of :class:`~kvpage.model.config.ModelConfig` that :attr:`Architecture.parse`
+sets (norm offset, sandwich norms, activation, MoE, layer kinds, soft-caps...).
+
+Names. kvpage's parameter layout (:mod:`kvpage.model.params`) uses the Llama / Qwen3-MoE
+HF names; a checkpoint that spells a tensor differently maps it with :attr:`renames`
+(regex substitutions applied to kvpage's name, e.g. Mixtral's ``block_sparse_moe``) and
+:attr:`fused` (a row range of one fused checkpoint tensor, e.g. Phi-3's ``qkv_proj``).
+Experts are one stacked tensor ``[num_experts, out, in]`` in kvpage's layout and one
+tensor per expert in HF checkpoints (``...experts.{e}.gate_proj.weight``): the source
+of a stacked name lists the per-expert names.
+
+GGUF. :attr:`gguf_names` are the ``general.architecture`` values llama.cpp writes for
+this architecture; :attr:`gguf_qk_permuted` says its converter interleaved the q/k rows
+(Llama); :attr:`gguf_tensors` adds the architecture's own GGUF tensor stems;
+:attr:`gguf_parse` reads its own metadata keys.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+ConfigFields = dict[str, Any]
+"""ModelConfig keyword arguments (all but ``architecture``)."""
+
+_EXPERTS = re.compile(r"^(.*\.experts)\.(\w+\.\w+)$")
+
+
+class TensorSource(NamedTuple):
+    """Where one kvpage tensor comes from: checkpoint ``names``, and how they combine.
+
+    * one name, ``rows`` None: the tensor itself;
+    * one name, ``rows=(start, stop)``: that row range of a fused tensor;
+    * several names (``stacked``): one per expert, stacked on a new leading axis.
+    """
+
+    names: tuple[str, ...]
+    rows: tuple[int, int] | None = None
+    stacked: bool = False
+
+    def read(self, get: Callable[[str], Any]) -> np.ndarray:
+        if self.stacked:
+            return np.stack([np.asarray(get(name)) for name in self.names])
+        value = np.asarray(get(self.names[0]))
+        if self.rows is not None:
+            value = value[self.rows[0]:self.rows[1]]
+        return value
+
+
+FusedRows = Callable[[Any], tuple[int, int]]
+"""``config -> (start, stop)`` rows of the fused tensor that hold one kvpage tensor."""
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One HF architecture: its names, config parsing and checkpoint spelling."""
+
+    name: str
+    """The ``architectures`` entry of an HF ``config.json`` (e.g. ``Gemma2ForCausalLM``)."""
+    model_type: str
+    parse: Callable[[Mapping[str, Any]], ConfigFields]
+    """``config.json`` contents -> ModelConfig keyword arguments."""
+    renames: tuple[tuple[str, str], ...] = ()
+    """``(pattern, replacement)`` regex substitutions, kvpage name -> checkpoint name."""
+    fused: Mapping[str, tuple[str, FusedRows]] = field(default_factory=dict)
+    """Layer-relative kvpage name -> (fused checkpoint name, rows of it)."""
+    gguf_names: tuple[str, ...] = ()
+    gguf_qk_permuted: bool = False
+    gguf_tensors: Mapping[str, str] = field(default_factory=dict)
+    """Extra GGUF layer tensor stems -> kvpage layer-relative names."""
+    gguf_parse: Callable[[Callable[[str, Any], Any]], ConfigFields] | None = None
+    """``(metadata key suffix, default) -> value`` reader -> extra ModelConfig fields."""
+    aliases: tuple[str, ...] = ()
+    """Other ``architectures`` entries that mean the same model."""
+
+    def checkpoint_name(self, name: str) -> str:
+        """The checkpoint's spelling of the (unstacked) kvpage tensor ``name``."""
+        for pattern, replacement in self.renames:
+            name = re.sub(pattern, replacement, name)
+        return name
+
+    def source(self, name: str, config: Any) -> TensorSource:
+        """Where kvpage's tensor ``name`` (a :func:`~kvpage.model.params.param_spec`
+        name) comes from in an HF checkpoint of this architecture."""
+        match = _EXPERTS.match(name)
+        if match is not None and config.moe is not None:
+            prefix, rest = match.groups()
+            names = tuple(
+                self.checkpoint_name(f"{prefix}.{e}.{rest}")
+                for e in range(config.moe.num_experts)
+            )
+            return TensorSource(names, stacked=True)
+        layer = re.match(r"^(model\.layers\.\d+\.)(.*)$", name)
+        if layer is not None and layer.group(2) in self.fused:
+            fused_name, rows = self.fused[layer.group(2)]
+            return TensorSource((self.checkpoint_name(layer.group(1) + fused_name),),
+                                rows=rows(config))
+        return TensorSource((self.checkpoint_name(name),))

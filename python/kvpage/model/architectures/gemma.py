@@ -1,0 +1,82 @@
+"""Gemma 2 and Gemma 3 (text): the Llama layout with Gemma's habits.
+
+Both: RMSNorm scaling by ``1 + weight`` (computed in float32), a norm before and after
+both attention and MLP ("sandwich"), a GeGLU MLP (tanh GELU), embeddings multiplied by
+``sqrt(hidden_size)``, queries scaled by ``query_pre_attn_scalar ** -0.5``, tied
+embeddings, and sliding-window layers alternating with full ones (``layer_types``).
+Gemma 2 soft-caps attention scores and final logits; Gemma 3 instead RMS-normalises
+each query and key head and gives its sliding layers their own RoPE base.
+llama.cpp's converter stores Gemma norm weights with the 1 already added.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from kvpage.model.architectures.architecture import Architecture, ConfigFields
+from kvpage.model.hf_config import (
+    activation,
+    decoder_fields,
+    layer_types,
+    local_rope_config,
+    optional_float,
+    sliding_window,
+)
+
+_GELU = ("gelu_pytorch_tanh", "gelu_tanh", "gelu")
+
+
+def _gemma_fields(raw: Mapping[str, Any], pattern: int) -> ConfigFields:
+    act = activation(raw, _GELU)
+    if act == "gelu":  # transformers' Gemma maps the legacy "gelu" to the tanh GELU too
+        act = "gelu_pytorch_tanh"
+    fields = decoder_fields(raw)
+    if "tie_word_embeddings" not in raw:
+        fields["tie_word_embeddings"] = True
+    if raw.get("use_bidirectional_attention"):
+        raise ValueError("bidirectional (encoder) Gemma attention is not supported")
+    fields.update(
+        hidden_act="gelu_tanh",
+        norm_offset=1.0,
+        sandwich_norms=True,
+        embedding_multiplier=math.sqrt(fields["hidden_size"]),
+        query_scale=float(raw.get("query_pre_attn_scalar", fields["head_dim"])) ** -0.5,
+        qkv_bias=bool(raw.get("attention_bias", False)),
+        o_proj_bias=bool(raw.get("attention_bias", False)),
+        layer_types=layer_types(raw, fields["num_layers"], pattern),
+        sliding_window=sliding_window(raw),
+    )
+    return fields
+
+
+def _gemma2(raw: Mapping[str, Any]) -> ConfigFields:
+    fields = _gemma_fields(raw, pattern=2)
+    fields.update(
+        attn_logit_softcap=optional_float(raw.get("attn_logit_softcapping", 50.0)),
+        final_logit_softcap=optional_float(raw.get("final_logit_softcapping", 30.0)),
+    )
+    return fields
+
+
+def _gemma3(raw: Mapping[str, Any]) -> ConfigFields:
+    fields = _gemma_fields(raw, pattern=int(raw.get("sliding_window_pattern", 6)))
+    fields.update(
+        qk_norm=True,
+        rope_local=local_rope_config(raw),
+        attn_logit_softcap=optional_float(raw.get("attn_logit_softcapping")),
+        final_logit_softcap=optional_float(raw.get("final_logit_softcapping")),
+    )
+    return fields
+
+
+_GEMMA_GGUF = {
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+GEMMA2 = Architecture("Gemma2ForCausalLM", "gemma2", _gemma2, gguf_names=("gemma2",),
+                      gguf_tensors=_GEMMA_GGUF)
+GEMMA3 = Architecture("Gemma3ForCausalLM", "gemma3_text", _gemma3, gguf_names=("gemma3",),
+                      gguf_tensors=_GEMMA_GGUF)

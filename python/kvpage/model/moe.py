@@ -1,0 +1,179 @@
+"""The mixture-of-experts feed-forward block: routing, and experts run only where routed.
+
+This file owns :func:`moe_block` (router, top-k, the routed experts' SwiGLU / GeGLU, the
+shared expert) and :func:`expert_matmul_nt`, the product behind every expert weight:
+``y[n] = x[n] . W[expert_ids[n]]^T`` for rows ``x [N, in]`` (``N = tokens * top_k``,
+one row per routed (token, expert) pair) and stacked expert weights ``W [E, out, in]``.
+
+Experts compute only where tokens are routed -- never every expert for every token:
+
+* CPU with the host kernels on (the model runner's steps): the Rust core's expert-indexed
+  kernel (``kernels/host/cpu_expert_matmul.py``) groups the rows by expert and streams
+  each routed expert's weight once, float or quantized GGUF blocks, so a one-token decode
+  step reads ``top_k`` experts' bytes;
+* otherwise, a few rows (``N <= E``): gather the routed experts' weights and multiply
+  row by row (reads ``N`` experts' weights);
+* otherwise: sort the rows by expert and run ``jax.lax.ragged_dot`` (a grouped matmul:
+  each expert's rows against its weight once).
+
+:func:`dense_moe_block` computes every expert for every token and weights them by the
+same routing: the reference for tests and the "dense-compute equivalent" of
+``kvpage bench moe``; the engine never runs it.
+
+Invariants: routing probabilities are computed in float32; the weights of a token's
+``top_k`` experts sum to 1 when the model renormalises (``norm_topk_prob``, or
+``router="topk_softmax"``); row ``t * top_k + j`` of the routed rows is token ``t``'s
+``j``-th expert.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kvpage.model.config import ModelConfig
+from kvpage.model.linear_kernels import host_kernels_enabled, matmul_nt
+from kvpage.model.mlp import activation_fn, gated_mlp
+from kvpage.quant.weights import QuantizedWeight
+
+ExpertWeight = jax.Array | QuantizedWeight
+"""A stacked expert weight ``[E, out, in]``: float, or quantized blocks."""
+
+
+def route(config: ModelConfig, router: dict[str, Any], x: jax.Array
+          ) -> tuple[jax.Array, jax.Array]:
+    """Each token's experts and their weights: ``(ids int32 [T, k], weights f32 [T, k])``."""
+    moe = config.moe
+    assert moe is not None
+    logits = matmul_nt(x, router["weight"], preferred_element_type=jnp.float32)
+    if "bias" in router:
+        logits = logits + router["bias"].astype(jnp.float32)
+    if moe.router == "topk_softmax":
+        top, ids = lax.top_k(logits, moe.top_k)
+        return ids.astype(jnp.int32), jax.nn.softmax(top, axis=-1)
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, ids = lax.top_k(probs, moe.top_k)
+    if moe.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return ids.astype(jnp.int32), weights
+
+
+def _num_experts(w: ExpertWeight) -> int:
+    return int(w.shape[0])
+
+
+def _gathered(x: jax.Array, w: ExpertWeight, ids: jax.Array) -> jax.Array:
+    if isinstance(w, QuantizedWeight):
+        scales = None if w.row_scales is None else jnp.take(w.row_scales, ids, axis=0)
+        blocks = jnp.take(w.blocks, ids, axis=0)
+        rows = QuantizedWeight(blocks, w.kind, (ids.shape[0], *w.shape[1:]), w.dtype, scales)
+        weight = rows.dequantize(x.dtype)
+    else:
+        weight = jnp.take(w, ids, axis=0)
+    return jnp.einsum("ni,noi->no", x, weight, preferred_element_type=jnp.float32)
+
+
+def _grouped(x: jax.Array, w: ExpertWeight, ids: jax.Array) -> jax.Array:
+    weight = w.dequantize(x.dtype) if isinstance(w, QuantizedWeight) else w
+    order = jnp.argsort(ids)
+    sizes = jnp.bincount(ids, length=_num_experts(w)).astype(jnp.int32)
+    y = lax.ragged_dot(x[order], jnp.swapaxes(weight, 1, 2), sizes,
+                       preferred_element_type=jnp.float32)
+    return jnp.zeros_like(y).at[order].set(y)
+
+
+def expert_matmul_nt(x: jax.Array, w: ExpertWeight, ids: jax.Array) -> jax.Array:
+    """float32 ``[N, out]``: row ``n`` of ``x [N, in]`` times expert ``ids[n]``'s
+    ``[out, in]`` weight transposed (see the module docstring for the kernels)."""
+    rows = x.shape[0]
+
+    def xla() -> jax.Array:
+        return _gathered(x, w, ids) if rows <= _num_experts(w) else _grouped(x, w, ids)
+
+    if not host_kernels_enabled():
+        return xla()
+    host = _host_kernel(x, w, ids)
+    if host is None:
+        return xla()
+    return lax.platform_dependent(cpu=host, default=xla)
+
+
+def _host_kernel(x: jax.Array, w: ExpertWeight, ids: jax.Array) -> Any:
+    """The CPU branch running the Rust core's expert-indexed kernel, or None."""
+    try:
+        from kvpage.kernels.host import cpu_expert_matmul as host
+    except ImportError:  # pragma: no cover - the kernel ships with the core
+        return None
+    experts = _num_experts(w)
+    if isinstance(w, QuantizedWeight):
+        if not host.available(w.kind):
+            return None
+        out = w.shape[1]
+        blocks = w.blocks.reshape(experts * out, -1)
+        scales = None if w.row_scales is None else w.row_scales.reshape(experts * out)
+        return lambda: host.expert_qmatmul_call(
+            x.astype(jnp.float32), blocks, scales, w.kind, ids, experts
+        )
+    if not host.available(str(jnp.dtype(w.dtype))):
+        return None
+    return lambda: host.expert_matmul_call(x.astype(jnp.float32), w, ids)
+
+
+def _routed_experts(config: ModelConfig, experts: dict[str, Any], x: jax.Array,
+                    ids: jax.Array, weights: jax.Array) -> jax.Array:
+    tokens, k = ids.shape
+    rows = jnp.repeat(x, k, axis=0)  # row t * k + j: token t's j-th expert
+    flat = ids.reshape(-1)
+    act = activation_fn(config.hidden_act)
+    gate = expert_matmul_nt(rows, experts["gate_proj"]["weight"], flat)
+    up = expert_matmul_nt(rows, experts["up_proj"]["weight"], flat)
+    hidden = (act(gate) * up).astype(x.dtype)
+    out = expert_matmul_nt(hidden, experts["down_proj"]["weight"], flat)
+    out = out.reshape(tokens, k, -1) * weights[..., None]
+    return jnp.sum(out, axis=1)
+
+
+def _shared_expert(config: ModelConfig, mlp: dict[str, Any], x: jax.Array) -> jax.Array:
+    out = gated_mlp(mlp["shared_expert"], x, config.hidden_act).astype(jnp.float32)
+    if "shared_expert_gate" in mlp:
+        gate = matmul_nt(x, mlp["shared_expert_gate"]["weight"],
+                         preferred_element_type=jnp.float32)
+        out = jax.nn.sigmoid(gate) * out
+    return out
+
+
+def moe_block(config: ModelConfig, mlp: dict[str, Any], x: jax.Array) -> jax.Array:
+    """The MoE feed-forward output ``[T, hidden]`` of normed hidden states ``x``."""
+    ids, weights = route(config, mlp["gate"], x)
+    out = _routed_experts(config, mlp["experts"], x, ids, weights)
+    if "shared_expert" in mlp:
+        out = out + _shared_expert(config, mlp, x)
+    return out.astype(x.dtype)
+
+
+def dense_moe_block(config: ModelConfig, mlp: dict[str, Any], x: jax.Array) -> jax.Array:
+    """:func:`moe_block` computing every expert for every token (reference / baseline)."""
+    ids, weights = route(config, mlp["gate"], x)
+    experts = mlp["experts"]
+
+    def dense(name: str, inputs: jax.Array) -> jax.Array:
+        w = experts[name]["weight"]
+        w = w.dequantize(inputs.dtype) if isinstance(w, QuantizedWeight) else w
+        return jnp.einsum("...i,eoi->...eo", inputs, w, preferred_element_type=jnp.float32)
+
+    act = activation_fn(config.hidden_act)
+    hidden = (act(dense("gate_proj", x)) * dense("up_proj", x)).astype(x.dtype)  # [T, E, I]
+    w_down = experts["down_proj"]["weight"]
+    w_down = w_down.dequantize(x.dtype) if isinstance(w_down, QuantizedWeight) else w_down
+    out = jnp.einsum("tei,eoi->teo", hidden, w_down, preferred_element_type=jnp.float32)
+    dense_weights = jnp.zeros(out.shape[:2], jnp.float32).at[
+        jnp.arange(ids.shape[0])[:, None], ids
+    ].set(weights)
+    out = jnp.sum(out * dense_weights[..., None], axis=1)
+    if "shared_expert" in mlp:
+        out = out + _shared_expert(config, mlp, x)
+    return out.astype(x.dtype)
+
