@@ -43,12 +43,73 @@ _LAYER = {
 }
 
 
-def gguf_name(hf_name: str) -> str:
+# llama.cpp's names for the other architectures' tensors (gemma: its own norms).
+_LAYER_MOE = {
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.experts.gate_proj": "ffn_gate_exps",
+    "mlp.experts.up_proj": "ffn_up_exps",
+    "mlp.experts.down_proj": "ffn_down_exps",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "self_attn.qkv_proj": "attn_qkv",
+    "mlp.gate_up_proj": "ffn_up",
+}
+_LAYER_GEMMA = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+MOE_ARCHS = ("qwen3moe", "qwen2moe", "olmoe", "mixtral")
+
+
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
     if hf_name in _HF_TO_GGUF:
         return _HF_TO_GGUF[hf_name]
     parts = hf_name.removeprefix("model.layers.").split(".")
     layer, module, kind = parts[0], ".".join(parts[1:-1]), parts[-1]
-    return f"blk.{layer}.{_LAYER[module]}.{kind}"
+    table = {**_LAYER, **_LAYER_MOE, **(_LAYER_GEMMA if arch.startswith("gemma") else {})}
+    return f"blk.{layer}.{table[module]}.{kind}"
+
+
+def _llama_cpp_tensors(state: dict[str, np.ndarray], arch: str) -> dict[str, np.ndarray]:
+    """transformers' in-memory tensors as llama.cpp's converter writes them: fused
+    experts ``gate_up_proj [E, 2I, H]`` split into the stacked gate / up experts, Gemma
+    norm weights with their 1 added."""
+    out: dict[str, np.ndarray] = {}
+    for name, value in state.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            half = value.shape[1] // 2
+            out[name.replace("gate_up_proj", "gate_proj.weight")] = value[:, :half]
+            out[name.replace("gate_up_proj", "up_proj.weight")] = value[:, half:]
+        elif name.endswith("mlp.experts.down_proj"):
+            out[name + ".weight"] = value
+        elif arch.startswith("gemma") and name.endswith("norm.weight"):
+            out[name] = value + 1.0
+        else:
+            out[name] = value
+    return out
+
+
+def _arch_metadata(writer: Any, cfg: Any, arch: str) -> None:
+    """The architecture keys llama.cpp's converter writes for MoE / Gemma / Phi-3."""
+    if arch in MOE_ARCHS:
+        experts = getattr(cfg, "num_experts", None) or cfg.num_local_experts
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        width = getattr(cfg, "moe_intermediate_size", None)
+        if width:
+            writer.add_expert_feed_forward_length(width)
+        shared = getattr(cfg, "shared_expert_intermediate_size", 0)
+        if shared:
+            writer.add_expert_shared_feed_forward_length(shared)
+    if arch.startswith("gemma"):
+        if getattr(cfg, "sliding_window", None):
+            writer.add_sliding_window(cfg.sliding_window)
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if getattr(cfg, key, None) is not None:
+                getattr(writer, f"add_{key}")(float(getattr(cfg, key)))
 
 
 def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -105,7 +166,7 @@ def write_gguf(
     cfg = model.config
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    writer = gguf.GGUFWriter(str(path), arch)
+    writer = gguf.GGUFWriter(str(path), "llama" if arch == "mixtral" else arch)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -114,9 +175,11 @@ def write_gguf(
     writer.add_head_count_kv(kv_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     rope = getattr(cfg, "rope_parameters", None) or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3: one set per layer kind
+    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    _arch_metadata(writer, cfg, arch)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 1e4))))
     if orig_ctx is not None:
         writer.add_rope_scaling_orig_ctx_len(orig_ctx)
@@ -135,14 +198,16 @@ def write_gguf(
         writer.add_add_bos_token(False)
         writer.add_chat_template(CHAT_TEMPLATE)
     quant = quant or {}
-    state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    state = _llama_cpp_tensors(
+        {k: v.detach().float().numpy() for k, v in model.state_dict().items()}, arch
+    )
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     for hf_name, value in state.items():
-        name = gguf_name(hf_name)
+        name = gguf_name(hf_name, arch)
         if name in skip:
             continue
-        if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+        if arch in ("llama", "mixtral") and (".attn_q." in name or ".attn_k." in name):
             value = llama_cpp_permute(value, heads if ".attn_q." in name else kv_heads)
         kind = next((q for suffix, q in quant.items() if name.endswith(suffix)), "F32")
         qtype = gguf.GGMLQuantizationType[kind]

@@ -80,3 +80,63 @@ def test_every_registered_architecture_is_tested() -> None:
 def test_unknown_architecture_names_it_and_the_supported_ones() -> None:
     with pytest.raises(ValueError, match=r"'DeepseekV3ForCausalLM'.*Gemma2ForCausalLM"):
         ModelConfig.from_hf_dict({"architectures": ["DeepseekV3ForCausalLM"]})
+
+
+# fixture name -> (GGUF architecture, config overrides llama.cpp can express in GGUF).
+GGUF_ARCHITECTURES = {
+    "qwen3_moe": ("qwen3moe", dict(mlp_only_layers=[])),
+    "qwen2_moe": ("qwen2moe", {}),
+    "mixtral": ("mixtral", {}),
+    "olmoe": ("olmoe", {}),
+    "gemma2": ("gemma2", dict(query_pre_attn_scalar=16, sliding_window=6)),
+    "gemma3": ("gemma3", dict(query_pre_attn_scalar=16, sliding_window=6,
+                              rope_local_base_freq=10000.0,
+                              layer_types=["sliding_attention"] * 5 + ["full_attention"],
+                              num_hidden_layers=6)),
+    "phi3": ("phi3", {}),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(GGUF_ARCHITECTURES))
+def test_architecture_from_gguf_matches_transformers(arch: str, tmp_path: Path) -> None:
+    """The same tiny model written as llama.cpp's converter writes it (stacked experts,
+    Gemma's +1 norms, Phi-3's fused projections, Mixtral as ``llama``), float32, against
+    transformers: the config it describes and the prefill logits."""
+    from gguf_fixtures import write_gguf
+    from kvpage.model.gguf_loader import load_gguf
+
+    gguf_arch, overrides = GGUF_ARCHITECTURES[arch]
+    model = build_hf_model(arch, seed=5, **overrides)
+    path = write_gguf(tmp_path / f"{arch}.gguf", model, gguf_arch, tokenizer=False)
+    config, params, _ = load_gguf(path)
+    hf_dir_config = ModelConfig.from_hf_dict(
+        {**model.config.to_dict(), "architectures": [type(model).__name__]}
+    )
+    assert config.architecture == hf_dir_config.architecture
+    assert config.moe == hf_dir_config.moe
+    assert config.layer_types == hf_dir_config.layer_types
+    np.testing.assert_allclose(prefill_logits(config, params, PROMPT), hf_logits(model, PROMPT),
+                               atol=1e-4, rtol=0)
+
+
+def test_quantized_experts_stay_in_blocks_and_match_their_dequantized_values(
+        tmp_path: Path) -> None:
+    """Q8_0 expert weights kept as 3-D blocks (experts gathered or grouped straight from
+    their blocks, and through the runner's steps) give the logits of the same file
+    dequantized at load."""
+    from gguf_fixtures import write_gguf
+    from kvpage.model.gguf_loader import load_gguf
+    from kvpage.quant.weights import QuantizedWeight
+    from model_fixtures import paged_greedy
+
+    model = build_hf_model("qwen3_moe", seed=6, mlp_only_layers=[])
+    path = write_gguf(tmp_path / "q8.gguf", model, "qwen3moe", tokenizer=False,
+                      quant={"_exps.weight": "Q8_0"})
+    config, kept, _ = load_gguf(path)
+    _, dense, _ = load_gguf(path, quantization="none")
+    experts = kept["layers"][0]["mlp"]["experts"]["gate_proj"]["weight"]
+    assert isinstance(experts, QuantizedWeight) and experts.shape == (8, 32, 64)
+    want_tokens, want = paged_greedy(config, dense, PROMPT, 6)
+    got_tokens, got = paged_greedy(config, kept, PROMPT, 6)
+    assert got_tokens == want_tokens
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)

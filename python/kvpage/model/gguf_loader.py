@@ -35,6 +35,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
+import math
 import os
 import re
 from collections.abc import Callable
@@ -44,6 +45,11 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from kvpage.model.architectures import (
+    SUPPORTED_GGUF_ARCHITECTURES,
+    Architecture,
+    gguf_architecture,
+)
 from kvpage.model.config import ModelConfig, RopeConfig
 from kvpage.model.errors import CheckpointError
 from kvpage.model.gguf_metadata import (
@@ -60,14 +66,6 @@ from kvpage.model.rope import attention_scaling, inverse_frequencies
 from kvpage.quant.int8 import quantize_int8
 from kvpage.quant.modes import GGUF_KEPT, check_mode, keeps_gguf_blocks
 from kvpage.quant.weights import QuantizedWeight
-
-# general.architecture -> (kvpage architecture, q/k rows permuted by llama.cpp).
-_ARCHITECTURES: dict[str, tuple[str, bool]] = {
-    "llama": ("LlamaForCausalLM", True),
-    "qwen2": ("Qwen2ForCausalLM", False),
-    "qwen3": ("Qwen3ForCausalLM", False),
-}
-SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = tuple(_ARCHITECTURES)
 
 # The tensor types gguf.quants dequantizes that this loader accepts (names of
 # gguf.GGMLQuantizationType members).
@@ -102,14 +100,17 @@ _LLAMA3_LOW_FREQ, _LLAMA3_HIGH_FREQ, _LLAMA3_ORIGINAL_CONTEXT = 1.0, 4.0, 8192
 logger = logging.getLogger(__name__)
 
 
-def _architecture(reader: Any, path: Path) -> str:
-    arch = field(reader, "general.architecture")
-    if arch not in _ARCHITECTURES:
+def _architecture(reader: Any, path: Path) -> tuple[str, Architecture]:
+    """The file's ``general.architecture`` and the kvpage architecture it is."""
+    name = field(reader, "general.architecture")
+    experts = int_field(reader, f"{name}.expert_count", path, 0) if isinstance(name, str) else 0
+    arch = gguf_architecture(name, experts or 0) if isinstance(name, str) else None
+    if arch is None:
         raise CheckpointError(
-            f"GGUF file {path} has architecture {arch!r}; supported: "
+            f"GGUF file {path} has architecture {name!r}; supported: "
             f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
         )
-    return str(arch)
+    return str(name), arch
 
 
 def _rope(reader: Any, arch: str, head_dim: int, context: int, path: Path) -> RopeConfig:
@@ -225,8 +226,7 @@ def _auto_dtype(reader: Any, device: jax.Device | None) -> str:
 
 def _config_from_reader(reader: Any, path: Path, dtype: str, device: jax.Device | None
                         ) -> ModelConfig:
-    gguf_arch = _architecture(reader, path)
-    architecture, _ = _ARCHITECTURES[gguf_arch]
+    gguf_arch, arch = _architecture(reader, path)
     shapes = {t.name: tensor_shape(t) for t in reader.tensors}
     if "token_embd.weight" not in shapes:
         raise CheckpointError(f"GGUF file {path} lacks the tensor 'token_embd.weight'")
@@ -241,11 +241,8 @@ def _config_from_reader(reader: Any, path: Path, dtype: str, device: jax.Device 
     head_dim = (int_field(reader, f"{gguf_arch}.attention.key_length", path, 0)
                 or hidden // heads)
     rotary = int_field(reader, f"{gguf_arch}.rope.dimension_count", path, head_dim)
-    if rotary != head_dim:
-        raise CheckpointError(
-            f"GGUF file {path} rotates {rotary} of {head_dim} head features; "
-            "partial rotary embeddings are not supported"
-        )
+    if not 0 < rotary <= head_dim:
+        raise CheckpointError(f"GGUF file {path} rotates {rotary} of {head_dim} head features")
     context = required_int(reader, f"{gguf_arch}.context_length", path)
     eos = [
         field(reader, f"tokenizer.ggml.{key}")
@@ -254,12 +251,15 @@ def _config_from_reader(reader: Any, path: Path, dtype: str, device: jax.Device 
     if dtype == "auto":
         dtype = _auto_dtype(reader, device)
     jnp_dtype(dtype)
+    q_norm = shapes.get("blk.0.attn_q_norm.weight")
+    expert_width = int_field(reader, f"{gguf_arch}.expert_feed_forward_length", path, 0)
     try:
-        return ModelConfig(
-            architecture=architecture,
+        fields: dict[str, Any] = dict(
             vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=required_int(reader, f"{gguf_arch}.feed_forward_length", path),
+            intermediate_size=int_field(
+                reader, f"{gguf_arch}.feed_forward_length", path, expert_width or None
+            ) or required_int(reader, f"{gguf_arch}.feed_forward_length", path),
             num_layers=required_int(reader, f"{gguf_arch}.block_count", path),
             num_heads=heads,
             num_kv_heads=kv_heads,
@@ -267,18 +267,26 @@ def _config_from_reader(reader: Any, path: Path, dtype: str, device: jax.Device 
             rms_norm_eps=float_field(
                 reader, f"{gguf_arch}.attention.layer_norm_rms_epsilon", path, 1e-6
             ),
-            rope=_rope(reader, gguf_arch, head_dim, context, path),
+            rope=_rope(reader, gguf_arch, rotary, context, path),
+            partial_rotary_factor=rotary / head_dim,
             max_position_embeddings=context,
             tie_word_embeddings="output.weight" not in shapes,
             qkv_bias="blk.0.attn_q.bias" in shapes,
             o_proj_bias="blk.0.attn_output.bias" in shapes,
             mlp_bias="blk.0.ffn_gate.bias" in shapes,
-            qk_norm="blk.0.attn_q_norm.weight" in shapes,
+            qk_norm=q_norm is not None,
+            qk_norm_over="head" if q_norm in (None, (head_dim,)) else "projection",
             dtype=dtype,
             eos_token_ids=tuple(sorted({
                 int(e) for e in eos if isinstance(e, int) and not isinstance(e, bool)
             })),
         )
+        if arch.gguf_parse is not None:
+            def get(suffix: str, default: Any) -> Any:
+                return field(reader, f"{gguf_arch}.{suffix}", default)
+
+            fields.update(arch.gguf_parse(get, fields))
+        return ModelConfig(architecture=arch.name, **fields)
     except CheckpointError:
         raise
     except ValueError as exc:
@@ -322,20 +330,45 @@ def _unpermute_rope_rows(weight: np.ndarray, heads: int) -> np.ndarray:
     return rows.swapaxes(1, 2).reshape(weight.shape)
 
 
-def _hf_name(gguf_name: str, num_layers: int) -> str | None:
-    """The HF tensor name for a GGUF tensor name, or None if it is not a model weight."""
+Target = tuple[str, tuple[int, int] | None]
+"""A kvpage tensor name a GGUF tensor fills, and the rows of it that fill it (fused)."""
+
+
+def _hf_names(gguf_name: str, config: ModelConfig, arch: Architecture) -> list[Target]:
+    """The kvpage tensors a GGUF tensor fills (empty if it is not a model weight)."""
     if gguf_name.count(".") == 1:
         stem, kind = gguf_name.split(".")
         if stem in _TOP_TENSORS and kind == "weight":
-            return f"{_TOP_TENSORS[stem]}.{kind}"
-        return None
+            return [(f"{_TOP_TENSORS[stem]}.{kind}", None)]
+        return []
     match = _LAYER_NAME.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _LAYER_TENSORS:
-        return None
-    layer = int(match.group(1))
-    if layer >= num_layers:
-        return None
-    return f"model.layers.{layer}.{_LAYER_TENSORS[match.group(2)]}.{match.group(3)}"
+    if match is None:
+        return []
+    layer, stem, kind = int(match.group(1)), match.group(2), match.group(3)
+    if layer >= config.num_layers:
+        return []
+    prefix = f"model.layers.{layer}."
+    if stem in arch.gguf_fused:
+        return [(f"{prefix}{name}.{kind}", rows(config)) for name, rows in arch.gguf_fused[stem]]
+    name = arch.gguf_tensors.get(stem) or _LAYER_TENSORS.get(stem)
+    return [] if name is None else [(f"{prefix}{name}.{kind}", None)]
+
+
+def _take_rows(value: np.ndarray | QuantizedWeight, rows: tuple[int, int] | None
+               ) -> np.ndarray | QuantizedWeight:
+    if rows is None:
+        return value
+    start, stop = rows
+    if isinstance(value, QuantizedWeight):
+        scales = None if value.row_scales is None else value.row_scales[start:stop]
+        return QuantizedWeight(np.ascontiguousarray(value.blocks[start:stop]), value.kind,
+                               (stop - start, value.shape[1]), value.dtype, scales)
+    return value[start:stop]
+
+
+def _squeezable(shape: tuple[int, ...], want: tuple[int, ...]) -> bool:
+    """A vector stored for a ``[1, n]`` weight (the shared-expert gate)."""
+    return math.prod(shape) == math.prod(want) and len(want) == 2 and 1 in want
 
 
 class GGUFModel(NamedTuple):
@@ -387,26 +420,30 @@ def _params_from_reader(
     keep_blocks: bool = False,
     int8: bool = False,
 ) -> Params:
-    gguf_arch = _architecture(reader, path)
-    permuted = _ARCHITECTURES[gguf_arch][1]
+    gguf_arch, arch = _architecture(reader, path)
+    permuted = arch.gguf_qk_permuted
     target = jnp_dtype(config.dtype)
     spec = param_spec(config)
     flat: dict[str, Any] = {}
     tensors = [t for t in reader.tensors if t.name != _ROPE_FREQS]
-    names = []
+    targets: list[list[Target]] = []
     for tensor in tensors:
-        name = _hf_name(tensor.name, config.num_layers)
-        if name is None or name not in spec:
+        names = _hf_names(tensor.name, config, arch)
+        if not names or any(name not in spec for name, _ in names):
             raise CheckpointError(
                 f"GGUF file {path} holds tensor {tensor.name!r} of shape "
                 f"{tensor_shape(tensor)}, which a {gguf_arch} model does not use"
             )
-        if tensor_shape(tensor) != spec[name]:
-            raise CheckpointError(
-                f"tensor {tensor.name!r} ({name}) in {path} has shape "
-                f"{tensor_shape(tensor)}, expected {spec[name]}"
-            )
-        names.append(name)
+        shape = tensor_shape(tensor)
+        for name, rows in names:
+            want = spec[name]
+            got = shape if rows is None else (rows[1] - rows[0], *shape[1:])
+            if got != want and not (len(names) == 1 and _squeezable(shape, want)):
+                raise CheckpointError(
+                    f"tensor {tensor.name!r} ({name}) in {path} has shape {got}, "
+                    f"expected {want}"
+                )
+        targets.append(names)
 
     def unpermuted(tensor: Any, values: np.ndarray) -> np.ndarray:
         if permuted and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
@@ -417,10 +454,12 @@ def _params_from_reader(
     def host_values(tensor: Any) -> np.ndarray | QuantizedWeight:
         shape = tensor_shape(tensor)
         kind = GGUF_KEPT.get(tensor.tensor_type.name)
-        if keep_blocks and kind is not None and len(shape) == 2:
+        if keep_blocks and kind is not None and len(shape) in (2, 3):
             blocks = np.ascontiguousarray(unpermuted(tensor, tensor.data))
-            return QuantizedWeight(blocks, kind, shape, target)
+            return QuantizedWeight(blocks.reshape(*shape[:-1], -1), kind, shape, target)
         values = unpermuted(tensor, _dequantize(tensor, path))
+        if config.norm_offset and tensor.name.endswith("norm.weight"):
+            values = values - np.float32(config.norm_offset)  # stored with the offset added
         if int8 and values.ndim == 2:
             return quantize_int8(values, target)
         return values
@@ -432,14 +471,19 @@ def _params_from_reader(
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         pending: collections.deque[concurrent.futures.Future[Any]] = collections.deque()
         upcoming = iter(tensors)
-        for done, name in enumerate(names, start=1):
+        for done, names in enumerate(targets, start=1):
             while len(pending) < window and (tensor := next(upcoming, None)) is not None:
                 pending.append(pool.submit(host_values, tensor))
-            value = jax.device_put(pending.popleft().result(), device)
-            if isinstance(value, QuantizedWeight) or value.dtype == target:
-                flat[name] = value
-            else:
-                flat[name] = value.astype(target)
+            host = pending.popleft().result()
+            for name, rows in names:
+                part = _take_rows(host, rows)
+                if not isinstance(part, QuantizedWeight) and part.shape != spec[name]:
+                    part = part.reshape(spec[name])
+                value = jax.device_put(part, device)
+                if isinstance(value, QuantizedWeight) or value.dtype == target:
+                    flat[name] = value
+                else:
+                    flat[name] = value.astype(target)
             if progress is not None:
                 progress(done, len(tensors))
     missing = [name for name in spec if name not in flat]

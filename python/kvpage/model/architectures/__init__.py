@@ -30,8 +30,9 @@ REGISTRY: dict[str, Architecture] = {
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(REGISTRY)
 _BY_MODEL_TYPE = {arch.model_type: arch for arch in REGISTRY.values()}
-_BY_GGUF_NAME = {name: arch for arch in REGISTRY.values() for name in arch.gguf_names}
-SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = tuple(_BY_GGUF_NAME)
+SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = tuple(dict.fromkeys(
+    name for arch in REGISTRY.values() for name in arch.gguf_names
+))
 
 
 def unknown_architecture_message(name: str) -> str:
@@ -66,9 +67,14 @@ def architecture_of(raw: Mapping[str, Any]) -> Architecture:
     raise ValueError(unknown_architecture_message(f"<model_type {model_type!r}>"))
 
 
-def gguf_architecture(name: str) -> Architecture | None:
-    """The architecture of a GGUF ``general.architecture`` value, or None."""
-    return _BY_GGUF_NAME.get(name)
+def gguf_architecture(name: str, experts: int = 0) -> Architecture | None:
+    """The architecture of a GGUF ``general.architecture`` value (with ``experts`` > 0
+    the experts-carrying variant, e.g. Mixtral for ``llama``), or None."""
+    matches = [arch for arch in REGISTRY.values() if name in arch.gguf_names]
+    for arch in matches:
+        if arch.gguf_experts == (experts > 0):
+            return arch
+    return matches[0] if matches else None
 
 
 __all__ = [

@@ -17,8 +17,10 @@ of a stacked name lists the per-expert names.
 
 GGUF. :attr:`gguf_names` are the ``general.architecture`` values llama.cpp writes for
 this architecture; :attr:`gguf_qk_permuted` says its converter interleaved the q/k rows
-(Llama); :attr:`gguf_tensors` adds the architecture's own GGUF tensor stems;
-:attr:`gguf_parse` reads its own metadata keys.
+(Llama); :attr:`gguf_tensors` adds or overrides GGUF tensor stems, :attr:`gguf_fused`
+splits fused ones (Phi-3's ``attn_qkv``); :attr:`gguf_parse` reads the architecture's own
+metadata keys. llama.cpp's converter stores norm weights with the model's norm offset
+added (Gemma's ``1 + weight``); the GGUF loader subtracts it.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class TensorSource(NamedTuple):
         return value
 
 
+GGUFGet = Callable[[str, Any], Any]
 FusedRows = Callable[[Any], tuple[int, int]]
 """``config -> (start, stop)`` rows of the fused tensor that hold one kvpage tensor."""
 
@@ -78,8 +81,14 @@ class Architecture:
     gguf_qk_permuted: bool = False
     gguf_tensors: Mapping[str, str] = field(default_factory=dict)
     """Extra GGUF layer tensor stems -> kvpage layer-relative names."""
-    gguf_parse: Callable[[Callable[[str, Any], Any]], ConfigFields] | None = None
-    """``(metadata key suffix, default) -> value`` reader -> extra ModelConfig fields."""
+    gguf_fused: Mapping[str, tuple[tuple[str, FusedRows], ...]] = field(default_factory=dict)
+    """GGUF layer tensor stem -> the kvpage layer-relative names its row ranges hold."""
+    gguf_experts: bool = False
+    """Whether this is the experts-carrying variant of a shared ``general.architecture``
+    (Mixtral files say ``llama``)."""
+    gguf_parse: Callable[[GGUFGet, ConfigFields], ConfigFields] | None = None
+    """``(get, fields parsed so far) -> fields to add``; ``get(key suffix, default)``
+    reads the ``{general.architecture}.{suffix}`` metadata value."""
     aliases: tuple[str, ...] = ()
     """Other ``architectures`` entries that mean the same model."""
 

@@ -15,7 +15,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from kvpage.model.architectures.architecture import Architecture, ConfigFields
+from kvpage.model.architectures.architecture import Architecture, ConfigFields, GGUFGet
+from kvpage.model.config_types import FULL_ATTENTION, SLIDING_ATTENTION, RopeConfig
 from kvpage.model.hf_config import (
     activation,
     decoder_fields,
@@ -71,12 +72,45 @@ def _gemma3(raw: Mapping[str, Any]) -> ConfigFields:
     return fields
 
 
+def _gguf_gemma(version: int) -> Any:
+    """The ``gguf_parse`` of a Gemma file. llama.cpp hard-codes what the file lacks: the
+    window pattern (every 2nd / 6th layer full), Gemma 3's local RoPE base 10000, and the
+    query scale ``head_dim ** -0.5`` except for the 27B models (46 / 62 layers), which
+    scale by ``(hidden / heads) ** -0.5`` as their ``query_pre_attn_scalar`` says."""
+
+    def parse(get: GGUFGet, fields: ConfigFields) -> ConfigFields:
+        n, hidden = fields["num_layers"], fields["hidden_size"]
+        pattern = 2 if version == 2 else int(get("attention.sliding_window_pattern", 6))
+        big = n == (46 if version == 2 else 62)
+        out: ConfigFields = dict(
+            hidden_act="gelu_tanh",
+            norm_offset=1.0,
+            sandwich_norms=True,
+            embedding_multiplier=math.sqrt(hidden),
+            query_scale=(hidden / fields["num_heads"]) ** -0.5 if big else None,
+            sliding_window=get("attention.sliding_window", None),
+            final_logit_softcap=optional_float(get("final_logit_softcapping", None)),
+            attn_logit_softcap=optional_float(get("attn_logit_softcapping", None)),
+        )
+        if out["sliding_window"]:
+            out["layer_types"] = tuple(
+                FULL_ATTENTION if (i + 1) % pattern == 0 else SLIDING_ATTENTION
+                for i in range(n)
+            )
+        if version == 3:
+            out["rope_local"] = RopeConfig(theta=10000.0)
+        return out
+
+    return parse
+
+
 _GEMMA_GGUF = {
     "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 
 GEMMA2 = Architecture("Gemma2ForCausalLM", "gemma2", _gemma2, gguf_names=("gemma2",),
-                      gguf_tensors=_GEMMA_GGUF)
+                      gguf_tensors=_GEMMA_GGUF, gguf_parse=_gguf_gemma(2))
 GEMMA3 = Architecture("Gemma3ForCausalLM", "gemma3_text", _gemma3, gguf_names=("gemma3",),
-                      gguf_tensors=_GEMMA_GGUF)
+                      gguf_tensors=_GEMMA_GGUF, gguf_parse=_gguf_gemma(3))

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvpage.model.architectures.architecture import Architecture, ConfigFields
+from kvpage.model.architectures.architecture import Architecture, ConfigFields, GGUFGet
 from kvpage.model.architectures.llama import llama_fields
 from kvpage.model.config_types import MoEConfig
 from kvpage.model.hf_config import sliding_window
@@ -76,13 +76,44 @@ def _olmoe(raw: Mapping[str, Any]) -> ConfigFields:
     return fields
 
 
+def _gguf_moe(norm_topk_prob: bool, shared: bool = False) -> Any:
+    """The ``gguf_parse`` of a MoE file: llama.cpp's expert keys; the router's
+    renormalisation is the architecture's (``expert_weights_norm`` when written)."""
+
+    def parse(get: GGUFGet, fields: ConfigFields) -> ConfigFields:
+        return {"moe": MoEConfig(
+            num_experts=int(get("expert_count", 0)),
+            top_k=int(get("expert_used_count", 0)),
+            intermediate_size=int(get("expert_feed_forward_length",
+                                      fields["intermediate_size"])),
+            norm_topk_prob=bool(get("expert_weights_norm", norm_topk_prob)),
+            shared_expert_intermediate_size=int(get("expert_shared_feed_forward_length", 0))
+            if shared else 0,
+            shared_expert_gate=shared,
+        )}
+
+    return parse
+
+
+_GGUF_EXPERTS = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+
 QWEN3_MOE = Architecture(
     "Qwen3MoeForCausalLM", "qwen3_moe", lambda raw: _qwen_moe(raw, qk_norm=True, shared=False),
-    gguf_names=("qwen3moe",),
+    gguf_names=("qwen3moe",), gguf_tensors=_GGUF_EXPERTS, gguf_parse=_gguf_moe(True),
 )
 QWEN2_MOE = Architecture(
     "Qwen2MoeForCausalLM", "qwen2_moe", lambda raw: _qwen_moe(raw, qk_norm=False, shared=True),
-    gguf_names=("qwen2moe",),
+    gguf_names=("qwen2moe",), gguf_tensors=_GGUF_EXPERTS,
+    gguf_parse=_gguf_moe(False, shared=True),
 )
 MIXTRAL = Architecture(
     "MixtralForCausalLM", "mixtral", _mixtral,
@@ -92,5 +123,8 @@ MIXTRAL = Architecture(
         (r"\.mlp\.experts\.(\d+)\.up_proj\.", r".block_sparse_moe.experts.\1.w3."),
         (r"\.mlp\.experts\.(\d+)\.down_proj\.", r".block_sparse_moe.experts.\1.w2."),
     ),
+    gguf_names=("llama",), gguf_qk_permuted=True, gguf_experts=True,
+    gguf_tensors=_GGUF_EXPERTS, gguf_parse=_gguf_moe(True),
 )
-OLMOE = Architecture("OlmoeForCausalLM", "olmoe", _olmoe, gguf_names=("olmoe",))
+OLMOE = Architecture("OlmoeForCausalLM", "olmoe", _olmoe, gguf_names=("olmoe",),
+                     gguf_tensors=_GGUF_EXPERTS, gguf_parse=_gguf_moe(False))

@@ -35,16 +35,26 @@ def _v(config: Any) -> tuple[int, int]:
     return config.q_size + config.kv_size, config.q_size + 2 * config.kv_size
 
 
+def _gate(config: Any) -> tuple[int, int]:
+    return 0, config.intermediate_size
+
+
+def _up(config: Any) -> tuple[int, int]:
+    return config.intermediate_size, 2 * config.intermediate_size
+
+
 PHI3 = Architecture(
     "Phi3ForCausalLM", "phi3", _phi3,
     fused={
         "self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", _q),
         "self_attn.k_proj.weight": ("self_attn.qkv_proj.weight", _k),
         "self_attn.v_proj.weight": ("self_attn.qkv_proj.weight", _v),
-        "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", lambda c: (0, c.intermediate_size)),
-        "mlp.up_proj.weight": (
-            "mlp.gate_up_proj.weight", lambda c: (c.intermediate_size, 2 * c.intermediate_size)
-        ),
+        "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", _gate),
+        "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", _up),
     },
     gguf_names=("phi3",),
+    gguf_fused={
+        "attn_qkv": (("self_attn.q_proj", _q), ("self_attn.k_proj", _k), ("self_attn.v_proj", _v)),
+        "ffn_up": (("mlp.gate_proj", _gate), ("mlp.up_proj", _up)),
+    },
 )
