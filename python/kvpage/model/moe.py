@@ -11,6 +11,8 @@ Experts compute only where tokens are routed -- never every expert for every tok
   kernel (``kernels/host/cpu_expert_matmul.py``) groups the rows by expert and streams
   each routed expert's weight once, float or quantized GGUF blocks, so a one-token decode
   step reads ``top_k`` experts' bytes;
+* CUDA GPU (same switch): rows sorted by expert through the Pallas grouped matmul
+  (``kernels/pallas/grouped_matmul.py``), float weights;
 * otherwise, a few rows (``N <= E``): gather the routed experts' weights and multiply
   row by row (reads ``N`` experts' weights);
 * otherwise: sort the rows by expert and run ``jax.lax.ragged_dot`` (a grouped matmul:
@@ -34,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kvpage.kernels.pallas.grouped_matmul import grouped_matmul
 from kvpage.model.config import ModelConfig
 from kvpage.model.linear_kernels import host_kernels_enabled, matmul_nt
 from kvpage.model.mlp import activation_fn, gated_mlp
@@ -95,10 +98,22 @@ def expert_matmul_nt(x: jax.Array, w: ExpertWeight, ids: jax.Array) -> jax.Array
 
     if not host_kernels_enabled():
         return xla()
+    branches: dict[str, Any] = {}
     host = _host_kernel(x, w, ids)
-    if host is None:
-        return xla()
-    return lax.platform_dependent(cpu=host, default=xla)
+    if host is not None:
+        branches["cpu"] = host
+    if not isinstance(w, QuantizedWeight):
+        branches["cuda"] = lambda: _pallas_grouped(x, w, ids)
+    return lax.platform_dependent(**branches, default=xla) if branches else xla()
+
+
+def _pallas_grouped(x: jax.Array, w: jax.Array, ids: jax.Array) -> jax.Array:
+    """The GPU branch: rows sorted by expert through the Pallas grouped matmul."""
+    order = jnp.argsort(ids)
+    sizes = jnp.bincount(ids, length=_num_experts(w)).astype(jnp.int32)
+    y = grouped_matmul(x[order], w, sizes, preferred_element_type=jnp.float32,
+                       interpret=False)
+    return jnp.zeros_like(y).at[order].set(y)
 
 
 def _host_kernel(x: jax.Array, w: ExpertWeight, ids: jax.Array) -> Any:
