@@ -69,7 +69,7 @@ def gguf_name(hf_name: str, arch: str = "llama") -> str:
         return _HF_TO_GGUF[hf_name]
     parts = hf_name.removeprefix("model.layers.").split(".")
     layer, module, kind = parts[0], ".".join(parts[1:-1]), parts[-1]
-    table = {**_LAYER, **_LAYER_MOE, **(_LAYER_GEMMA if arch.startswith("gemma") else {})}
+    table = {**_LAYER, **_LAYER_MOE, **(_LAYER_GEMMA if arch in ("gemma2", "gemma3") else {})}
     return f"blk.{layer}.{table[module]}.{kind}"
 
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvpage.model.architectures.architecture import Architecture, TensorSource
-from kvpage.model.architectures.gemma import GEMMA2, GEMMA3
+from kvpage.model.architectures.gemma import GEMMA, GEMMA2, GEMMA3
 from kvpage.model.architectures.llama import LLAMA, MISTRAL, QWEN2, QWEN3
 from kvpage.model.architectures.moe import MIXTRAL, OLMOE, QWEN2_MOE, QWEN3_MOE
 from kvpage.model.architectures.phi3 import PHI3
@@ -24,8 +24,8 @@ from kvpage.model.architectures.phi3 import PHI3
 REGISTRY: dict[str, Architecture] = {
     arch.name: arch
     for arch in (
-        LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, QWEN2_MOE, MIXTRAL, OLMOE, GEMMA2, GEMMA3,
-        PHI3,
+        LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, QWEN2_MOE, MIXTRAL, OLMOE, GEMMA, GEMMA2,
+        GEMMA3, PHI3,
     )
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(REGISTRY)

@@ -1,9 +1,10 @@
-"""Gemma 2 and Gemma 3 (text): the Llama layout with Gemma's habits.
+"""Gemma, Gemma 2 and Gemma 3 (text): the Llama layout with Gemma's habits.
 
-Both: RMSNorm scaling by ``1 + weight`` (computed in float32), a norm before and after
-both attention and MLP ("sandwich"), a GeGLU MLP (tanh GELU), embeddings multiplied by
-``sqrt(hidden_size)``, queries scaled by ``query_pre_attn_scalar ** -0.5``, tied
-embeddings, and sliding-window layers alternating with full ones (``layer_types``).
+All: RMSNorm scaling by ``1 + weight`` (computed in float32), a GeGLU MLP (tanh GELU),
+embeddings multiplied by ``sqrt(hidden_size)``, tied embeddings. Gemma 2 and 3 add a
+norm after both attention and MLP ("sandwich"), queries scaled by
+``query_pre_attn_scalar ** -0.5``, and sliding-window layers alternating with full ones
+(``layer_types``).
 Gemma 2 soft-caps attention scores and final logits; Gemma 3 instead RMS-normalises
 each query and key head and gives its sliding layers their own RoPE base.
 llama.cpp's converter stores Gemma norm weights with the 1 already added.
@@ -27,6 +28,22 @@ from kvpage.model.hf_config import (
 )
 
 _GELU = ("gelu_pytorch_tanh", "gelu_tanh", "gelu")
+
+
+def _gemma1(raw: Mapping[str, Any]) -> ConfigFields:
+    act = activation(raw, _GELU)
+    del act  # every Gemma MLP is the tanh GELU (transformers maps "gelu" to it too)
+    fields = decoder_fields(raw)
+    if "tie_word_embeddings" not in raw:
+        fields["tie_word_embeddings"] = True
+    fields.update(
+        hidden_act="gelu_tanh",
+        norm_offset=1.0,
+        embedding_multiplier=math.sqrt(fields["hidden_size"]),
+        qkv_bias=bool(raw.get("attention_bias", False)),
+        o_proj_bias=bool(raw.get("attention_bias", False)),
+    )
+    return fields
 
 
 def _gemma_fields(raw: Mapping[str, Any], pattern: int) -> ConfigFields:
@@ -110,6 +127,13 @@ _GEMMA_GGUF = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 
+def _gguf_gemma1(get: GGUFGet, fields: ConfigFields) -> ConfigFields:
+    return dict(hidden_act="gelu_tanh", norm_offset=1.0,
+                embedding_multiplier=math.sqrt(fields["hidden_size"]))
+
+
+GEMMA = Architecture("GemmaForCausalLM", "gemma", _gemma1, gguf_names=("gemma",),
+                     gguf_parse=_gguf_gemma1)
 GEMMA2 = Architecture("Gemma2ForCausalLM", "gemma2", _gemma2, gguf_names=("gemma2",),
                       gguf_tensors=_GEMMA_GGUF, gguf_parse=_gguf_gemma(2))
 GEMMA3 = Architecture("Gemma3ForCausalLM", "gemma3_text", _gemma3, gguf_names=("gemma3",),
