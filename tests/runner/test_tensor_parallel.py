@@ -244,3 +244,30 @@ def test_two_processes_share_one_tensor_parallel_model(
     for log in logs:
         line = next(x for x in log.splitlines() if x.startswith("TOKENS "))
         assert json.loads(line.removeprefix("TOKENS ")) == expected
+
+
+def test_moe_sliding_window_soft_capped_model_is_the_same_sharded(config: ModelConfig) -> None:
+    """Experts split within each expert, sliding layers with a window shorter than the
+    prompts, soft-capped scores: tensor parallel 2 generates what one device does."""
+    from kvpage.model.config import MoEConfig
+
+    layer_types = tuple("sliding_attention" if i % 2 == 0 else "full_attention"
+                        for i in range(config.num_layers))
+    moe_config = config.with_overrides(
+        architecture="Qwen3MoeForCausalLM", moe=MoEConfig(8, 2, 32), layer_types=layer_types,
+        sliding_window=6, attn_logit_softcap=30.0,
+    )
+    params = random_params(moe_config, seed=4, dtype="float32", scale=0.15)
+    outs = {}
+    for tp in (1, 2):
+        llm = LLM.from_params(moe_config, params, tensor_parallel_size=tp, **ENGINE_ARGS)
+        outs[tp] = [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        if tp == 2:
+            gate = llm.engine.runner.params["layers"][0]["mlp"]["experts"]["gate_proj"]["weight"]
+            assert gate.sharding.spec == P(None, "tp", None)
+    for a, b in zip(outs[1], outs[2], strict=True):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(
+            [next(iter(lp.values())).logprob for lp in a.logprobs],
+            [next(iter(lp.values())).logprob for lp in b.logprobs], atol=1e-4,
+        )

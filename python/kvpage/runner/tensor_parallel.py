@@ -7,7 +7,10 @@ This file owns how one model is split over ``tensor_parallel_size`` devices
   ``gate_proj``/``up_proj`` are split by output features (whole attention heads, MLP
   columns); ``o_proj``/``down_proj`` by input features (rows), so each layer needs one
   all-reduce after attention and one after the MLP, which XLA's SPMD partitioner
-  inserts. ``embed_tokens``/``lm_head`` are split by vocabulary row when the vocabulary
+  inserts. Mixture-of-experts weights ``[E, out, in]`` are split the same way within
+  every expert (not expert-parallel): each device holds a slice of every expert, so
+  routing needs no token exchange and the one all-reduce after the MLP stays; the
+  router is replicated. ``embed_tokens``/``lm_head`` are split by vocabulary row when the vocabulary
   divides evenly (else replicated); norms and row-parallel biases are replicated.
 * **KV cache**: every layer's ``[num_kv_heads, blocks, block_size, head_dim]`` pool is
   split along the KV-head axis, so each device holds ``1 / tensor_parallel_size`` of it.
@@ -58,6 +61,13 @@ def check_tensor_parallel(config: ModelConfig, tensor_parallel_size: int) -> Non
             f"tensor_parallel_size={n} must divide the model's intermediate_size="
             f"{config.intermediate_size}"
         )
+    if config.moe is not None and (
+        config.moe.intermediate_size % n or config.moe.shared_expert_intermediate_size % n
+    ):
+        raise ValueError(
+            f"tensor_parallel_size={n} must divide the experts' width "
+            f"{config.moe.intermediate_size} (and the shared expert's)"
+        )
 
 
 def make_mesh(tensor_parallel_size: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -93,6 +103,10 @@ def mesh_size(mesh: Mesh, axis: str = TP_AXIS) -> int:
 def _leaf_spec(names: tuple[str, ...], ndim: int, vocab_split: bool, axis: str) -> PartitionSpec:
     """Spec of one unstacked leaf from its ``(..., module, "weight" | "bias")`` names."""
     module, kind = (names[-2], names[-1]) if len(names) >= 2 else ("", names[-1])
+    if "experts" in names and ndim == 3:  # [E, out, in]: split within every expert
+        if module in _COLUMN_PARALLEL:
+            return PartitionSpec(None, axis, None)
+        return PartitionSpec(None, None, axis)
     if module in _COLUMN_PARALLEL:
         return PartitionSpec(axis, None) if kind == "weight" else PartitionSpec(axis)
     if module in _ROW_PARALLEL and kind == "weight":
@@ -201,9 +215,14 @@ def shard_attention_backend(
         *,
         sm_scale: float,
         decode_only: bool = False,
+        **options: Any,
     ) -> jax.Array:
+        if options.get("sinks") is not None:
+            raise ValueError("attention sinks are not supported with tensor parallelism")
+
         def local(*args: jax.Array) -> jax.Array:
-            return backend.attend(*args, sm_scale=sm_scale, decode_only=decode_only)
+            return backend.attend(*args, sm_scale=sm_scale, decode_only=decode_only,
+                                  **options)
 
         mapped = jax.shard_map(
             local,
