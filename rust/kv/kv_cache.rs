@@ -36,13 +36,58 @@
 //!   never evicted while any descendant is held, by any sequence;
 //! - `written[b]` (leading slots of block `b` holding computed KV, as told
 //!   by `record_written`) is 0 for free blocks, and `num_written_slots` is
-//!   its sum over referenced blocks, so usage stats are O(1).
+//!   its sum over referenced blocks, so usage stats are O(1);
+//! - with a sliding window: a table's DROPPED entries (below) are exactly
+//!   its leading `num_dropped`, it pins nothing at those indices, and no
+//!   block is kept alive (so the third state above is empty).
 //!
 //! A sequence's cached blocks form a path from its salt's root. When the tree
 //! already holds equal tokens under another block (two sequences computed the
 //! same block at once), the sequence keeps its own block in its table and
 //! pins the tree's block, so the path stays whole and later blocks can still
 //! be cached under it.
+//!
+//! Sliding-window attention (`new_with_window`, window `W`; `None` changes
+//! nothing above). A query at position `p` reads only keys at `j` with
+//! `p - W < j <= p`, so once the next query of a sequence is at position
+//! `N` (it has computed `N` tokens), logical block `b` (positions
+//! `b * B .. (b + 1) * B`) with `(b + 1) * B <= N - W + 1` is out of the
+//! window for good. `slide_window(seq, N)` drops the sequence's references
+//! to those blocks (and to the tree blocks it pins at those indices),
+//! deepest first:
+//!
+//! ```text
+//!   table    | DROPPED DROPPED | b5  b1  b8 ... | last |     N - W + 1
+//!   (index)      0       1        2   3   4               ^ falls in block 2
+//! ```
+//!
+//! - the table keeps positional indexing: it still has `ceil(num_tokens / B)`
+//!   entries, the leading `num_dropped` of them are DROPPED, stored as
+//!   `dropped_block()` = `num_blocks`, the step plan's scratch block id, so
+//!   block tables export them as they are;
+//!   those positions have no slot (`slot`, `write_slots` and
+//!   `record_written` reject them) and `fork`/`free_sequence` skip them;
+//! - a block dropped this way goes back to the pool when no one else holds
+//!   it; forks, parallel samples and prefix-cache matches hold their own
+//!   references and keep it until they drop it too;
+//! - a sequence that has dropped a block stops caching: the blocks it
+//!   would add hang under a path it no longer holds.
+//!
+//! The prefix cache under a window (the rule): **a cached block is never
+//! kept alive by a child**. When a cached block loses its last holder (a
+//! slide, a finish, a preemption) while a child of it is still live, the
+//! live children's subtrees leave the tree (`PrefixCache::
+//! detach_live_children`): their held blocks stay with their holders as
+//! plain blocks, their unheld ones return to the pool, and the block itself
+//! becomes cached-unreferenced (evictable, still matchable) like any other.
+//! So out-of-window blocks never pin memory through the tree: every
+//! non-free block is referenced or evictable, and a sequence's live blocks
+//! stay within `ceil((W - 1) / B) + 1` plus those of its next chunk. Every
+//! tree node still holds its block's KV, so a match of `P` tokens always
+//! has the window of the first new query (positions `max(0, P - W + 1)..P`)
+//! intact; the price is that a prefix is matchable only up to where its
+//! holders had not yet slid past its start (deeper blocks become
+//! unmatched when that happens).
 
 use crate::error::{KvError, KvResult};
 use crate::kv::block_pool::{BlockId, BlockPool};
@@ -77,6 +122,9 @@ struct PageTable {
     /// was allocated or copied here, cleared by a fork), so a decode that
     /// fits in it needs no refcount lookup. False only means "check".
     owns_last: bool,
+    /// Leading entries dropped out of the sliding window (each holds
+    /// `dropped_block()`).
+    num_dropped: usize,
 }
 
 /// An entry of the manager's page-table registry: the table of the live
@@ -101,6 +149,10 @@ pub struct KvCacheManager {
     written: Vec<u32>,
     /// Sum of `written` over referenced blocks.
     num_written_slots: usize,
+    /// Sliding-window size in tokens (`None`: full attention).
+    sliding_window: Option<usize>,
+    /// Unheld blocks handed back by `detach_live_children` (reused).
+    detached: Vec<BlockId>,
 }
 
 impl KvCacheManager {
@@ -109,6 +161,22 @@ impl KvCacheManager {
         block_size: usize,
         enable_prefix_caching: bool,
     ) -> KvResult<Self> {
+        Self::new_with_window(num_blocks, block_size, enable_prefix_caching, None)
+    }
+
+    /// A manager for a model whose every attention layer slides with window
+    /// `sliding_window` (tokens, >= 1); `None` is `new`. See the module docs.
+    pub fn new_with_window(
+        num_blocks: usize,
+        block_size: usize,
+        enable_prefix_caching: bool,
+        sliding_window: Option<u32>,
+    ) -> KvResult<Self> {
+        if sliding_window == Some(0) {
+            return Err(KvError::InvalidArgument(
+                "sliding_window must be >= 1 (or None for full attention)".into(),
+            ));
+        }
         let pool = BlockPool::new(num_blocks, block_size)?;
         // Slot ids (and the scratch block's, one past the pool) are int32.
         if (num_blocks + 1).saturating_mul(block_size) > i32::MAX as usize {
@@ -127,7 +195,84 @@ impl KvCacheManager {
             scratch: Vec::new(),
             written: crate::error::try_filled_vec(num_blocks, 0, "written-slot counts")?,
             num_written_slots: 0,
+            sliding_window: sliding_window.map(|w| w as usize),
+            detached: Vec::new(),
         })
+    }
+
+    /// The sliding window in tokens, `None` for full attention.
+    pub fn sliding_window(&self) -> Option<usize> {
+        self.sliding_window
+    }
+
+    /// The table entry of a block dropped out of the window: the pool's
+    /// `num_blocks`, which is the step plan's scratch block id.
+    #[inline]
+    pub fn dropped_block(&self) -> BlockId {
+        self.pool.num_blocks() as BlockId
+    }
+
+    /// Leading logical blocks of `seq` dropped out of the window.
+    pub fn num_dropped_blocks(&self, seq: SeqId) -> KvResult<usize> {
+        Ok(self.table(seq)?.num_dropped)
+    }
+
+    /// Logical blocks entirely before the window of a query at `next_pos`
+    /// (blocks `0..that`); 0 without a window.
+    #[inline]
+    pub fn out_of_window(&self, next_pos: usize) -> usize {
+        match self.sliding_window {
+            Some(window) => (next_pos + 1).saturating_sub(window) / self.block_size(),
+            None => 0,
+        }
+    }
+
+    /// The next query of `seq` is at position `next_pos` (it has computed
+    /// `next_pos` tokens): drop its references to the blocks that lie
+    /// entirely before that query's window, which no later query of it can
+    /// read (see the module docs). Returns how many entries were dropped;
+    /// always 0 without a window. `next_pos` may not exceed the sequence's
+    /// reserved tokens.
+    pub fn slide_window(&mut self, seq: SeqId, next_pos: usize) -> KvResult<usize> {
+        let Some(window) = self.sliding_window else {
+            return Ok(0);
+        };
+        let table = self.table(seq)?;
+        if next_pos > table.num_tokens {
+            return Err(KvError::InvalidArgument(format!(
+                "next position {next_pos} is past the {} tokens of sequence {seq}",
+                table.num_tokens
+            )));
+        }
+        // The common case (no block leaves yet), without a division: the
+        // next block leaves once next_pos + 1 - W reaches its end.
+        if next_pos + 1 < (table.num_dropped + 1) * self.block_size() + window {
+            return Ok(0);
+        }
+        let drop_to = self.out_of_window(next_pos).min(table.blocks.len());
+        if drop_to <= table.num_dropped {
+            return Ok(0);
+        }
+        let dropped = self.dropped_block();
+        let mut table = self.take_table(seq)?;
+        let from = table.num_dropped;
+        table.caching = false;
+        // Deepest first, each pin before the own block at its index (as
+        // `free_sequence`), so a cached chain dies from its leaf up.
+        let first_kept_pin = table.pins.partition_point(|&(at, _)| at < drop_to);
+        let mut pins = table.pins[..first_kept_pin].iter().rev().peekable();
+        let mut result = Ok(());
+        for logical in (from..drop_to).rev() {
+            while let Some(&(_, pinned)) = pins.next_if(|(at, _)| *at >= logical) {
+                result = result.and(self.release_block(pinned));
+            }
+            let block = std::mem::replace(&mut table.blocks[logical], dropped);
+            result = result.and(self.release_block(block));
+        }
+        table.pins.drain(..first_kept_pin);
+        table.num_dropped = drop_to;
+        self.put_table(seq, table);
+        result.map(|()| drop_to - from)
     }
 
     pub fn block_size(&self) -> usize {
@@ -420,6 +565,9 @@ impl KvCacheManager {
             )));
         }
         let block_size = self.block_size();
+        if start < table.num_dropped * block_size {
+            return Err(dropped_position(seq, start));
+        }
         let table = &self.tables[(seq & 0xffff_ffff) as usize]
             .table
             .as_ref()
@@ -457,6 +605,9 @@ impl KvCacheManager {
             )));
         }
         let block_size = self.block_size();
+        if pos < table.num_dropped * block_size {
+            return Err(dropped_position(seq, pos));
+        }
         Ok(table.blocks[pos / block_size] * block_size as u32 + (pos % block_size) as u32)
     }
 
@@ -474,6 +625,9 @@ impl KvCacheManager {
             )));
         }
         let block_size = self.block_size();
+        if start < table.num_dropped * block_size && !out.is_empty() {
+            return Err(dropped_position(seq, start));
+        }
         for (i, slot) in out.iter_mut().enumerate() {
             let pos = start + i;
             *slot =
@@ -532,7 +686,7 @@ impl KvCacheManager {
     pub fn fork(&mut self, seq: SeqId) -> KvResult<SeqId> {
         self.table_mut(seq)?.owns_last = false;
         let child = self.table(seq)?.clone();
-        for &block in &child.blocks {
+        for &block in &child.blocks[child.num_dropped..] {
             self.pool.retain(block)?;
         }
         for &(_, block) in &child.pins {
@@ -553,6 +707,9 @@ impl KvCacheManager {
         self.num_live -= 1;
         let mut pins = table.pins.iter().rev().peekable();
         for (logical, &block) in table.blocks.iter().enumerate().rev() {
+            if logical < table.num_dropped {
+                break; // out of the window: already released
+            }
             while let Some(&(_, pinned)) = pins.next_if(|(at, _)| *at >= logical) {
                 self.release_block(pinned)?;
             }
@@ -566,6 +723,14 @@ impl KvCacheManager {
         if self.pool.release(block)? == 0 {
             self.num_written_slots -= self.written[block as usize] as usize;
             if self.cache.is_cached(block) {
+                if self.sliding_window.is_some() && self.cache.has_live_children(block) {
+                    // The window rule: never kept alive by a child (module docs).
+                    let mut detached = std::mem::take(&mut self.detached);
+                    self.cache.detach_live_children(block, &mut detached);
+                    let freed = detached.drain(..).try_for_each(|b| self.push_free(b));
+                    self.detached = detached;
+                    freed?;
+                }
                 self.cache.on_unheld(block);
             } else {
                 self.push_free(block)?;
@@ -621,7 +786,27 @@ impl KvCacheManager {
                     table.num_tokens
                 ));
             }
-            for &block in table.blocks.iter().chain(table.pins.iter().map(|(_, b)| b)) {
+            let dropped = self.dropped_block();
+            if table.num_dropped > table.blocks.len()
+                || (table.num_dropped > 0 && self.sliding_window.is_none())
+                || table.blocks[..table.num_dropped]
+                    .iter()
+                    .any(|&b| b != dropped)
+                || table.blocks[table.num_dropped..].contains(&dropped)
+                || table
+                    .pins
+                    .first()
+                    .is_some_and(|&(at, _)| at < table.num_dropped)
+            {
+                return fail(format!(
+                    "page-table entry {index}: dropped entries are not exactly its leading {}",
+                    table.num_dropped
+                ));
+            }
+            for &block in table.blocks[table.num_dropped..]
+                .iter()
+                .chain(table.pins.iter().map(|(_, b)| b))
+            {
                 holders[block as usize] += 1;
             }
             if table.num_tokens % block_size != 0 {
@@ -662,6 +847,11 @@ impl KvCacheManager {
                 self.num_written_slots
             ));
         }
+        if self.sliding_window.is_some() && kept_alive != 0 {
+            return fail(format!(
+                "{kept_alive} cached blocks are kept alive under a sliding window"
+            ));
+        }
         let unreferenced_cached = self.cache.num_evictable();
         if pool.num_free() + referenced + kept_alive + unreferenced_cached != self.num_blocks() {
             return fail(format!(
@@ -686,4 +876,10 @@ impl KvCacheManager {
                 Some(i) => i + 1 == t.blocks.len() && t.num_tokens % block_size != 0,
             })
     }
+}
+
+fn dropped_position(seq: SeqId, pos: usize) -> KvError {
+    KvError::InvalidArgument(format!(
+        "position {pos} of sequence {seq} lies in a block dropped out of its sliding window"
+    ))
 }

@@ -11,7 +11,9 @@
 //! - [`kv_cache`]: per-sequence page tables over one `BlockPool`, with
 //!   copy-on-write sharing and the radix `PrefixCache`; it decides whether a
 //!   block that drops to refcount 0 goes back to the free list or stays
-//!   cached.
+//!   cached. For sliding-window models it also drops the blocks that fall
+//!   out of a sequence's window, and keeps the prefix tree from pinning
+//!   them (the rule is at the top of `kv_cache.rs`).
 //!
 //! Invariants: each module lists its own, once, at its top (`block_pool`:
 //! the free list and refcounts; `prefix_cache`: the tree and its LRU;

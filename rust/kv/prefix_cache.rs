@@ -37,7 +37,19 @@
 //!   children of every cached node;
 //! - the LRU list holds exactly the dead cached nodes, every node after all
 //!   its children (so the front is a leaf); no live node has a dead parent;
-//! - a root is kept while it has children or live sequences using it.
+//! - a root is kept while it has children or live sequences using it;
+//! - each node's children form an intrusive doubly linked sibling list
+//!   (`first_child`, `next_sibling`, `prev_sibling`) holding exactly the
+//!   cached nodes whose parent it is, so a subtree is walked in O(its size).
+//!
+//! Sliding-window attention (`KvCacheManager` with a window) adds one
+//! operation: `detach_live_children`. A cached block whose last holder
+//! drops it while a child is still live would otherwise stay pinned
+//! ("kept alive") by that child; instead the live children's subtrees are
+//! removed from the tree (their held blocks stay with their holders as
+//! plain, uncached blocks; their unheld blocks are handed back to be
+//! freed), and the block itself dies normally (evictable, still
+//! matchable). See the rule at the top of `kv_cache.rs`.
 
 use std::collections::HashMap;
 use std::hash::BuildHasherDefault;
@@ -71,6 +83,8 @@ pub struct PrefixCacheStats {
     pub hit_blocks: u64,
     pub inserted_blocks: u64,
     pub evicted_blocks: u64,
+    /// Nodes removed by `detach_live_children` (sliding window).
+    pub detached_blocks: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -87,6 +101,12 @@ pub struct PrefixCache {
     held: Vec<bool>,
     /// Children that are live (held, or with a live child themselves).
     live_children: Vec<u32>,
+    /// Head of each node's child list (roots included), NIL when none.
+    first_child: Vec<u32>,
+    next_sibling: Vec<u32>,
+    prev_sibling: Vec<u32>,
+    /// Reused by subtree walks (no allocation once grown).
+    walk_stack: Vec<BlockId>,
     /// Edge key (parent and child-token hash mixed) -> child block.
     edges: EdgeMap,
     lru_prev: Vec<u32>,
@@ -178,6 +198,10 @@ impl PrefixCache {
             num_children: try_filled_vec(num_blocks + 1, 0, "the prefix cache")?,
             held: try_filled_vec(num_blocks, false, "the prefix cache")?,
             live_children: try_filled_vec(num_blocks, 0, "the prefix cache")?,
+            first_child: try_filled_vec(num_blocks + 1, NIL, "the prefix cache")?,
+            next_sibling: try_filled_vec(num_blocks, NIL, "the prefix cache")?,
+            prev_sibling: try_filled_vec(num_blocks, NIL, "the prefix cache")?,
+            walk_stack: Vec::new(),
             edges: {
                 let mut edges = EdgeMap::default();
                 edges.try_reserve(num_blocks).map_err(|_| {
@@ -248,6 +272,7 @@ impl PrefixCache {
                         Some(id) => id,
                         None => {
                             self.num_children.push(0);
+                            self.first_child.push(NIL);
                             self.root_users.push(0);
                             self.root_salt.push(None);
                             (self.num_children.len() - 1) as NodeId
@@ -381,6 +406,7 @@ impl PrefixCache {
         self.edge_key[b] = key;
         self.tokens[b * self.block_size..(b + 1) * self.block_size].copy_from_slice(chunk);
         self.num_children[parent as usize] += 1;
+        self.link_child(parent, block);
         self.num_cached += 1;
         self.stats.inserted_blocks += 1;
         self.add_live_child(parent);
@@ -510,6 +536,7 @@ impl PrefixCache {
         let parent = self.parent[b];
         self.edges.remove(&self.edge_key[b]);
         self.num_children[parent as usize] -= 1;
+        self.unlink_child(parent, block);
         self.cached[b] = false;
         self.held[b] = false;
         self.live_children[b] = 0;
@@ -540,11 +567,101 @@ impl PrefixCache {
         }
         self.edges.clear();
         self.num_children.iter_mut().for_each(|c| *c = 0);
+        self.first_child.iter_mut().for_each(|c| *c = NIL);
+        self.next_sibling.iter_mut().for_each(|c| *c = NIL);
+        self.prev_sibling.iter_mut().for_each(|c| *c = NIL);
         self.num_cached = 0;
         let roots: Vec<NodeId> = self.salted_roots.values().copied().collect();
         for root in roots {
             self.maybe_drop_root(root);
         }
+    }
+
+    /// Put `child` at the head of `parent`'s child list.
+    fn link_child(&mut self, parent: NodeId, child: BlockId) {
+        let head = self.first_child[parent as usize];
+        self.next_sibling[child as usize] = head;
+        self.prev_sibling[child as usize] = NIL;
+        if head != NIL {
+            self.prev_sibling[head as usize] = child;
+        }
+        self.first_child[parent as usize] = child;
+    }
+
+    fn unlink_child(&mut self, parent: NodeId, child: BlockId) {
+        let c = child as usize;
+        let (prev, next) = (self.prev_sibling[c], self.next_sibling[c]);
+        if prev != NIL {
+            self.next_sibling[prev as usize] = next;
+        } else {
+            self.first_child[parent as usize] = next;
+        }
+        if next != NIL {
+            self.prev_sibling[next as usize] = prev;
+        }
+        self.prev_sibling[c] = NIL;
+        self.next_sibling[c] = NIL;
+    }
+
+    /// A cached block has a live child (so, unheld, it would be kept alive).
+    #[inline]
+    pub fn has_live_children(&self, block: BlockId) -> bool {
+        self.is_cached(block) && self.live_children[block as usize] > 0
+    }
+
+    /// Remove the subtree of every live child of cached `block` from the
+    /// tree (sliding window: `block` is losing its last holder and must not
+    /// be kept alive by them). Held nodes of those subtrees stay with their
+    /// holders as plain, uncached blocks; unheld ones (refcount 0, their KV
+    /// unreachable once their ancestor is gone) are pushed to `freed` for
+    /// the caller to return to the pool. `block` itself stays cached with
+    /// its dead children; its liveness is unchanged (it is still held while
+    /// this runs). O(size of the removed subtrees).
+    pub fn detach_live_children(&mut self, block: BlockId, freed: &mut Vec<BlockId>) {
+        debug_assert!(self.is_cached(block) && self.held[block as usize]);
+        let mut child = self.first_child[block as usize];
+        while child != NIL {
+            let next = self.next_sibling[child as usize];
+            if self.is_live(child) {
+                self.live_children[block as usize] -= 1;
+                self.num_children[block as usize] -= 1;
+                self.unlink_child(block, child);
+                self.remove_subtree(child, freed);
+            }
+            child = next;
+        }
+    }
+
+    /// Forget `top` (already unlinked from its parent's list and counts)
+    /// and every node below it.
+    fn remove_subtree(&mut self, top: BlockId, freed: &mut Vec<BlockId>) {
+        let mut stack = std::mem::take(&mut self.walk_stack);
+        stack.clear();
+        stack.push(top);
+        while let Some(node) = stack.pop() {
+            let n = node as usize;
+            let mut child = self.first_child[n];
+            while child != NIL {
+                stack.push(child);
+                child = self.next_sibling[child as usize];
+            }
+            self.edges.remove(&self.edge_key[n]);
+            self.unlink_lru(node);
+            if !self.held[n] {
+                freed.push(node);
+            }
+            self.cached[n] = false;
+            self.held[n] = false;
+            self.live_children[n] = 0;
+            self.num_children[n] = 0;
+            self.parent[n] = NIL;
+            self.first_child[n] = NIL;
+            self.next_sibling[n] = NIL;
+            self.prev_sibling[n] = NIL;
+            self.num_cached -= 1;
+            self.stats.detached_blocks += 1;
+        }
+        self.walk_stack = stack;
     }
 
     fn lru_head_block(&self) -> Option<BlockId> {
@@ -573,7 +690,11 @@ impl PrefixCache {
         let mut cached = 0;
         for b in 0..self.num_blocks {
             if !self.cached[b] {
-                if self.in_lru[b] || self.held[b] || self.live_children[b] != 0 {
+                if self.in_lru[b]
+                    || self.held[b]
+                    || self.live_children[b] != 0
+                    || self.first_child[b] != NIL
+                {
                     return fail(format!("uncached block {b} has cache state"));
                 }
                 continue;
@@ -621,6 +742,29 @@ impl PrefixCache {
         }
         if children != self.num_children {
             return fail("child counts disagree with the tree".to_owned());
+        }
+        for node in 0..self.num_children.len() {
+            let (mut child, mut listed, mut prev) = (self.first_child[node], 0u32, NIL);
+            while child != NIL && listed <= self.num_children[node] {
+                let c = child as usize;
+                if !self.cached[c]
+                    || self.parent[c] as usize != node
+                    || self.prev_sibling[c] != prev
+                {
+                    return fail(format!(
+                        "child list of node {node} holds stray block {child}"
+                    ));
+                }
+                listed += 1;
+                prev = child;
+                child = self.next_sibling[c];
+            }
+            if listed != self.num_children[node] {
+                return fail(format!(
+                    "node {node} lists {listed} children but counts {}",
+                    self.num_children[node]
+                ));
+            }
         }
         if live_children != self.live_children {
             return fail("live-child counts disagree with the tree".to_owned());

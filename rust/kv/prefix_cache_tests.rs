@@ -143,3 +143,67 @@ fn dropping_a_salted_root_forgets_only_its_salt() {
     assert_eq!(reused, roots[7], "the dropped root id is recycled");
     cache.check_invariants(|_| 0).unwrap();
 }
+
+#[test]
+fn detach_live_children_removes_only_the_live_subtrees() {
+    // root - 0 - 1 - 2      (1 and 2 held: a slid sequence's blocks)
+    //          \ 3 - 4      (3 dead, 4 dead: a finished branch)
+    //          \ 5          (held)
+    let mut cache = PrefixCache::new(8, 4).unwrap();
+    let root = cache.acquire_root(None);
+    let mut refcount = [0u32; 8];
+    for (parent, start, block) in [
+        (root, 0, 0),
+        (0, 4, 1),
+        (1, 8, 2),
+        (0, 40, 3),
+        (3, 44, 4),
+        (0, 80, 5),
+    ] {
+        assert_eq!(
+            cache.insert(parent, &chunk(start, 4), block),
+            InsertOutcome::Inserted
+        );
+        refcount[block as usize] = 1;
+    }
+    for block in [4, 3] {
+        refcount[block] = 0;
+        cache.on_unheld(block as BlockId);
+    }
+    cache.check_invariants(|b| refcount[b as usize]).unwrap();
+    assert!(cache.has_live_children(0));
+    // Block 0 is losing its last holder: its live children 1 and 5 go.
+    let mut freed = Vec::new();
+    cache.detach_live_children(0, &mut freed);
+    assert!(
+        freed.is_empty(),
+        "1, 2 and 5 are held: they stay with their holders"
+    );
+    assert!(!cache.has_live_children(0));
+    refcount[0] = 0;
+    cache.on_unheld(0);
+    cache.check_invariants(|b| refcount[b as usize]).unwrap();
+    assert_eq!(cache.num_cached(), 3, "0 and its dead branch 3 - 4 stay");
+    assert!(!cache.is_cached(1) && !cache.is_cached(2) && !cache.is_cached(5));
+    assert_eq!(cache.num_evictable(), 3);
+    assert_eq!(cache.stats.detached_blocks, 3);
+    let mut out = Vec::new();
+    let tokens: Vec<u32> = (0..12).collect();
+    assert_eq!(cache.longest_prefix(root, &tokens, &mut out), 1);
+    // A subtree's unheld nodes come back to be freed.
+    let mut cache = PrefixCache::new(8, 4).unwrap();
+    let root = cache.acquire_root(None);
+    cache.insert(root, &chunk(0, 4), 0);
+    cache.insert(0, &chunk(4, 4), 1);
+    cache.insert(1, &chunk(8, 4), 2);
+    cache.insert(1, &chunk(50, 4), 6);
+    cache.on_unheld(6);
+    cache.on_unheld(1);
+    let mut freed = Vec::new();
+    cache.detach_live_children(0, &mut freed);
+    freed.sort_unstable();
+    assert_eq!(freed, vec![1, 6], "the unheld nodes under the live child 1");
+    cache.on_unheld(0);
+    cache.check_invariants(|b| u32::from(b == 2)).unwrap();
+    assert_eq!(cache.num_cached(), 1);
+}

@@ -105,10 +105,20 @@ pub struct KVCacheManager {
 #[pymethods]
 impl KVCacheManager {
     #[new]
-    #[pyo3(signature = (num_blocks, block_size, enable_prefix_caching = true))]
-    fn new(num_blocks: usize, block_size: usize, enable_prefix_caching: bool) -> PyResult<Self> {
+    #[pyo3(signature = (num_blocks, block_size, enable_prefix_caching = true, sliding_window = None))]
+    fn new(
+        num_blocks: usize,
+        block_size: usize,
+        enable_prefix_caching: bool,
+        sliding_window: Option<u32>,
+    ) -> PyResult<Self> {
         Ok(Self {
-            inner: CoreKvCacheManager::new(num_blocks, block_size, enable_prefix_caching)?,
+            inner: CoreKvCacheManager::new_with_window(
+                num_blocks,
+                block_size,
+                enable_prefix_caching,
+                sliding_window,
+            )?,
             copies: Vec::new(),
         })
     }
@@ -188,6 +198,19 @@ impl KVCacheManager {
         Ok(self.inner.cache_blocks(seq, &tokens)?)
     }
 
+    /// Sliding window: the next query of `seq` is at `next_position`; drop
+    /// its references to the blocks entirely before that query's window
+    /// (their table entries become `num_blocks`). Returns how many were
+    /// dropped (always 0 without a window).
+    fn slide_window(&mut self, seq: SeqId, next_position: usize) -> PyResult<usize> {
+        Ok(self.inner.slide_window(seq, next_position)?)
+    }
+
+    /// Leading blocks of `seq` dropped out of the sliding window.
+    fn num_dropped_blocks(&self, seq: SeqId) -> PyResult<usize> {
+        Ok(self.inner.num_dropped_blocks(seq)?)
+    }
+
     /// A child sequence sharing every block (copy-on-write).
     fn fork(&mut self, seq: SeqId) -> PyResult<SeqId> {
         Ok(self.inner.fork(seq)?)
@@ -240,6 +263,12 @@ impl KVCacheManager {
         self.inner.num_cached_blocks()
     }
 
+    /// The sliding window in tokens, None for full attention.
+    #[getter]
+    fn sliding_window(&self) -> Option<usize> {
+        self.inner.sliding_window()
+    }
+
     #[getter]
     fn num_sequences(&self) -> usize {
         self.inner.num_sequences()
@@ -261,6 +290,7 @@ impl KVCacheManager {
         dict.set_item("hit_blocks", s.hit_blocks)?;
         dict.set_item("inserted_blocks", s.inserted_blocks)?;
         dict.set_item("evicted_blocks", s.evicted_blocks)?;
+        dict.set_item("detached_blocks", s.detached_blocks)?;
         Ok(dict)
     }
 

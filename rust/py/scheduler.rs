@@ -33,6 +33,7 @@ impl Scheduler {
         max_model_len = defaults::MAX_MODEL_LEN, enable_chunked_prefill = true,
         long_prefill_token_threshold = 0,
         enable_prefix_caching = true, scheduling_policy = "fcfs", eos_token_ids = None,
+        sliding_window = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -46,6 +47,7 @@ impl Scheduler {
         enable_prefix_caching: bool,
         scheduling_policy: &str,
         eos_token_ids: Option<Vec<u32>>,
+        sliding_window: Option<u32>,
     ) -> PyResult<Self> {
         let config = SchedulerConfig {
             num_blocks,
@@ -58,6 +60,7 @@ impl Scheduler {
             enable_prefix_caching,
             policy: Policy::parse(scheduling_policy)?,
             eos_token_ids: eos_token_ids.unwrap_or_default(),
+            sliding_window,
         };
         Ok(Self {
             inner: CoreScheduler::new(config)?,
@@ -277,6 +280,20 @@ impl Scheduler {
     #[getter]
     fn block_size(&self) -> usize {
         self.inner.kv().block_size()
+    }
+
+    /// The sliding window the KV cache drops blocks by (None: full attention,
+    /// and always None under the static policy).
+    #[getter]
+    fn sliding_window(&self) -> Option<usize> {
+        self.inner.kv().sliding_window()
+    }
+
+    /// KV blocks held by live sequences, with the cached blocks kept alive
+    /// for them (the numerator of `kv_cache_usage_perc`).
+    #[getter]
+    fn num_referenced_blocks(&self) -> usize {
+        self.inner.kv().num_referenced_blocks()
     }
 
     /// Counters: running, waiting, KV usage, prefix cache, preemptions, tokens per step.

@@ -18,6 +18,11 @@
 //! requests and samples, resets the prefix cache and tries invalid call
 //! orders, which must be typed errors that leave the scheduler usable.
 //!
+//! The sliding-window variant runs the same model with a window `W`: a row
+//! whose first query is at `start` is checked only at positions
+//! `start - W + 1..kv_len` (what the kernels read), so a block dropped too
+//! early, or recycled while still in a window, reads wrong KV and fails.
+//!
 //! `KVPAGE_SEED=<seed>` replays one seed (printed on failure);
 //! `KVPAGE_SOAK=1` runs far more seeds and steps than CI does.
 
@@ -136,9 +141,18 @@ struct Harness {
 }
 
 impl Harness {
-    fn new(seed: u64) -> Option<Self> {
+    /// With `windowed`, a sliding window of 2..14 tokens and a non-static policy.
+    fn new(seed: u64, windowed: bool) -> Option<Self> {
         let mut rng = SplitMix64::new(seed);
-        let policy = [Policy::Fcfs, Policy::Priority, Policy::Static][rng.below(3)];
+        let mut policy = [Policy::Fcfs, Policy::Priority, Policy::Static][rng.below(3)];
+        let mut sliding_window = None;
+        if windowed {
+            let mut window_rng = SplitMix64::new(seed ^ 0x51de_51de);
+            sliding_window = Some(2 + window_rng.below(13) as u32);
+            if policy == Policy::Static {
+                policy = Policy::Fcfs;
+            }
+        }
         let block_size = 1 + rng.below(4);
         let max_model_len = 12 + rng.below(30);
         let chunked = rng.chance(3, 4);
@@ -158,6 +172,7 @@ impl Harness {
             enable_prefix_caching: rng.chance(4, 5),
             policy,
             eos_token_ids: vec![EOS],
+            sliding_window,
         };
         let slots = (config.num_blocks + 1) * block_size;
         let scratch_slot = config.num_blocks * block_size;
@@ -347,15 +362,21 @@ impl Harness {
                 plan.cu_q_lens[row] as usize,
                 plan.cu_q_lens[row + 1] as usize,
             );
-            let reads: Vec<u64> = (0..kv_len)
-                .map(|q| self.device[table[q / bs] as usize * bs + q % bs])
-                .collect();
             let row_tokens: Vec<u32> = plan.token_ids[from..to].iter().map(|&t| t as u32).collect();
             let start = plan.positions[from] as usize;
+            // With a window, the row's queries read nothing before its first
+            // query's window.
+            let lo = match self.sched.config().sliding_window {
+                Some(w) => (start + 1).saturating_sub(w as usize),
+                None => 0,
+            };
+            let reads: Vec<u64> = (lo..kv_len)
+                .map(|q| self.device[table[q / bs] as usize * bs + q % bs])
+                .collect();
             let ok = request.contexts().any(|tokens| {
                 tokens.len() >= kv_len
                     && tokens[start..start + row_tokens.len()] == row_tokens[..]
-                    && context_hashes(request.salt, &tokens[..kv_len]) == reads
+                    && context_hashes(request.salt, &tokens[..kv_len])[lo..] == reads[..]
             });
             assert!(
                 ok,
@@ -451,8 +472,8 @@ impl Harness {
 
 /// What one seed exercised: (steps with work, preemptions, ghost rows,
 /// prefix-cache hit blocks).
-fn run_seed(seed: u64, steps: usize) -> [u64; 4] {
-    let Some(mut h) = Harness::new(seed) else {
+fn run_seed(seed: u64, steps: usize, windowed: bool) -> [u64; 4] {
+    let Some(mut h) = Harness::new(seed, windowed) else {
         return [0; 4];
     };
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -464,9 +485,11 @@ fn run_seed(seed: u64, steps: usize) -> [u64; 4] {
     }));
     if let Err(panic) = result {
         eprintln!(
-            "reference-model test failed; replay with KVPAGE_SEED={seed} ({:?}, block size {})",
+            "reference-model test failed; replay with KVPAGE_SEED={seed} ({:?}, block size {}, \
+             sliding window {:?})",
             h.sched.config().policy,
-            h.block_size
+            h.block_size,
+            h.sched.config().sliding_window
         );
         std::panic::resume_unwind(panic);
     }
@@ -485,7 +508,7 @@ fn scheduler_matches_the_reference_model() {
         .ok()
         .and_then(|s| s.parse().ok())
     {
-        run_seed(seed, 1500);
+        run_seed(seed, 1500, false);
         return;
     }
     let (seeds, steps) = if std::env::var_os("KVPAGE_SOAK").is_some() {
@@ -495,7 +518,7 @@ fn scheduler_matches_the_reference_model() {
     };
     let mut total = [0u64; 4];
     for seed in 0..seeds {
-        for (sum, n) in total.iter_mut().zip(run_seed(seed, steps)) {
+        for (sum, n) in total.iter_mut().zip(run_seed(seed, steps, false)) {
             *sum += n;
         }
     }
@@ -503,5 +526,32 @@ fn scheduler_matches_the_reference_model() {
     assert!(
         total.iter().all(|&n| n > 100),
         "the workload must exercise preemption, static ghosts and prefix hits: {total:?}"
+    );
+}
+
+#[test]
+fn scheduler_with_a_sliding_window_matches_the_reference_model() {
+    if let Some(seed) = std::env::var("KVPAGE_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+    {
+        run_seed(seed, 1500, true);
+        return;
+    }
+    let (seeds, steps) = if std::env::var_os("KVPAGE_SOAK").is_some() {
+        (2000, 1500)
+    } else {
+        (80, 300)
+    };
+    let mut total = [0u64; 4];
+    for seed in 0..seeds {
+        for (sum, n) in total.iter_mut().zip(run_seed(seed, steps, true)) {
+            *sum += n;
+        }
+    }
+    eprintln!("windowed: steps with work, preemptions, ghost rows, prefix hit blocks: {total:?}");
+    assert!(
+        total[0] > 100 && total[1] > 100 && total[3] > 100,
+        "the workload must exercise preemption and prefix hits: {total:?}"
     );
 }

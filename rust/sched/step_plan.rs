@@ -24,7 +24,7 @@
 //! | `cu_q_lens` | int32 | [S+1] | row s owns tokens `cu_q_lens[s]..cu_q_lens[s+1]` of the flat arrays |
 //! | `kv_lens` | int32 | [S] | each row's KV length after this step (what attention reads) |
 //! | `row_request` | uint64 | [S] | request handle of each row |
-//! | `block_tables` | int32 | [S, W] | physical block of each logical block; padded with the scratch block id `num_blocks`; W >= the blocks of the widest row (the core gives exactly that; the runner pads to its `max_blocks`) |
+//! | `block_tables` | int32 | [S, W] | physical block of each logical block; padded with the scratch block id `num_blocks`, which also stands for blocks dropped out of a sliding window (below); W >= the blocks of the widest row (the core gives exactly that; the runner pads to its `max_blocks`) |
 //! | `logits_indices` | int32 | [R] | flat token index whose logits feed sampled row r |
 //! | `copy_src`, `copy_dst` | int32 | [C] | copy-on-write whole-block copies to run before the step |
 //! | `sample_request` | uint64 | [R] | request handle of row r |
@@ -55,6 +55,22 @@
 //!
 //! With n > 1, the row that completes a prompt appears n times in
 //! `logits_indices` (same flat index), once per forked sample.
+//!
+//! Sliding window (`SchedulerConfig::sliding_window = Some(window)`, set
+//! only when every attention layer slides with the same `window`; not to
+//! be confused with the table width W above): a query at
+//! position `p` reads only keys at `j` with `p - window < j <= p`. A row whose
+//! first query is at `start` (its `positions[cu_q_lens[s]]`) reads nothing
+//! below `start - window + 1`; the KV cache drops the blocks that lie entirely
+//! before that as the sequence advances, so in `block_tables` an entry `b`
+//! with `(b + 1) * block_size <= start - window + 1` may be the scratch block id
+//! `num_blocks` (the block went back to the pool) or a block that still
+//! holds older KV: either way the kernels must not read it. Every entry
+//! from block `(start - window + 1) / block_size` on (all of them when
+//! `start < window`) is a real block holding the row's KV, as without a window.
+//! `kv_lens` stays the absolute length (the window is the kernels' to
+//! apply), and `slot_mapping` never names a dropped block. The `static`
+//! policy runs without a window (it reserves whole lengths up front).
 
 #[derive(Debug, Clone, Default)]
 pub struct StepPlan {

@@ -124,6 +124,13 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
             scheduling_policy=config.scheduling_policy,
             eos_token_ids=self.eos_token_ids,
+            # Every layer slides: blocks that leave the window go back to the pool (the
+            # kernels never read before a sliding layer's window).
+            sliding_window=(
+                model_config.sliding_window
+                if model_config.all_layers_slide and config.scheduling_policy != "static"
+                else None
+            ),
         )
         ctx = self._ctx = EngineContext(
             config, model_config, self.max_model_len, self.eos_token_ids, runner, scheduler,

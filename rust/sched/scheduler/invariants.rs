@@ -93,6 +93,15 @@ impl Scheduler {
                             "running sequence {index} has fewer KV slots than computed tokens"
                         ));
                     }
+                    // Sliding window: it holds no block before its next query's window.
+                    let table_len = self.kv.block_table(kv)?.len();
+                    let dropped = self.kv.num_dropped_blocks(kv)?;
+                    if dropped != self.kv.out_of_window(seq.num_computed).min(table_len) {
+                        return fail(format!(
+                            "running sequence {index} at {} computed tokens dropped {dropped} blocks",
+                            seq.num_computed
+                        ));
+                    }
                 }
                 SeqState::Finished(_) => {
                     if in_waiting || in_running || (seq.kv.is_some() && !in_ghosts) {

@@ -14,7 +14,10 @@
 //!    always is).
 //! 4. `build_plan` (`plan.rs`): flatten the scheduled rows into the step
 //!    plan, fork n > 1 requests whose prompt completes, cache newly full
-//!    blocks.
+//!    blocks. With a sliding window (`SchedulerConfig::sliding_window`), each
+//!    row's sequence then drops the blocks that left its next query's window
+//!    (the rule and the prefix cache under it: `kv/kv_cache.rs`; what the
+//!    plan's block tables hold: `sched/step_plan.rs`).
 //!
 //! This file holds the scheduler's state, `schedule()` and `update()`;
 //! requests come and go in `requests.rs`, structured outputs ride along in
@@ -30,7 +33,9 @@
 //! - every live sequence is in exactly one of waiting, running or (static)
 //!   the ghost set; running ones hold a page table covering `num_computed`
 //!   tokens, waiting ones hold none and have `num_computed == 0` (sizing a
-//!   waiting candidate never attaches KV to it);
+//!   waiting candidate never attaches KV to it); with a sliding window, a
+//!   running sequence has dropped exactly the blocks entirely before the
+//!   window of its next query (position `num_computed`);
 //! - `running` is sorted by (priority, arrival, seq) and never exceeds
 //!   `max_num_seqs`;
 //! - every block is accounted for by the KV manager's invariants, and when
@@ -114,6 +119,14 @@ pub struct SchedulerConfig {
     pub enable_prefix_caching: bool,
     pub policy: Policy,
     pub eos_token_ids: Vec<u32>,
+    /// Sliding-window attention: `Some(W)` only when every attention layer
+    /// of the model attends to the last `W` positions (a query at `p` reads
+    /// keys `p - W < j <= p`); `None` (full attention, or a model mixing
+    /// full and sliding layers) is the behaviour without windows. With a
+    /// window, blocks that fall out of it are dropped as sequences advance
+    /// (see `kv/kv_cache.rs`); the `static` policy ignores it (it reserves
+    /// each sample's whole length up front).
+    pub sliding_window: Option<u32>,
 }
 
 impl Default for SchedulerConfig {
@@ -129,6 +142,7 @@ impl Default for SchedulerConfig {
             enable_prefix_caching: true,
             policy: Policy::Fcfs,
             eos_token_ids: Vec::new(),
+            sliding_window: None,
         }
     }
 }
@@ -217,9 +231,19 @@ impl Scheduler {
         if config.max_model_len == 0 {
             return invalid("max_model_len must be >= 1".into());
         }
-        if config.max_model_len.div_ceil(config.block_size.max(1)) > config.num_blocks {
+        if config.sliding_window == Some(0) {
+            return invalid("sliding_window must be >= 1 (or None for full attention)".into());
+        }
+        if config.policy == Policy::Static {
+            config.sliding_window = None;
+        }
+        if Self::blocks_one_sequence_needs(&config) > config.num_blocks {
+            let window = match config.sliding_window {
+                Some(w) => format!(" (sliding window {w})"),
+                None => String::new(),
+            };
             return invalid(format!(
-                "a KV pool of {} blocks of {} tokens cannot hold one sequence of max_model_len={} tokens; \
+                "a KV pool of {} blocks of {} tokens cannot hold one sequence of max_model_len={} tokens{window}; \
                  lower max_model_len or give the pool more blocks",
                 config.num_blocks, config.block_size, config.max_model_len
             ));
@@ -234,10 +258,11 @@ impl Scheduler {
             config.enable_prefix_caching = false;
         }
         let free_seats = (0..config.max_num_seqs as u32).rev().collect();
-        let kv = KvCacheManager::new(
+        let kv = KvCacheManager::new_with_window(
             config.num_blocks,
             config.block_size,
             config.enable_prefix_caching,
+            config.sliding_window,
         )?;
         Ok(Self {
             config,
@@ -262,6 +287,30 @@ impl Scheduler {
             stats: SchedulerStats::default(),
             by_handle: FxHashMap::default(),
         })
+    }
+
+    /// The most blocks one sequence can need at once: its whole
+    /// `max_model_len`, or with a sliding window `W` and chunks of at most
+    /// `L` tokens, `ceil((W + L) / B) + 1`. That covers a running sequence
+    /// (the `W - 1` positions its next query reads, the window's first block
+    /// partly out of it, plus the chunk's) and an admission (a matched
+    /// prefix, at most `floor((W + B - 2) / B)` blocks since sequences stop
+    /// caching when they first slide, plus the first chunk), so one
+    /// sequence alone always fits and never waits forever.
+    fn blocks_one_sequence_needs(config: &SchedulerConfig) -> usize {
+        let bs = config.block_size.max(1);
+        let full = config.max_model_len.div_ceil(bs);
+        match config.sliding_window {
+            Some(window) => {
+                let mut chunk = config.max_num_batched_tokens.min(config.max_model_len);
+                if config.long_prefill_token_threshold > 0 {
+                    chunk = chunk.min(config.long_prefill_token_threshold.max(1));
+                }
+                let windowed = (window as usize + chunk).div_ceil(bs) + 1;
+                full.min(windowed)
+            }
+            None => full,
+        }
     }
 
     pub fn config(&self) -> &SchedulerConfig {

@@ -46,6 +46,13 @@ impl Scheduler {
             let done = seq.num_computed == seq.tokens.len();
             let kv = seq.kv.expect("scheduled");
             self.kv.record_written(kv, row.start, seq.num_computed)?;
+            // Sliding window: the next query is at `num_computed`; blocks
+            // before its window go now (the plan above already holds this
+            // step's table, and nothing is allocated until the next step).
+            // Before caching, so a sequence that slides caches nothing more.
+            if self.config.sliding_window.is_some() {
+                self.kv.slide_window(kv, seq.num_computed)?;
+            }
             if self.config.enable_prefix_caching && row.start / bs != seq.num_computed / bs {
                 self.kv.cache_blocks(kv, &seq.tokens[..seq.num_computed])?;
             }

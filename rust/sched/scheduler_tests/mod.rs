@@ -1,6 +1,7 @@
 //! Behaviour tests of the scheduler, driven by a fake token source, one
 //! file per phase of a step (as in `sched/scheduler/`), plus a seeded
-//! randomized workload checking invariants after every step. This file holds
+//! randomized workload checking invariants after every step (and its
+//! sliding-window variant in `sliding_window.rs`). This file holds
 //! the shared helpers.
 
 mod admission;
@@ -9,6 +10,7 @@ mod plan;
 mod preemption;
 mod randomized;
 mod requests;
+mod sliding_window;
 mod static_batching;
 mod update;
 
