@@ -5,6 +5,9 @@
 //!   `cpu_attention_avx2.rs`; the pool element types and buffer limits both
 //!   share in `kv_element.rs` (both depend on it, it on neither).
 //! - [`cpu_matmul`]: linear layers of few rows (decode steps): `y = x · wᵀ`.
+//! - [`expert_matmul`]: mixture-of-experts layers, `y[n] = x[n] · W[e_n]ᵀ`,
+//!   float or quantized experts, reading only the routed experts' weights
+//!   (each once per call) through the kernels of [`cpu_matmul`] and [`quant`].
 //! - [`quant`]: linear layers with quantized weights (GGUF blocks, int8),
 //!   read as they are stored: `y = x · dequant(w)ᵀ`, and their dequantization;
 //!   `quant/formats.rs` owns the table of formats every language reads.
@@ -15,8 +18,8 @@
 //!   never spawn threads themselves.
 //! - [`xla_ffi`]: the `#[no_mangle]` C-ABI handlers that JAX registers as
 //!   CPU custom-call targets, and the slice of XLA's FFI C API they need
-//!   ([`xla_ffi_quant`]: the quantized ones, [`xla_ffi_zeros`]: the pools'
-//!   zero-fill).
+//!   ([`xla_ffi_quant`]: the quantized ones, [`xla_ffi_experts`]: the
+//!   mixture-of-experts ones, [`xla_ffi_zeros`]: the pools' zero-fill).
 //!
 //! Invariants:
 //! - every buffer is checked for its size (and at the FFI boundary, count,
@@ -36,6 +39,9 @@ pub mod cpu_attention;
 #[cfg(target_arch = "x86_64")]
 mod cpu_attention_avx2;
 pub mod cpu_matmul;
+pub mod expert_matmul;
+#[cfg(test)]
+mod expert_matmul_tests;
 #[cfg(test)]
 mod guard_page;
 #[cfg(test)]
@@ -45,5 +51,6 @@ pub mod lazy_zeros;
 pub mod parallel;
 pub mod quant;
 pub mod xla_ffi;
+pub mod xla_ffi_experts;
 pub mod xla_ffi_quant;
 pub mod xla_ffi_zeros;

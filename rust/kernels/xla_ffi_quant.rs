@@ -28,8 +28,9 @@ use super::xla_ffi::{
     buffers, handle, CallFrame, View, XlaPool, DTYPE_F32, DTYPE_S32, DTYPE_S8, DTYPE_U8,
 };
 
-/// The live row count a call's last operand holds, checked against its `rows`.
-unsafe fn live_rows(view: &View, rows: usize) -> Result<usize, String> {
+/// The live row count a call's last operand holds, checked against its `rows`
+/// (also read by [`super::xla_ffi_experts`]).
+pub(super) unsafe fn live_rows(view: &View, rows: usize) -> Result<usize, String> {
     if view.dtype != DTYPE_S32 || view.len() != 1 {
         return Err(format!(
             "live_rows must be one int32, got dtype {} dims {:?}",

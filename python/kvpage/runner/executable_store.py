@@ -89,13 +89,19 @@ def _cpu_flags() -> str:
 def register_host_kernels() -> None:
     """Register every XLA FFI handler kvpage's core exports: a stored executable may call
     any of them, and only a trace registers them otherwise."""
-    from kvpage.kernels.host import cpu_decode_attention, cpu_matmul, cpu_qmatmul
+    from kvpage.kernels.host import (
+        cpu_decode_attention,
+        cpu_expert_matmul,
+        cpu_matmul,
+        cpu_qmatmul,
+    )
     from kvpage.kernels.host._host_ffi import register
     from kvpage.runner.kv_cache import LAZY_ZEROS_TARGET
 
     names = [cpu_decode_attention.TARGET, cpu_matmul.TARGET, LAZY_ZEROS_TARGET]
     for kind in cpu_qmatmul.KINDS:
         names += [cpu_qmatmul.target(kind), f"kvpage_dequantize_{kind}"]
+    names += cpu_expert_matmul.targets()
     for name in names:
         register(name)
 
