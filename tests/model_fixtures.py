@@ -81,6 +81,13 @@ ARCH_OVERRIDES: dict[str, dict[str, Any]] = {
     "gemma3": dict(query_pre_attn_scalar=24, sliding_window=512, rope_local_base_freq=500.0,
                    layer_types=["sliding_attention", "full_attention"],
                    pad_token_id=0, eos_token_id=1, bos_token_id=2),
+    "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
+                    sliding_window=512, layer_types=["sliding_attention", "full_attention"],
+                    rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False,
+                                     "original_max_position_embeddings": 128,
+                                     "rope_theta": 150000.0},
+                    pad_token_id=0, eos_token_id=1, bos_token_id=2),
     "phi3": dict(partial_rotary_factor=0.5, pad_token_id=0, eos_token_id=1, bos_token_id=2),
 }
 
@@ -103,6 +110,7 @@ def hf_config(arch: str, **overrides: Any) -> Any:
         "gemma2": transformers.Gemma2Config,
         "gemma3": transformers.Gemma3TextConfig,
         "phi3": transformers.Phi3Config,
+        "gpt_oss": transformers.GptOssConfig,
     }
     kwargs: dict[str, Any] = {**TINY, "head_dim": 16, **ARCH_OVERRIDES.get(arch, {})}
     if arch in ("qwen2", "qwen2_moe", "mixtral", "olmoe", "phi3"):
@@ -397,7 +405,7 @@ def generate(
     return [seq.generated for seq in planner.seqs]
 
 
-def _runner(config: ModelConfig, params: Any, max_model_len: int = 64) -> Any:
+def tiny_runner(config: ModelConfig, params: Any, max_model_len: int = 64) -> Any:
     return ModelRunner(config, params, num_blocks=64, block_size=4,
                        max_model_len=max_model_len, max_num_seqs=4, token_buckets=(32,),
                        seq_buckets=(4,), max_logprobs=1)
@@ -416,7 +424,7 @@ def check_engine_matches_hf(model: Any, directory: Path, prompts: list[list[int]
     config, params = load_model(directory)
     expected = [hf_greedy_logits(model, p, new_tokens) for p in prompts]
     outputs: list[Any] = []
-    got = generate(_runner(config, params), prompts, new_tokens,
+    got = generate(tiny_runner(config, params), prompts, new_tokens,
                    DeviceSamplingParams(temperature=0.0, logprobs=1), outputs=outputs,
                    token_budget=32)
     logprobs: dict[int, list[float]] = {i: [] for i in range(len(prompts))}

@@ -11,6 +11,7 @@
     kvpage bench startup [MODEL]                                    time to ready, cold and warm
     kvpage bench vs-llama-cpp [MODEL.gguf]                          vs llama.cpp's server, same file
     kvpage bench rollout [MODEL]                                    vs tunix's rollout (GRPO)
+    kvpage bench moe                                                MoE: routed / dense / llama.cpp
 
 ``compare`` runs the two lessons of continuous batching and PagedAttention
 on the same model and workload, only the scheduling policy changed, and can
@@ -28,6 +29,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     from kvpage.bench import (
         compare,
         host,
+        moe,
         rollout,
         roofline,
         scheduler,
@@ -57,4 +59,5 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     startup.add_parser(sub)
     vs_llama_cpp.add_parser(sub)
     rollout.add_parser(sub)
+    moe.add_parser(sub)
     return bench

@@ -67,14 +67,16 @@ def workloads(levels: list[int], input_len: int, output_len: int, vocab: int,
     return out
 
 
-class _Server:
+class Server:
     """One server process under test, and its figures so far."""
 
-    def __init__(self, name: str, command: list[str], url: str, log_path: Path) -> None:
+    def __init__(self, name: str, command: list[str], url: str, log_path: Path,
+                 env: dict[str, str] | None = None) -> None:
         self.name, self.url = name, url
         self.log = open(log_path, "wb")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True,
+                                     env={**os.environ, **env} if env else None)
         self.result: dict[str, Any] = {"server": name, "levels": {}}
 
     def wait_ready(self) -> None:
@@ -103,7 +105,7 @@ class _Server:
         self.log.close()
 
 
-def run_servers(servers: list[_Server], requests: dict[int, list[BenchRequest]]) -> None:
+def run_servers(servers: list[Server], requests: dict[int, list[BenchRequest]]) -> None:
     """Every server up at once, then each level run by each server in turn: the servers
     take turns minute by minute, so a machine whose speed drifts over the run (shared
     hosts do, by 1.5x in an hour) moves both sides of a ratio alike. An idle server
@@ -146,7 +148,7 @@ def run(args: argparse.Namespace, model: str) -> dict[str, Any]:
     context = max(len(r.prompt_token_ids) + r.output_len for b in requests.values() for r in b)
     workdir = Path(tempfile.mkdtemp(prefix="kvpage-vs-llama-"))
     results: dict[str, Any] = {"model": model, "concurrency": levels, "servers": []}
-    servers: list[_Server] = []
+    servers: list[Server] = []
     try:
         _start_and_run(args, model, servers, requests, top, context, workdir)
     finally:
@@ -157,7 +159,7 @@ def run(args: argparse.Namespace, model: str) -> dict[str, Any]:
     return results
 
 
-def _start_and_run(args: argparse.Namespace, model: str, servers: list[_Server],
+def _start_and_run(args: argparse.Namespace, model: str, servers: list[Server],
                    requests: dict[int, list[BenchRequest]], top: int, context: int,
                    workdir: Path) -> None:
     """Start kvpage (each ``--quantization`` mode) and llama.cpp into ``servers``, then
@@ -168,7 +170,7 @@ def _start_and_run(args: argparse.Namespace, model: str, servers: list[_Server],
         port = free_port()
         command = kvpage_serve_command(model, port, "--quantization", mode,
                                        "--max-num-seqs", str(top), "--warmup", "full")
-        servers.append(_Server(f"kvpage ({mode})", command, f"http://127.0.0.1:{port}",
+        servers.append(Server(f"kvpage ({mode})", command, f"http://127.0.0.1:{port}",
                                workdir / f"kvpage-{mode}.log"))
         servers[-1].wait_ready()  # one compile at a time: each gets both cores
     binary = args.llama_server or shutil.which("llama-server")
@@ -178,13 +180,13 @@ def _start_and_run(args: argparse.Namespace, model: str, servers: list[_Server],
               file=sys.stderr)
     else:
         port = free_port()
-        command = _llama_command(binary, model, port, top, context)
-        servers.append(_Server("llama.cpp", command, f"http://127.0.0.1:{port}",
+        command = llama_command(binary, model, port, top, context)
+        servers.append(Server("llama.cpp", command, f"http://127.0.0.1:{port}",
                                workdir / "llama-server.log"))
     run_servers(servers, requests)
 
 
-def _llama_command(binary: str, model: str, port: int, top: int, context: int) -> list[str]:
+def llama_command(binary: str, model: str, port: int, top: int, context: int) -> list[str]:
     return [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port),
             "-t", str(os.cpu_count() or 1), "-np", str(top), "-c", str(top * (context + 16))]
 
@@ -231,7 +233,7 @@ def run_first_minute(args: argparse.Namespace, model: str) -> dict[str, Any]:
             if name == "llama.cpp":
                 if binary is None:
                     continue
-                command = _llama_command(binary, model, port, top, context)
+                command = llama_command(binary, model, port, top, context)
             else:
                 cache = filled if "filled" in name else root / f"empty-{level}"
                 command, env = kvpage(cache)

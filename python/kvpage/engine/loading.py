@@ -3,8 +3,10 @@ GGUF file, the end-of-sequence ids they agree on, and the JAX runner over the we
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,19 @@ def load_tokenizer(model_dir: str | Path) -> Any:
         raise ValueError(f"cannot load the tokenizer of {model_dir}: {err}") from None
 
 
+MOE_DENSE_COMPUTE_ENV = "KVPAGE_MOE_DENSE_COMPUTE"
+"""Set to 1, a MoE model computes every expert for every token: the dense-compute
+baseline ``kvpage bench moe`` serves beside the routed model (never a default)."""
+
+
+def _with_baseline(config: ModelConfig) -> ModelConfig:
+    if config.moe is None or os.environ.get(MOE_DENSE_COMPUTE_ENV) != "1":
+        return config
+    logger.warning("%s=1: every expert runs for every token (benchmark baseline)",
+                   MOE_DENSE_COMPUTE_ENV)
+    return config.with_overrides(moe=dataclasses.replace(config.moe, dense_compute=True))
+
+
 def load_model_and_tokenizer(
     model: str | Path,
     dtype: str = "auto",
@@ -54,14 +69,14 @@ def load_model_and_tokenizer(
                                        lambda: load_gguf_tokenizer(path))
         logger.info("loaded %s (%s) in %.1f s", path, model_config.dtype,
                     time.perf_counter() - start)
-        return model_config, params, tokenizer, None
+        return _with_baseline(model_config), params, tokenizer, None
     model_config, params = load_model(path, dtype=dtype, quantization=quantization)
     tokenizer = (
         load_through_cache(path, tokenizer_cache_dir, lambda: load_tokenizer(path))
         if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file()
         else None
     )
-    return model_config, params, tokenizer, path
+    return _with_baseline(model_config), params, tokenizer, path
 
 
 def merge_eos_ids(config: ModelConfig, model_dir: Path | None, tokenizer: Any) -> list[int]:

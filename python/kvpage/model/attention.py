@@ -2,8 +2,11 @@
 
 This file owns the indirection between the decoder and ``kvpage.kernels``. Every backend
 follows the contract of ``python/kvpage/kernels/xla/reference.py``: ``attend(q, k_pages, v_pages,
-kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale, decode_only)`` and
-``write_kv(k_pages, v_pages, k, v, slot_mapping)``.
+kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale, decode_only, sliding_window=None,
+logit_soft_cap=None, sinks=None)`` and ``write_kv(k_pages, v_pages, k, v, slot_mapping)``.
+``sliding_window`` (int, static), ``logit_soft_cap`` (float, static) and ``sinks``
+(float32 ``[num_q_heads]``) are the contract's options (sliding-window attention,
+Gemma 2 soft-capping, gpt-oss sinks); every backend takes them, ``None`` is off.
 
 ``attention_backend`` is passed to ``kvpage.kernels.paged_attention``'s dispatcher:
 ``"reference"`` (the pure-jnp contract, for tests: its work follows the padded
@@ -41,10 +44,23 @@ class AttentionBackend(NamedTuple):
     decode_specialized: bool
 
 
-def _reference_attend(*args: Any, sm_scale: float, decode_only: bool = False) -> jax.Array:
+def _reference_attend(
+    *args: Any,
+    sm_scale: float,
+    decode_only: bool = False,
+    sliding_window: int | None = None,
+    logit_soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
+) -> jax.Array:
     from kvpage import kernels
 
-    return kernels.ragged_paged_attention_reference(*args, sm_scale=sm_scale)
+    return kernels.ragged_paged_attention_reference(
+        *args,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        logit_soft_cap=logit_soft_cap,
+        sinks=sinks,
+    )
 
 
 def get_attention_backend(name: str | None = None) -> AttentionBackend:

@@ -72,6 +72,8 @@ class ModelConfig:
       attention scores / the output logits (Gemma 2).
     * ``partial_rotary_factor``: RoPE rotates the first ``rotary_dim`` features only.
     * ``moe``: the feed-forward block is a routed mixture of experts.
+    * ``attention_sinks``: one learned logit per query head joins each softmax's
+      denominator (gpt-oss; ``self_attn.sinks``).
     """
 
     architecture: str
@@ -105,6 +107,7 @@ class ModelConfig:
     final_logit_softcap: float | None = None
     partial_rotary_factor: float = 1.0
     moe: MoEConfig | None = None
+    attention_sinks: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in REGISTRY:

@@ -86,6 +86,13 @@ class MoEConfig:
     ``shared_expert_gate``. Layers listed in ``dense_layers`` keep an ordinary dense MLP
     of the model's ``intermediate_size`` (Qwen3-MoE's ``mlp_only_layers`` /
     ``decoder_sparse_step``).
+
+    ``expert_bias``: each expert's projections have biases (gpt-oss). ``swiglu_limit``:
+    gpt-oss's clamped SwiGLU in the experts (gate clamped above at the limit, up to
+    ``[-limit, limit]``, ``(up + 1) * gate * sigmoid(swiglu_alpha * gate)``).
+
+    ``dense_compute`` runs every expert for every token (the same outputs): the
+    dense-compute baseline of ``kvpage bench moe``, never a default.
     """
 
     num_experts: int
@@ -97,6 +104,10 @@ class MoEConfig:
     shared_expert_intermediate_size: int = 0
     shared_expert_gate: bool = False
     dense_layers: tuple[int, ...] = ()
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    dense_compute: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.num_experts <= 1 << 12:

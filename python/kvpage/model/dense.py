@@ -51,7 +51,13 @@ def _attention(
     if layer_type == SLIDING_ATTENTION:
         visible &= key > query - config.sliding_window
     scores = jnp.where(visible, scores, -jnp.inf)
-    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    if config.attention_sinks:  # one extra logit per head in the denominator
+        sinks = attn["sinks"].astype(jnp.float32).reshape(1, hkv, hq // hkv, 1, 1)
+        sinks = jnp.broadcast_to(sinks, (*scores.shape[:-1], 1))
+        weights = jax.nn.softmax(jnp.concatenate([scores, sinks], axis=-1), axis=-1)
+        weights = weights[..., :-1].astype(v.dtype)
+    else:
+        weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bhgqk,bkhd->bqhgd", weights, v).reshape(batch * length, hq * d)
     return linear(out.astype(x.dtype), attn["o_proj"]).reshape(batch, length, -1)
 

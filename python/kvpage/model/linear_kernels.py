@@ -68,7 +68,8 @@ def live_rows(rows: int, live: jax.Array) -> Iterator[None]:
         _LIVE_ROWS.reset(token)
 
 
-def _live_rows_of(rows: int) -> jax.Array | None:
+def live_rows_of(rows: int) -> jax.Array | None:
+    """The live row count of a product of ``rows`` rows inside :func:`live_rows`, or None."""
     scope = _LIVE_ROWS.get()
     return scope[1] if scope is not None and scope[0] == rows else None
 
@@ -124,7 +125,7 @@ def _quantized_matmul_nt(
     def on_cpu() -> jax.Array:
         if rows < cpu_qmatmul.DEQUANTIZE_ROWS:
             return cpu_qmatmul.qmatmul_call(
-                flat, w.blocks, w.row_scales, w.kind, _live_rows_of(rows)
+                flat, w.blocks, w.row_scales, w.kind, live_rows_of(rows)
             )
         weight = cpu_qmatmul.dequantize_call(w.blocks, w.row_scales, w.kind, w.shape[1])
         return lax.dot_general(flat.astype(jnp.float32), weight, dims,

@@ -36,9 +36,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kvpage.kernels.host import cpu_expert_matmul as host
 from kvpage.kernels.pallas.grouped_matmul import grouped_matmul
 from kvpage.model.config import ModelConfig
-from kvpage.model.linear_kernels import host_kernels_enabled, matmul_nt
+from kvpage.model.linear_kernels import host_kernels_enabled, live_rows_of, matmul_nt
 from kvpage.model.mlp import activation_fn, gated_mlp
 from kvpage.quant.weights import QuantizedWeight
 
@@ -88,9 +89,11 @@ def _grouped(x: jax.Array, w: ExpertWeight, ids: jax.Array) -> jax.Array:
     return jnp.zeros_like(y).at[order].set(y)
 
 
-def expert_matmul_nt(x: jax.Array, w: ExpertWeight, ids: jax.Array) -> jax.Array:
+def expert_matmul_nt(x: jax.Array, w: ExpertWeight, ids: jax.Array,
+                     live: jax.Array | None = None) -> jax.Array:
     """float32 ``[N, out]``: row ``n`` of ``x [N, in]`` times expert ``ids[n]``'s
-    ``[out, in]`` weight transposed (see the module docstring for the kernels)."""
+    ``[out, in]`` weight transposed (see the module docstring for the kernels). ``live``:
+    rows from it on are padding (the host kernel skips them)."""
     rows = x.shape[0]
 
     def xla() -> jax.Array:
@@ -99,7 +102,7 @@ def expert_matmul_nt(x: jax.Array, w: ExpertWeight, ids: jax.Array) -> jax.Array
     if not host_kernels_enabled():
         return xla()
     branches: dict[str, Any] = {}
-    host = _host_kernel(x, w, ids)
+    host = _host_kernel(x, w, ids, live)
     if host is not None:
         branches["cpu"] = host
     if not isinstance(w, QuantizedWeight):
@@ -116,12 +119,9 @@ def _pallas_grouped(x: jax.Array, w: jax.Array, ids: jax.Array) -> jax.Array:
     return jnp.zeros_like(y).at[order].set(y)
 
 
-def _host_kernel(x: jax.Array, w: ExpertWeight, ids: jax.Array) -> Any:
+def _host_kernel(x: jax.Array, w: ExpertWeight, ids: jax.Array, live: jax.Array | None
+                 ) -> Any:
     """The CPU branch running the Rust core's expert-indexed kernel, or None."""
-    try:
-        from kvpage.kernels.host import cpu_expert_matmul as host
-    except ImportError:  # pragma: no cover - the kernel ships with the core
-        return None
     experts = _num_experts(w)
     if isinstance(w, QuantizedWeight):
         if not host.available(w.kind):
@@ -130,11 +130,23 @@ def _host_kernel(x: jax.Array, w: ExpertWeight, ids: jax.Array) -> Any:
         blocks = w.blocks.reshape(experts * out, -1)
         scales = None if w.row_scales is None else w.row_scales.reshape(experts * out)
         return lambda: host.expert_qmatmul_call(
-            x.astype(jnp.float32), blocks, scales, w.kind, ids, experts
+            x.astype(jnp.float32), blocks, scales, w.kind, ids, experts, live
         )
-    if not host.available(str(jnp.dtype(w.dtype))):
+    if not host.available(jnp.dtype(w.dtype).name):
         return None
-    return lambda: host.expert_matmul_call(x.astype(jnp.float32), w, ids)
+    return lambda: host.expert_matmul_call(x.astype(jnp.float32), w, ids, live)
+
+
+def _expert_activation(config: ModelConfig, gate: jax.Array, up: jax.Array) -> jax.Array:
+    """``act(gate) * up``, or gpt-oss's clamped SwiGLU (:class:`MoEConfig`)."""
+    moe = config.moe
+    assert moe is not None
+    if moe.swiglu_limit is None:
+        return activation_fn(config.hidden_act)(gate) * up
+    limit = moe.swiglu_limit
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * gate * jax.nn.sigmoid(gate * moe.swiglu_alpha)
 
 
 def _routed_experts(config: ModelConfig, experts: dict[str, Any], x: jax.Array,
@@ -142,11 +154,18 @@ def _routed_experts(config: ModelConfig, experts: dict[str, Any], x: jax.Array,
     tokens, k = ids.shape
     rows = jnp.repeat(x, k, axis=0)  # row t * k + j: token t's j-th expert
     flat = ids.reshape(-1)
-    act = activation_fn(config.hidden_act)
-    gate = expert_matmul_nt(rows, experts["gate_proj"]["weight"], flat)
-    up = expert_matmul_nt(rows, experts["up_proj"]["weight"], flat)
-    hidden = (act(gate) * up).astype(x.dtype)
-    out = expert_matmul_nt(hidden, experts["down_proj"]["weight"], flat)
+    live_tokens = live_rows_of(tokens)
+    live = None if live_tokens is None else live_tokens * k
+
+    def product(name: str, inputs: jax.Array) -> jax.Array:
+        y = expert_matmul_nt(inputs, experts[name]["weight"], flat, live)
+        if "bias" in experts[name]:
+            y = y + jnp.take(experts[name]["bias"], flat, axis=0).astype(jnp.float32)
+        return y
+
+    gate, up = product("gate_proj", rows), product("up_proj", rows)
+    hidden = _expert_activation(config, gate, up).astype(x.dtype)
+    out = product("down_proj", hidden)
     out = out.reshape(tokens, k, -1) * weights[..., None]
     return jnp.sum(out, axis=1)
 
@@ -162,6 +181,9 @@ def _shared_expert(config: ModelConfig, mlp: dict[str, Any], x: jax.Array) -> ja
 
 def moe_block(config: ModelConfig, mlp: dict[str, Any], x: jax.Array) -> jax.Array:
     """The MoE feed-forward output ``[T, hidden]`` of normed hidden states ``x``."""
+    assert config.moe is not None
+    if config.moe.dense_compute:
+        return dense_moe_block(config, mlp, x)
     ids, weights = route(config, mlp["gate"], x)
     out = _routed_experts(config, mlp["experts"], x, ids, weights)
     if "shared_expert" in mlp:
@@ -170,25 +192,18 @@ def moe_block(config: ModelConfig, mlp: dict[str, Any], x: jax.Array) -> jax.Arr
 
 
 def dense_moe_block(config: ModelConfig, mlp: dict[str, Any], x: jax.Array) -> jax.Array:
-    """:func:`moe_block` computing every expert for every token (reference / baseline)."""
+    """:func:`moe_block` computing every expert for every token (reference / baseline):
+    the same kernels on ``tokens * num_experts`` rows, weighted by the same routing
+    (zero for the experts a token was not routed to)."""
+    moe = config.moe
+    assert moe is not None
     ids, weights = route(config, mlp["gate"], x)
-    experts = mlp["experts"]
-
-    def dense(name: str, inputs: jax.Array) -> jax.Array:
-        w = experts[name]["weight"]
-        w = w.dequantize(inputs.dtype) if isinstance(w, QuantizedWeight) else w
-        return jnp.einsum("...i,eoi->...eo", inputs, w, preferred_element_type=jnp.float32)
-
-    act = activation_fn(config.hidden_act)
-    hidden = (act(dense("gate_proj", x)) * dense("up_proj", x)).astype(x.dtype)  # [T, E, I]
-    w_down = experts["down_proj"]["weight"]
-    w_down = w_down.dequantize(x.dtype) if isinstance(w_down, QuantizedWeight) else w_down
-    out = jnp.einsum("tei,eoi->teo", hidden, w_down, preferred_element_type=jnp.float32)
-    dense_weights = jnp.zeros(out.shape[:2], jnp.float32).at[
-        jnp.arange(ids.shape[0])[:, None], ids
+    tokens, experts = x.shape[0], moe.num_experts
+    every = jnp.tile(jnp.arange(experts, dtype=jnp.int32), (tokens, 1))  # [T, E]
+    dense_weights = jnp.zeros((tokens, experts), jnp.float32).at[
+        jnp.arange(tokens)[:, None], ids
     ].set(weights)
-    out = jnp.sum(out * dense_weights[..., None], axis=1)
+    out = _routed_experts(config, mlp["experts"], x, every, dense_weights)
     if "shared_expert" in mlp:
         out = out + _shared_expert(config, mlp, x)
     return out.astype(x.dtype)
-

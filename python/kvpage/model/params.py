@@ -83,6 +83,8 @@ def _attention_spec(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     spec["self_attn.o_proj.weight"] = (h, q)
     if config.o_proj_bias:
         spec["self_attn.o_proj.bias"] = (h,)
+    if config.attention_sinks:
+        spec["self_attn.sinks"] = (config.num_heads,)
     if config.qk_norm:
         per_head = config.qk_norm_over == "head"
         spec["self_attn.q_norm.weight"] = (d,) if per_head else (q,)
@@ -109,9 +111,11 @@ def _moe_spec(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     spec: dict[str, tuple[int, ...]] = {"mlp.gate.weight": (e, h)}
     if moe.router_bias:
         spec["mlp.gate.bias"] = (e,)
-    spec["mlp.experts.gate_proj.weight"] = (e, inter, h)
-    spec["mlp.experts.up_proj.weight"] = (e, inter, h)
-    spec["mlp.experts.down_proj.weight"] = (e, h, inter)
+    for name, out, inp in (("gate_proj", inter, h), ("up_proj", inter, h),
+                           ("down_proj", h, inter)):
+        spec[f"mlp.experts.{name}.weight"] = (e, out, inp)
+        if moe.expert_bias:
+            spec[f"mlp.experts.{name}.bias"] = (e, out)
     if moe.shared_expert_intermediate_size:
         spec.update(_gated_mlp_spec(
             "mlp.shared_expert", h, moe.shared_expert_intermediate_size, False

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from kvpage.model.attention import AttentionBackend
 from kvpage.model.config import SLIDING_ATTENTION, ModelConfig
@@ -40,9 +41,13 @@ class AttentionMetadata(NamedTuple):
     num_seqs: jax.Array  # [1]    rows >= num_seqs are padding
 
 
-def kernel_options(config: ModelConfig, layer_type: str) -> dict[str, Any]:
-    """The attention kernel's keyword arguments for a layer of kind ``layer_type``."""
+def kernel_options(config: ModelConfig, layer_type: str, attn: dict[str, Any] | None = None
+                   ) -> dict[str, Any]:
+    """The attention kernel's keyword arguments for a layer of kind ``layer_type``
+    (``attn``: the layer's attention params, for the sinks)."""
     options: dict[str, Any] = {}
+    if config.attention_sinks and attn is not None:
+        options["sinks"] = attn["sinks"].astype(jnp.float32)
     if layer_type == SLIDING_ATTENTION:
         options["sliding_window"] = config.sliding_window
     if config.attn_logit_softcap is not None:
@@ -98,7 +103,7 @@ def self_attention(
         meta.num_seqs,
         sm_scale=scale,
         decode_only=decode_only,
-        **kernel_options(config, layer_type),
+        **kernel_options(config, layer_type, attn),
     )
     out = linear(out.reshape(num_tokens, config.q_size).astype(hidden.dtype), attn["o_proj"])
     return out, (k_pages, v_pages)

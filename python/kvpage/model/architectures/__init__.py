@@ -17,6 +17,7 @@ from typing import Any
 
 from kvpage.model.architectures.architecture import Architecture, TensorSource
 from kvpage.model.architectures.gemma import GEMMA, GEMMA2, GEMMA3
+from kvpage.model.architectures.gpt_oss import GPT_OSS
 from kvpage.model.architectures.llama import LLAMA, MISTRAL, QWEN2, QWEN3
 from kvpage.model.architectures.moe import MIXTRAL, OLMOE, QWEN2_MOE, QWEN3_MOE
 from kvpage.model.architectures.phi3 import PHI3
@@ -25,7 +26,7 @@ REGISTRY: dict[str, Architecture] = {
     arch.name: arch
     for arch in (
         LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, QWEN2_MOE, MIXTRAL, OLMOE, GEMMA, GEMMA2,
-        GEMMA3, PHI3,
+        GEMMA3, PHI3, GPT_OSS,
     )
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(REGISTRY)

@@ -49,13 +49,18 @@ class TensorSource(NamedTuple):
     names: tuple[str, ...]
     rows: tuple[int, int] | None = None
     stacked: bool = False
+    transform: Callable[[np.ndarray], np.ndarray] | None = None
+    """Applied last: a layout change (gpt-oss's ``[E, in, out]`` experts)."""
 
     def read(self, get: Callable[[str], Any]) -> np.ndarray:
         if self.stacked:
-            return np.stack([np.asarray(get(name)) for name in self.names])
-        value = np.asarray(get(self.names[0]))
+            value = np.stack([np.asarray(get(name)) for name in self.names])
+        else:
+            value = np.asarray(get(self.names[0]))
         if self.rows is not None:
             value = value[self.rows[0]:self.rows[1]]
+        if self.transform is not None:
+            value = np.ascontiguousarray(self.transform(value))
         return value
 
 
@@ -89,8 +94,9 @@ class Architecture:
     gguf_parse: Callable[[GGUFGet, ConfigFields], ConfigFields] | None = None
     """``(get, fields parsed so far) -> fields to add``; ``get(key suffix, default)``
     reads the ``{general.architecture}.{suffix}`` metadata value."""
-    aliases: tuple[str, ...] = ()
-    """Other ``architectures`` entries that mean the same model."""
+    sources: Mapping[str, Callable[[Any], TensorSource]] = field(default_factory=dict)
+    """Layer-relative kvpage name -> its source, for layouts the other fields cannot
+    say (gpt-oss's fused, interleaved, transposed experts); consulted first."""
 
     def checkpoint_name(self, name: str) -> str:
         """The checkpoint's spelling of the (unstacked) kvpage tensor ``name``."""
@@ -101,6 +107,10 @@ class Architecture:
     def source(self, name: str, config: Any) -> TensorSource:
         """Where kvpage's tensor ``name`` (a :func:`~kvpage.model.params.param_spec`
         name) comes from in an HF checkpoint of this architecture."""
+        layer = re.match(r"^(model\.layers\.\d+\.)(.*)$", name)
+        if layer is not None and layer.group(2) in self.sources:
+            source = self.sources[layer.group(2)](config)
+            return source._replace(names=tuple(layer.group(1) + n for n in source.names))
         match = _EXPERTS.match(name)
         if match is not None and config.moe is not None:
             prefix, rest = match.groups()
@@ -109,7 +119,6 @@ class Architecture:
                 for e in range(config.moe.num_experts)
             )
             return TensorSource(names, stacked=True)
-        layer = re.match(r"^(model\.layers\.\d+\.)(.*)$", name)
         if layer is not None and layer.group(2) in self.fused:
             fused_name, rows = self.fused[layer.group(2)]
             return TensorSource((self.checkpoint_name(layer.group(1) + fused_name),),
