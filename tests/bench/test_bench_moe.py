@@ -1,0 +1,42 @@
+"""``kvpage bench moe``'s pieces: the random MoE GGUF it serves loads in kvpage as the
+Qwen3-MoE it claims (experts kept in their blocks) and decodes; the expert-traffic
+figures follow from the shape."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import model_fixtures  # noqa: F401  (sys.path / import setup, before kvpage)
+import pytest
+from kvpage.bench.moe import expert_traffic
+from kvpage.bench.moe_model import MoEShape, write_random_moe_gguf
+
+SMALL = MoEShape(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, experts=8, top_k=2,
+                 expert_width=32, vocab=512, context=256)
+
+
+def test_random_moe_file_loads_as_quantized_qwen3_moe_and_generates(tmp_path: Path) -> None:
+    from kvpage import LLM, SamplingParams
+    from kvpage.model.gguf_loader import load_gguf
+    from kvpage.quant.weights import QuantizedWeight
+
+    path = write_random_moe_gguf(tmp_path / "moe.gguf", SMALL)
+    config, params, tokenizer = load_gguf(path)
+    assert config.architecture == "Qwen3MoeForCausalLM" and tokenizer is not None
+    assert (config.moe.num_experts, config.moe.top_k) == (8, 2)
+    experts = params["layers"][0]["mlp"]["experts"]["down_proj"]["weight"]
+    assert isinstance(experts, QuantizedWeight) and experts.shape == (8, 64, 32)
+    llm = LLM(str(path), max_model_len=64, max_num_seqs=2, num_gpu_blocks=32, block_size=8)
+    out = llm.generate([{"prompt_token_ids": [3, 4, 5]}],
+                       SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_expert_traffic_is_the_active_experts_at_batch_one() -> None:
+    shape = MoEShape()
+    one = expert_traffic(shape, 1)
+    assert one["streamed_over_active"] == pytest.approx(1.0)
+    assert one["active_mb"] == pytest.approx(shape.layers * shape.top_k * shape.expert_bytes()
+                                             / 1e6)
+    many = expert_traffic(shape, 32)  # experts shared by the step's tokens
+    assert many["streamed_mb"] < one["streamed_mb"] < one["dense_mb"]
