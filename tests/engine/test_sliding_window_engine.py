@@ -44,3 +44,19 @@ def test_all_sliding_model_frees_blocks_and_matches_transformers(tmp_path: Path)
     # it each keeps ceil((W - 1) / B) + 1 = 3 (+ the next step's block).
     assert most <= 2 * (-(-(WINDOW - 1) // BLOCK) + 2)
     assert engine.scheduler.stats()["num_referenced_blocks"] == 0
+
+
+def test_prefix_reuse_across_the_window_boundary_matches_transformers(tmp_path: Path) -> None:
+    """Requests sharing prompts shorter and longer than the window, one after another
+    with prefix caching on: whatever the cache offers back must hold the window's KV."""
+    model = build_hf_model("mistral", seed=9, sliding_window=WINDOW)
+    directory = save_hf_model(model, tmp_path)
+    llm = LLM(str(directory), block_size=BLOCK, max_model_len=128, max_num_seqs=2,
+              num_gpu_blocks=64, enable_prefix_caching=True)
+    shared = [9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11, 12, 13, 14]
+    prompts = [shared[:6], shared[:6] + [40, 41], shared, shared + [50, 51, 52], shared]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    for prompt in prompts:  # one at a time: each may reuse what the previous cached
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        assert list(out[0].outputs[0].token_ids) == hf_greedy(model, prompt, 12), prompt
+    assert llm.engine.scheduler.stats()["num_referenced_blocks"] == 0
