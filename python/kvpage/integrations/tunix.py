@@ -17,9 +17,10 @@ arguments). It implements tunix 0.1.7's ``BaseRollout``:
   When the trainer updates the actor module in place (tunix then calls no sync:
   ``model()`` is the actor), each ``generate`` notices the new arrays and takes them.
 
-Only tunix's dense Llama 3 / Qwen 2 / Qwen 3 modules are mapped. A rollout mesh of
-several devices is used as it is (it needs a ``"tp"`` axis). LoRA syncs are refused
-with a message. Requires ``pip install kvpage[tunix]``.
+tunix's dense Llama 3 / Qwen 2 / Qwen 3 modules and its Gemma / Gemma 2 / Gemma 3
+(text-only) modules are mapped. A rollout mesh of several devices is used as it is (it
+needs a ``"tp"`` axis; Llama / Qwen only: Gemma's head-first kernels have no sharding
+rule yet). LoRA syncs are refused with a message. Requires ``pip install kvpage[tunix]``.
 """
 
 from __future__ import annotations
@@ -81,17 +82,25 @@ class KvpageRollout(base_rollout.BaseRollout):
         self._config = rollout_config or base_rollout.RolloutConfig()
         arch = tunix_architecture(rollout_actor)
         eos = self._eos_ids(self._config)
+        state = nnx.state(rollout_actor, nnx.Param)
         self.model_config = config_from_tunix(
             rollout_actor.config, architecture=arch, rope_theta=rope_theta,
             eos_token_ids=tuple(eos),
             max_position_embeddings=max(4096, self._max_len(self._config)),
+            # the dtype the module computes in: its arrays' (tunix's Gemma 1/2 configs
+            # name none)
+            dtype=params_leaves(state)["embedder"]["input_embedding"].dtype,
         )
-        state = nnx.state(rollout_actor, nnx.Param)
         self._actor_leaves = self._leaf_ids(state)
         params = params_from_tunix(state, self.model_config)
         engine_args.setdefault("max_model_len", self._max_len(self._config))
         # tunix's rollout mesh as it is (weights split over its "tp" axis), or one device
         use_mesh = mesh if mesh is not None and mesh.devices.size > 1 else None
+        if use_mesh is not None and arch.startswith("gemma"):
+            raise NotImplementedError(
+                "KvpageRollout serves tunix's Gemma modules on one device only: their "
+                "head-first q/kv kernels have no tensor-parallel sharding rule yet"
+            )
         self.llm = LLM.from_params(self.model_config, params, mesh=use_mesh, **engine_args)
 
     # ---- BaseRollout

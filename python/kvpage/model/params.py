@@ -280,7 +280,7 @@ def cast_params(params: Params, dtype: str | None, device: jax.Device | None = N
         if is_quantized(x):
             return jax.device_put(x, device) if device is not None else x
         if is_transposed(x):
-            return type(x)(convert(x.kernel), x.in_axes)
+            return x.with_kernel(convert(x.kernel))
         arr = jnp.asarray(x) if not isinstance(x, jax.Array) else x
         if target is not None and arr.dtype != target:
             arr = arr.astype(target)

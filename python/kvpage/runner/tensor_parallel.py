@@ -142,8 +142,10 @@ def _kernel_spec(
     kind: the ``[out, in]`` rule of :func:`_leaf_spec` applied to the first output axis
     (column-parallel, vocab) or the first input axis (row-parallel); splitting a leading
     axis of a row-major merge is splitting the merged axis into equal runs."""
-    base = _leaf_spec(names, 2, vocab_split, axis)
     dims: list[Any] = [None] * len(weight.kernel.shape)
+    if weight.in_start or weight.index is not None:  # head-first views: replicated
+        return weight.with_kernel(PartitionSpec(*dims))
+    base = _leaf_spec(names, 2, vocab_split, axis)
     if base[0] == axis:  # output rows split
         dims[weight.in_axes] = axis
     elif base[1] == axis:  # input columns split
