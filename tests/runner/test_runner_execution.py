@@ -351,6 +351,7 @@ def test_set_request_validation(runner: ModelRunner) -> None:
 def test_runner_rejects_unsupported_lengths(config: ModelConfig, params: Any) -> None:
     with pytest.raises(ValueError, match="max_position_embeddings"):
         make_runner(config, params, max_model_len=4096)
-    windowed = config.with_overrides(sliding_window=32)
-    with pytest.raises(ValueError, match="sliding"):
-        ModelRunner(windowed, params, num_blocks=8, block_size=4, max_model_len=64)
+    # A sliding window no longer caps the length: max_model_len may exceed it.
+    windowed = config.with_overrides(sliding_window=32, layer_types=("sliding_attention",)
+                                     * config.num_layers)
+    ModelRunner(windowed, params, num_blocks=16, block_size=4, max_model_len=64)
