@@ -21,12 +21,25 @@
 //! out-of-bounds read):
 //! - `q_heads % kv_heads == 0`, every buffer has the size its shape says;
 //! - `0 <= kv_len <= table_width * block_size` for every row;
-//! - every page id a row reads (`block_tables[s, ..ceil(kv_len / block_size)]`) is
-//!   `< pages`; entries past a row's live blocks are never read, and neither are
-//!   slots at or past `kv_len` (they may hold garbage).
+//! - every page id a row reads (`block_tables[s, first..ceil(kv_len / block_size)]`,
+//!   `first` 0 or, with a sliding window, its first block) is `< pages`; entries past
+//!   a row's live blocks or before its window are never read, and neither are slots
+//!   at or past `kv_len` (they may hold garbage) or before the window.
 //!
 //! A row with `kv_len == 0` gets zeros. Rows are split across threads by their
-//! context length; each row's result does not depend on the split.
+//! visible context length; each row's result does not depend on the split.
+//!
+//! Options ([`AttentionOptions`], the contract of `python/kvpage/kernels/xla/reference.py`;
+//! the default is none of them, and then the loops are the plain ones):
+//! - `sliding_window = w >= 1`: the row's query (position `kv_len - 1`) sees positions
+//!   `>= window_start = kv_len.saturating_sub(w)` only. The block loop starts at block
+//!   `window_start / block_size`: table entries before it are neither validated nor
+//!   read (the scheduler may free those blocks and leave any id there), and slots of
+//!   the first block below `window_start` are not read either;
+//! - `soft_cap = c > 0`: each score becomes `c * tanh(score / c)` (scores already carry
+//!   the softmax scale, since `q` does);
+//! - `sinks`: `[q_heads]` logits, each joining its head's softmax denominator once,
+//!   when the row is finished: `out = Σ e^s v / (Σ e^s + e^sink)`.
 
 use std::sync::{Mutex, OnceLock};
 
@@ -48,6 +61,67 @@ pub struct DecodeShape {
     pub table_width: usize,
 }
 
+/// Optional attention features of one call (module docs); `Default` is none of them.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AttentionOptions<'a> {
+    /// Tokens the query sees, itself included (`>= 1`).
+    pub sliding_window: Option<usize>,
+    /// Scores become `cap * tanh(score / cap)` (`cap > 0`).
+    pub soft_cap: Option<f32>,
+    /// One logit per query head that joins the softmax denominator, `[q_heads]`.
+    pub sinks: Option<&'a [f32]>,
+}
+
+impl AttentionOptions<'_> {
+    /// Whether any option is set (else the kernels run their plain loops).
+    pub fn any(&self) -> bool {
+        self.sliding_window.is_some() || self.soft_cap.is_some() || self.sinks.is_some()
+    }
+
+    /// First position the query of a row of `kv_len` tokens sees.
+    pub fn window_start(&self, kv_len: usize) -> usize {
+        self.sliding_window
+            .map_or(0, |window| kv_len.saturating_sub(window))
+    }
+}
+
+/// What one KV head's query group needs beyond plain attention: the row's first
+/// visible position, the soft cap and the group's sinks (`[group]`).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct HeadOptions<'a> {
+    pub start: usize,
+    pub soft_cap: Option<f32>,
+    pub sinks: Option<&'a [f32]>,
+}
+
+impl HeadOptions<'_> {
+    pub(super) fn sink(&self, g: usize) -> Option<f32> {
+        self.sinks.map(|sinks| sinks[g])
+    }
+}
+
+/// `scores[i] = cap * tanh(scores[i] / cap)`.
+#[inline(always)]
+pub(super) fn soft_cap(scores: &mut [f32], cap: f32) {
+    let inv = 1.0 / cap;
+    scores.iter_mut().for_each(|s| *s = cap * (*s * inv).tanh());
+}
+
+/// Normalise one query head's accumulator `out` by its softmax denominator `sum`
+/// (scores' running max `max`), with the head's sink logit in the denominator if any.
+#[inline(always)]
+pub(super) fn finish(out: &mut [f32], max: f32, sum: f32, sink: Option<f32>) {
+    let scale = match sink {
+        None => 1.0 / sum,
+        Some(sink) => {
+            let new_max = max.max(sink);
+            let alpha = (max - new_max).exp();
+            alpha / (sum * alpha + (sink - new_max).exp())
+        }
+    };
+    out.iter_mut().for_each(|a| *a *= scale);
+}
+
 impl DecodeShape {
     fn group(&self) -> usize {
         self.q_heads / self.kv_heads
@@ -65,6 +139,32 @@ const MIN_TOKENS_PER_THREAD: usize = 512;
 /// Check the invariants in the module docs; `Err` names the first violation.
 pub fn validate<T>(
     shape: &DecodeShape,
+    q: &[f32],
+    k_pages: &[T],
+    v_pages: &[T],
+    kv_lens: &[i32],
+    block_tables: &[i32],
+    out: &[f32],
+) -> Result<(), String> {
+    let plain = AttentionOptions::default();
+    validate_with(
+        shape,
+        &plain,
+        q,
+        k_pages,
+        v_pages,
+        kv_lens,
+        block_tables,
+        out,
+    )
+}
+
+/// [`validate`] for a call with `options`: also the options' own ranges, and only
+/// the table entries of blocks the window touches.
+#[allow(clippy::too_many_arguments)]
+pub fn validate_with<T>(
+    shape: &DecodeShape,
+    options: &AttentionOptions,
     q: &[f32],
     k_pages: &[T],
     v_pages: &[T],
@@ -97,6 +197,23 @@ pub fn validate<T>(
             return Err(format!("{name} has {got} elements, its shape says {want}"));
         }
     }
+    if options.sliding_window == Some(0) {
+        return Err("sliding_window must be at least 1".into());
+    }
+    if let Some(cap) = options.soft_cap {
+        if !(cap > 0.0 && cap.is_finite()) {
+            return Err(format!("soft_cap {cap} must be positive and finite"));
+        }
+    }
+    if let Some(sinks) = options.sinks {
+        if sinks.len() != s.q_heads {
+            return Err(format!(
+                "sinks has {} elements, q_heads is {}",
+                sinks.len(),
+                s.q_heads
+            ));
+        }
+    }
     for row in 0..s.rows {
         let kv_len = kv_lens[row];
         if kv_len < 0 || kv_len as usize > s.table_width * s.block_size {
@@ -105,8 +222,12 @@ pub fn validate<T>(
                 s.table_width * s.block_size
             ));
         }
+        let first = options.window_start(kv_len as usize) / s.block_size;
         let table = &block_tables[row * s.table_width..][..s.blocks_of(kv_len as usize)];
-        if let Some(&page) = table.iter().find(|&&p| p < 0 || p as usize >= s.pages) {
+        if let Some(&page) = table[first..]
+            .iter()
+            .find(|&&p| p < 0 || p as usize >= s.pages)
+        {
             return Err(format!(
                 "row {row}: page id {page} outside the pool of {} pages",
                 s.pages
@@ -130,12 +251,54 @@ pub fn paged_decode_attention<T: KvElement>(
     block_tables: &[i32],
     out: &mut [f32],
 ) -> Result<(), String> {
-    validate(shape, q, k_pages, v_pages, kv_lens, block_tables, out)?;
+    let plain = AttentionOptions::default();
+    paged_decode_attention_with(
+        parallel,
+        shape,
+        &plain,
+        q,
+        k_pages,
+        v_pages,
+        kv_lens,
+        block_tables,
+        out,
+    )
+}
+
+/// [`paged_decode_attention`] with a sliding window, soft-capping or sinks
+/// (module docs).
+#[allow(clippy::too_many_arguments)]
+pub fn paged_decode_attention_with<T: KvElement>(
+    parallel: &dyn Parallel,
+    shape: &DecodeShape,
+    options: &AttentionOptions,
+    q: &[f32],
+    k_pages: &[T],
+    v_pages: &[T],
+    kv_lens: &[i32],
+    block_tables: &[i32],
+    out: &mut [f32],
+) -> Result<(), String> {
+    validate_with(
+        shape,
+        options,
+        q,
+        k_pages,
+        v_pages,
+        kv_lens,
+        block_tables,
+        out,
+    )?;
     let row_len = shape.q_heads * shape.head_dim;
     if row_len == 0 || shape.rows == 0 {
         return Ok(());
     }
-    let total_tokens: usize = kv_lens.iter().map(|&n| n as usize).sum();
+    // Tokens each row reads: its window's, not its whole context.
+    let visible = |row: usize| {
+        let kv_len = kv_lens[row] as usize;
+        kv_len - options.window_start(kv_len)
+    };
+    let total_tokens: usize = (0..shape.rows).map(visible).sum();
     let threads = parallel
         .threads()
         .min(shape.rows)
@@ -143,6 +306,7 @@ pub fn paged_decode_attention<T: KvElement>(
         .max(1);
     let pools = Pools {
         shape: *shape,
+        options: *options,
         k_pages,
         v_pages,
     };
@@ -160,14 +324,14 @@ pub fn paged_decode_attention<T: KvElement>(
         return Ok(());
     }
     // Longest rows first, each to the least loaded share; one share per thread.
-    rows.sort_by_key(|(row, _)| std::cmp::Reverse(kv_lens[*row]));
+    rows.sort_by_key(|(row, _)| std::cmp::Reverse(visible(*row)));
     let mut shares: Vec<(usize, Vec<RowOut>)> = (0..threads).map(|_| (0, Vec::new())).collect();
     for (row, dst) in rows {
         let lightest = shares
             .iter_mut()
             .min_by_key(|(load, _)| *load)
             .expect("at least one thread");
-        lightest.0 += kv_lens[row] as usize + 1;
+        lightest.0 += visible(row) + 1;
         lightest.1.push((row, dst));
     }
     let shares: Vec<Mutex<Vec<RowOut>>> = shares
@@ -193,6 +357,7 @@ type RowOut<'o> = (usize, &'o mut [f32]);
 
 struct Pools<'a, T> {
     shape: DecodeShape,
+    options: AttentionOptions<'a>,
     k_pages: &'a [T],
     v_pages: &'a [T],
 }
@@ -208,6 +373,12 @@ impl<T: KvElement> Pools<'_, T> {
         }
         let table = &tables[row * s.table_width..][..s.blocks_of(kv_len)];
         let (group, d, bs) = (s.group(), s.head_dim, s.block_size);
+        let start = self.options.window_start(kv_len);
+        let options = |h: usize| HeadOptions {
+            start,
+            soft_cap: self.options.soft_cap,
+            sinks: self.options.sinks.map(|sinks| &sinks[h * group..][..group]),
+        };
         #[cfg(target_arch = "x86_64")]
         if avx2_fma_f16c() && group <= MAX_GROUP && bs <= MAX_BLOCK && d % 8 == 0 {
             let head_len = s.pages * bs * d;
@@ -220,10 +391,23 @@ impl<T: KvElement> Pools<'_, T> {
                     block_size: bs,
                 };
                 let range = h * group * d..(h + 1) * group * d;
+                // Without options the kernel's option checks fold away.
+                let call = if self.options.any() {
+                    group_attention::<T, true>
+                } else {
+                    group_attention::<T, false>
+                };
                 // SAFETY: the CPU reports AVX2, FMA and F16C; the plan was
                 // validated and the shape fits the kernel's buffers.
                 unsafe {
-                    group_attention(&pages, table, kv_len, &q[range.clone()], &mut out[range])
+                    call(
+                        &pages,
+                        table,
+                        kv_len,
+                        &options(h),
+                        &q[range.clone()],
+                        &mut out[range],
+                    )
                 };
             }
             return;
@@ -231,13 +415,22 @@ impl<T: KvElement> Pools<'_, T> {
         for h in 0..s.kv_heads {
             let q_group = &q[h * group * d..][..group * d];
             let out_group = &mut out[h * group * d..][..group * d];
+            let opts = options(h);
             if group <= MAX_GROUP && d <= MAX_HEAD_DIM && bs <= MAX_BLOCK {
-                self.head_fastest(h, q_group, table, kv_len, out_group);
+                if self.options.any() {
+                    self.head_fastest::<true>(h, q_group, table, kv_len, &opts, out_group);
+                } else {
+                    self.head_fastest::<false>(h, q_group, table, kv_len, &opts, out_group);
+                }
             } else {
                 for g in 0..group {
                     let q_one = &q_group[g * d..][..d];
                     let out_one = &mut out_group[g * d..][..d];
-                    self.head_slow(h, q_one, table, kv_len, out_one);
+                    let one = HeadOptions {
+                        sinks: opts.sinks.map(|sinks| &sinks[g..g + 1]),
+                        ..opts
+                    };
+                    self.head_slow(h, q_one, table, kv_len, &one, out_one);
                 }
             }
         }
@@ -250,64 +443,101 @@ impl<T: KvElement> Pools<'_, T> {
     }
 
     /// [`Self::head`] compiled for the widest vector unit this CPU has.
-    fn head_fastest(&self, h: usize, q: &[f32], table: &[i32], kv_len: usize, out: &mut [f32]) {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if simd_level() == SimdLevel::Avx512 {
-                // SAFETY: the CPU reports AVX-512F.
-                return unsafe { self.head_avx512(h, q, table, kv_len, out) };
-            }
-            if simd_level() == SimdLevel::Avx2 {
-                // SAFETY: the CPU reports AVX2.
-                return unsafe { self.head_avx2(h, q, table, kv_len, out) };
-            }
-        }
-        self.head(h, q, table, kv_len, out)
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn head_avx512(
+    fn head_fastest<const OPTIONS: bool>(
         &self,
         h: usize,
         q: &[f32],
         table: &[i32],
         kv_len: usize,
+        opts: &HeadOptions,
         out: &mut [f32],
     ) {
-        self.head(h, q, table, kv_len, out)
+        #[cfg(target_arch = "x86_64")]
+        {
+            if simd_level() == SimdLevel::Avx512 {
+                // SAFETY: the CPU reports AVX-512F.
+                return unsafe { self.head_avx512::<OPTIONS>(h, q, table, kv_len, opts, out) };
+            }
+            if simd_level() == SimdLevel::Avx2 {
+                // SAFETY: the CPU reports AVX2.
+                return unsafe { self.head_avx2::<OPTIONS>(h, q, table, kv_len, opts, out) };
+            }
+        }
+        self.head::<OPTIONS>(h, q, table, kv_len, opts, out)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn head_avx512<const OPTIONS: bool>(
+        &self,
+        h: usize,
+        q: &[f32],
+        table: &[i32],
+        kv_len: usize,
+        opts: &HeadOptions,
+        out: &mut [f32],
+    ) {
+        self.head::<OPTIONS>(h, q, table, kv_len, opts, out)
     }
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2")]
-    unsafe fn head_avx2(&self, h: usize, q: &[f32], table: &[i32], kv_len: usize, out: &mut [f32]) {
-        self.head(h, q, table, kv_len, out)
+    unsafe fn head_avx2<const OPTIONS: bool>(
+        &self,
+        h: usize,
+        q: &[f32],
+        table: &[i32],
+        kv_len: usize,
+        opts: &HeadOptions,
+        out: &mut [f32],
+    ) {
+        self.head::<OPTIONS>(h, q, table, kv_len, opts, out)
     }
 
-    /// The query heads of KV head `h`, a block at a time: scores of the block,
-    /// one rescale per block, then the block's values. Inlined into each
-    /// vector-width variant above.
+    /// The query heads of KV head `h`, a block at a time from the first block the
+    /// window touches: scores of the block, one rescale per block, then the block's
+    /// values. Inlined into each vector-width variant above. `OPTIONS = false`
+    /// ignores `opts` (the option checks fold away).
     #[inline(always)]
-    fn head(&self, h: usize, q: &[f32], table: &[i32], kv_len: usize, out: &mut [f32]) {
+    fn head<const OPTIONS: bool>(
+        &self,
+        h: usize,
+        q: &[f32],
+        table: &[i32],
+        kv_len: usize,
+        opts: &HeadOptions,
+        out: &mut [f32],
+    ) {
         let s = &self.shape;
         let (group, d, bs) = (s.group(), s.head_dim, s.block_size);
         let mut maxes = [f32::NEG_INFINITY; MAX_GROUP];
         let mut sums = [0.0f32; MAX_GROUP];
         let mut scores = [0.0f32; MAX_GROUP * MAX_BLOCK];
         let mut key = [0.0f32; MAX_HEAD_DIM];
+        let (start, cap) = if OPTIONS {
+            (opts.start, opts.soft_cap)
+        } else {
+            (0, None)
+        };
         out.fill(0.0);
-        for (b, &page) in table.iter().enumerate() {
+        let first_block = start / bs;
+        for (i, &page) in table[first_block..].iter().enumerate() {
+            let b = first_block + i;
+            let first = start.saturating_sub(b * bs); // > 0 on the window's first block
             let live = (kv_len - b * bs).min(bs);
             let keys = self.page_slice(self.k_pages, h, page as usize);
             let values = self.page_slice(self.v_pages, h, page as usize);
-            for t in 0..live {
+            for t in first..live {
                 to_f32(&keys[t * d..][..d], &mut key[..d]);
                 for g in 0..group {
                     scores[g * bs + t] = dot(&q[g * d..][..d], &key[..d]);
                 }
             }
             for g in 0..group {
-                let block_scores = &mut scores[g * bs..][..live];
+                let block_scores = &mut scores[g * bs + first..g * bs + live];
+                if let Some(cap) = cap {
+                    soft_cap(block_scores, cap);
+                }
                 let block_max = block_scores
                     .iter()
                     .copied()
@@ -326,7 +556,7 @@ impl<T: KvElement> Pools<'_, T> {
                     acc.iter_mut().for_each(|a| *a *= alpha);
                 }
             }
-            for t in 0..live {
+            for t in first..live {
                 to_f32(&values[t * d..][..d], &mut key[..d]);
                 for g in 0..group {
                     axpy(scores[g * bs + t], &key[..d], &mut out[g * d..][..d]);
@@ -334,25 +564,39 @@ impl<T: KvElement> Pools<'_, T> {
             }
         }
         for g in 0..group {
-            let inv = 1.0 / sums[g];
-            out[g * d..][..d].iter_mut().for_each(|a| *a *= inv);
+            let sink = if OPTIONS { opts.sink(g) } else { None };
+            finish(&mut out[g * d..][..d], maxes[g], sums[g], sink);
         }
     }
 
-    /// One query head, token by token: shapes too large for the stack buffers.
-    fn head_slow(&self, h: usize, q: &[f32], table: &[i32], kv_len: usize, out: &mut [f32]) {
+    /// One query head, token by token: shapes too large for the stack buffers
+    /// (`opts.sinks`, if any, is this head's one sink).
+    fn head_slow(
+        &self,
+        h: usize,
+        q: &[f32],
+        table: &[i32],
+        kv_len: usize,
+        opts: &HeadOptions,
+        out: &mut [f32],
+    ) {
         let s = &self.shape;
         let (d, bs) = (s.head_dim, s.block_size);
         let (mut max, mut sum) = (f32::NEG_INFINITY, 0.0f32);
         let mut row = vec![0.0f32; d];
         out.fill(0.0);
-        for (b, &page) in table.iter().enumerate() {
+        for (b, &page) in table.iter().enumerate().skip(opts.start / bs) {
+            let first = opts.start.saturating_sub(b * bs);
             let live = (kv_len - b * bs).min(bs);
             let keys = self.page_slice(self.k_pages, h, page as usize);
             let values = self.page_slice(self.v_pages, h, page as usize);
-            for t in 0..live {
+            for t in first..live {
                 to_f32(&keys[t * d..][..d], &mut row);
-                let score = dot(q, &row);
+                let mut score = [dot(q, &row)];
+                if let Some(cap) = opts.soft_cap {
+                    soft_cap(&mut score, cap);
+                }
+                let [score] = score;
                 let new_max = max.max(score);
                 let alpha = (max - new_max).exp();
                 let p = (score - new_max).exp();
@@ -364,8 +608,7 @@ impl<T: KvElement> Pools<'_, T> {
                     .for_each(|(a, v)| *a = *a * alpha + p * v);
             }
         }
-        let inv = 1.0 / sum;
-        out.iter_mut().for_each(|a| *a *= inv);
+        finish(out, max, sum, opts.sink(0));
     }
 }
 

@@ -12,10 +12,13 @@
 //! Invariants (the caller's, checked by [`super::cpu_attention::validate`] and the
 //! dispatch in `cpu_attention.rs`): every page in `table` is inside `keys` and
 //! `values`; `group <= MAX_GROUP`, `block_size <= MAX_BLOCK`, `head_dim % 8 == 0`.
-//! Only slots `< kv_len` are read, so garbage past them never reaches a sum.
+//! Only slots `< kv_len` are read, so garbage past them never reaches a sum; with a
+//! sliding window only slots `>= opts.start` too, from the table entry of block
+//! `opts.start / block_size` on (earlier entries are not read).
 
 use std::arch::x86_64::*;
 
+use super::cpu_attention::{finish, soft_cap, HeadOptions};
 use super::kv_element::{KvElement, MAX_BLOCK, MAX_GROUP};
 
 /// One KV head's pages and the shape of the query group that reads them.
@@ -29,16 +32,19 @@ pub(super) struct HeadPages<'a, E> {
     pub block_size: usize,
 }
 
-/// `out[g] = softmax(q[g] · K) · V` over the row's first `kv_len` tokens, for the
-/// `group` query heads of this KV head (`q`, `out`: `[group, head_dim]`).
+/// `out[g] = softmax(q[g] · K) · V` over the row's tokens `opts.start..kv_len`, for
+/// the `group` query heads of this KV head (`q`, `out`: `[group, head_dim]`), with
+/// `opts`' soft cap and sinks. `OPTIONS = false` (a call without options) ignores
+/// `opts`, so every option check folds away and the plain loop is what runs.
 ///
 /// # Safety
 /// The CPU supports AVX2, FMA and F16C, and the module invariants hold.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn group_attention<E: KvElement>(
+pub(super) unsafe fn group_attention<E: KvElement, const OPTIONS: bool>(
     pages: &HeadPages<E>,
     table: &[i32],
     kv_len: usize,
+    opts: &HeadOptions,
     q: &[f32],
     out: &mut [f32],
 ) {
@@ -49,10 +55,20 @@ pub(super) unsafe fn group_attention<E: KvElement>(
     let mut sums = [0.0f32; MAX_GROUP];
     // One block's weights per query head, padded with -inf to a multiple of 8.
     let mut weights = [0.0f32; MAX_BLOCK + 8];
+    let (start, cap) = if OPTIONS {
+        (opts.start, opts.soft_cap)
+    } else {
+        (0, None)
+    };
     out.fill(0.0);
-    for (b, &page) in table.iter().enumerate() {
-        let live = (kv_len - b * bs).min(bs);
-        let offset = page as usize * bs * d;
+    let first_block = start / bs;
+    for (i, &page) in table[first_block..].iter().enumerate() {
+        let b = first_block + i;
+        // Slots `first..end` of this block: past the window's start, before kv_len.
+        let first = start.saturating_sub(b * bs);
+        let end = (kv_len - b * bs).min(bs);
+        let live = end - first;
+        let offset = (page as usize * bs + first) * d;
         let keys = pages.keys[offset..][..live * d].as_ptr();
         let values = pages.values[offset..][..live * d].as_ptr();
         let padded = live.next_multiple_of(8);
@@ -67,6 +83,9 @@ pub(super) unsafe fn group_attention<E: KvElement>(
             while t < live {
                 *w.add(t) = dot1(qg, keys.add(t * d), d);
                 t += 1;
+            }
+            if let Some(cap) = cap {
+                soft_cap(&mut weights[..live], cap);
             }
             weights[live..padded].fill(f32::NEG_INFINITY);
             // Online softmax: rescale what the earlier blocks summed.
@@ -93,8 +112,8 @@ pub(super) unsafe fn group_attention<E: KvElement>(
         }
     }
     for g in 0..group {
-        let inv = 1.0 / sums[g];
-        out[g * d..][..d].iter_mut().for_each(|a| *a *= inv);
+        let sink = if OPTIONS { opts.sink(g) } else { None };
+        finish(&mut out[g * d..][..d], maxes[g], sums[g], sink);
     }
 }
 

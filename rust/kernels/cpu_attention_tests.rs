@@ -16,10 +16,32 @@ fn naive(
     kv_lens: &[i32],
     tables: &[i32],
 ) -> Vec<f32> {
+    let plain = AttentionOptions::default();
+    naive_with(s, &plain, q, k, v, kv_lens, tables)
+}
+
+/// [`naive`] with the options, from their definitions: the query at `n - 1` sees
+/// tokens `t > n - 1 - window`; scores are capped by `cap * tanh(x / cap)`; the sink
+/// is one more logit in the softmax whose column is dropped.
+fn naive_with(
+    s: &DecodeShape,
+    options: &AttentionOptions,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    kv_lens: &[i32],
+    tables: &[i32],
+) -> Vec<f32> {
     let (group, d, bs) = (s.q_heads / s.kv_heads, s.head_dim, s.block_size);
     let mut out = vec![0.0f32; s.rows * s.q_heads * d];
     for row in 0..s.rows {
         let n = kv_lens[row] as usize;
+        let first = match options.sliding_window {
+            Some(w) => (0..n)
+                .find(|&t| t as i64 > n as i64 - 1 - w as i64)
+                .unwrap_or(n),
+            None => 0,
+        };
         for qh in 0..s.q_heads {
             let h = qh / group;
             let qv = &q[(row * s.q_heads + qh) * d..][..d];
@@ -28,19 +50,28 @@ fn naive(
                 let base = ((h * s.pages + page) * bs + t % bs) * d;
                 pool[base..base + d].iter().map(|&x| f64::from(x)).collect()
             };
-            let scores: Vec<f64> = (0..n)
+            let scores: Vec<f64> = (first..n)
                 .map(|t| {
-                    at(k, t)
+                    let x: f64 = at(k, t)
                         .iter()
                         .zip(qv)
                         .map(|(a, b)| a * f64::from(*b))
-                        .sum()
+                        .sum();
+                    match options.soft_cap {
+                        Some(cap) => f64::from(cap) * (x / f64::from(cap)).tanh(),
+                        None => x,
+                    }
                 })
                 .collect();
-            let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let sink = options.sinks.map(|sinks| f64::from(sinks[qh]));
+            let max = scores
+                .iter()
+                .copied()
+                .chain(sink)
+                .fold(f64::NEG_INFINITY, f64::max);
             let weights: Vec<f64> = scores.iter().map(|x| (x - max).exp()).collect();
-            let total: f64 = weights.iter().sum();
-            for (t, w) in weights.iter().enumerate() {
+            let total: f64 = weights.iter().sum::<f64>() + sink.map_or(0.0, |x| (x - max).exp());
+            for (t, w) in (first..n).zip(&weights) {
                 for (i, x) in at(v, t).iter().enumerate() {
                     out[(row * s.q_heads + qh) * d + i] += (w / total * x) as f32;
                 }
@@ -54,7 +85,18 @@ fn naive(
 type Case = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<i32>, Vec<i32>);
 
 fn random_case(rng: &mut TestRng, shape: DecodeShape) -> Case {
+    random_case_windowed(rng, shape, None)
+}
+
+/// A random case whose every slot no row's window reads holds garbage (NaN keys,
+/// infinite values), and whose table entries before each row's window hold page ids
+/// outside the pool.
+fn random_case_windowed(rng: &mut TestRng, shape: DecodeShape, window: Option<usize>) -> Case {
     let s = &shape;
+    let options = AttentionOptions {
+        sliding_window: window,
+        ..AttentionOptions::default()
+    };
     let mut floats = |n: usize| -> Vec<f32> {
         (0..n)
             .map(|_| (rng.below(2001) as f32 - 1000.0) / 500.0)
@@ -66,13 +108,14 @@ fn random_case(rng: &mut TestRng, shape: DecodeShape) -> Case {
     let kv_lens: Vec<i32> = (0..s.rows)
         .map(|_| rng.below(s.table_width * s.block_size + 1) as i32)
         .collect();
-    let tables: Vec<i32> = (0..s.rows * s.table_width)
+    let mut tables: Vec<i32> = (0..s.rows * s.table_width)
         .map(|_| rng.below(s.pages) as i32)
         .collect();
     // Garbage in every slot no row reads.
     let mut read = vec![false; s.pages * s.block_size];
     for row in 0..s.rows {
-        for t in 0..kv_lens[row] as usize {
+        let start = options.window_start(kv_lens[row] as usize);
+        for t in start..kv_lens[row] as usize {
             let page = tables[row * s.table_width + t / s.block_size] as usize;
             read[page * s.block_size + t % s.block_size] = true;
         }
@@ -84,6 +127,16 @@ fn random_case(rng: &mut TestRng, shape: DecodeShape) -> Case {
                 k[base..base + s.head_dim].fill(f32::NAN);
                 v[base..base + s.head_dim].fill(f32::INFINITY);
             }
+        }
+    }
+    // Blocks wholly before the window may have been freed: any id, even a bad one.
+    for row in 0..s.rows {
+        let first = options.window_start(kv_lens[row] as usize) / s.block_size;
+        for (b, entry) in tables[row * s.table_width..][..first]
+            .iter_mut()
+            .enumerate()
+        {
+            *entry = [-1, s.pages as i32, i32::MAX][b % 3];
         }
     }
     (q, k, v, kv_lens, tables)
@@ -393,4 +446,227 @@ fn vector_exp_is_within_two_ulp_of_exp() {
         }
         x += 0.0137;
     }
+}
+
+#[test]
+fn options_match_naive_attention_and_skip_blocks_outside_the_window() {
+    let mut rng = TestRng::new(23);
+    for case in 0..120 {
+        let group = [1, 2, 3, 4, 20][case % 5];
+        let q_heads = group * (1 + rng.below(3));
+        let shape = DecodeShape {
+            rows: 1 + rng.below(9),
+            q_heads,
+            kv_heads: q_heads / group,
+            // 13: the generic loop; 72 and 300: the AVX2 kernel and the slow loop.
+            head_dim: [4, 8, 13, 64, 72, 300][rng.below(6)],
+            pages: 2 + rng.below(20),
+            block_size: [1, 4, 16, 32][rng.below(4)],
+            table_width: 1 + rng.below(6),
+        };
+        let window = [None, Some(1), Some(5), Some(17), Some(1000)][case % 5];
+        let (q, k, v, kv_lens, tables) = random_case_windowed(&mut rng, shape, window);
+        let sinks: Vec<f32> = (0..q_heads)
+            .map(|_| (rng.below(2001) as f32 - 1000.0) / 250.0)
+            .collect();
+        let options = AttentionOptions {
+            sliding_window: window,
+            soft_cap: [None, Some(0.7), Some(3.0)][case % 3],
+            sinks: (case % 4 != 0).then_some(&sinks[..]),
+        };
+        let mut out = vec![f32::NAN; q.len()];
+        paged_decode_attention_with(
+            &ScopedThreads,
+            &shape,
+            &options,
+            &q,
+            &k,
+            &v,
+            &kv_lens,
+            &tables,
+            &mut out,
+        )
+        .unwrap();
+        let want = naive_with(&shape, &options, &q, &k, &v, &kv_lens, &tables);
+        for (i, (a, b)) in out.iter().zip(&want).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-4 * (1.0 + b.abs()),
+                "case {case} ({options:?}, {shape:?}) [{i}]: {a} vs {b}"
+            );
+        }
+    }
+}
+
+#[test]
+fn window_skip_reads_no_block_before_the_window() {
+    // One row of 4 blocks of 4, window 6: the query at 13 sees 8..=13, blocks 2 and 3.
+    let shape = DecodeShape {
+        rows: 1,
+        q_heads: 2,
+        kv_heads: 1,
+        head_dim: 8,
+        pages: 4,
+        block_size: 4,
+        table_width: 4,
+    };
+    let q: Vec<f32> = (0..16).map(|i| i as f32 / 16.0).collect();
+    let mut k: Vec<f32> = (0..128).map(|i| ((i * 7) % 11) as f32 / 11.0).collect();
+    let mut v: Vec<f32> = (0..128).map(|i| ((i * 5) % 13) as f32 / 13.0).collect();
+    let run = |k: &[f32], v: &[f32], table: [i32; 4], window: usize| {
+        let options = AttentionOptions {
+            sliding_window: Some(window),
+            ..AttentionOptions::default()
+        };
+        let mut out = vec![0.0; 16];
+        paged_decode_attention_with(
+            &Sequential,
+            &shape,
+            &options,
+            &q,
+            k,
+            v,
+            &[14],
+            &table,
+            &mut out,
+        )
+        .map(|()| out)
+    };
+    let want = run(&k, &v, [0, 1, 2, 3], 6).unwrap();
+    // Pages 0 and 1 freed: NaN in them, and their entries pointing anywhere.
+    k[..64].fill(f32::NAN);
+    v[..64].fill(f32::NAN);
+    assert_eq!(run(&k, &v, [-7, 99, 2, 3], 6).unwrap(), want);
+    // The window's first block is read from its first visible slot: NaN below it in
+    // that block (slots 8 and 9 are visible for window 6, 10..=13 for window 4).
+    k[64..64 + 2 * 8].fill(f32::NAN);
+    v[64..64 + 2 * 8].fill(f32::NAN);
+    let narrow = run(&k, &v, [-7, 99, 2, 3], 4).unwrap();
+    assert!(narrow.iter().all(|x| x.is_finite()));
+    // An id inside the window is still checked.
+    assert!(run(&k, &v, [0, 1, 99, 3], 6)
+        .unwrap_err()
+        .contains("page id 99"));
+}
+
+#[test]
+fn sink_of_minus_infinity_is_no_sink_and_options_are_checked() {
+    let mut rng = TestRng::new(31);
+    let shape = DecodeShape {
+        rows: 3,
+        q_heads: 4,
+        kv_heads: 2,
+        head_dim: 16,
+        pages: 12,
+        block_size: 4,
+        table_width: 4,
+    };
+    let (q, k, v, kv_lens, tables) = random_case(&mut rng, shape);
+    let mut plain = vec![0.0; q.len()];
+    paged_decode_attention(
+        &Sequential,
+        &shape,
+        &q,
+        &k,
+        &v,
+        &kv_lens,
+        &tables,
+        &mut plain,
+    )
+    .unwrap();
+    let no_sinks = [f32::NEG_INFINITY; 4];
+    let run = |options: AttentionOptions, out: &mut Vec<f32>| {
+        paged_decode_attention_with(
+            &Sequential,
+            &shape,
+            &options,
+            &q,
+            &k,
+            &v,
+            &kv_lens,
+            &tables,
+            out,
+        )
+    };
+    let mut out = vec![0.0; q.len()];
+    let sinks_off = AttentionOptions {
+        sinks: Some(&no_sinks),
+        ..AttentionOptions::default()
+    };
+    run(sinks_off, &mut out).unwrap();
+    assert_eq!(out, plain);
+    let errors = [
+        (
+            AttentionOptions {
+                sliding_window: Some(0),
+                ..sinks_off
+            },
+            "sliding_window",
+        ),
+        (
+            AttentionOptions {
+                soft_cap: Some(0.0),
+                ..sinks_off
+            },
+            "soft_cap",
+        ),
+        (
+            AttentionOptions {
+                soft_cap: Some(f32::NAN),
+                ..sinks_off
+            },
+            "soft_cap",
+        ),
+        (
+            AttentionOptions {
+                sinks: Some(&no_sinks[..3]),
+                ..sinks_off
+            },
+            "sinks",
+        ),
+    ];
+    for (options, what) in errors {
+        assert!(run(options, &mut out).unwrap_err().contains(what), "{what}");
+    }
+}
+
+#[test]
+fn threaded_split_with_a_window_equals_single_thread() {
+    let mut rng = TestRng::new(41);
+    let shape = DecodeShape {
+        rows: 16,
+        q_heads: 8,
+        kv_heads: 2,
+        head_dim: 64,
+        pages: 400,
+        block_size: 16,
+        table_width: 24,
+    };
+    let (q, k, v, mut kv_lens, mut tables) = random_case(&mut rng, shape);
+    kv_lens.iter_mut().for_each(|n| *n = 200 + (*n % 180));
+    // Distinct pages per row, all readable.
+    tables
+        .iter_mut()
+        .enumerate()
+        .for_each(|(i, p)| *p = i as i32);
+    let finite = |x: &[f32]| -> Vec<f32> {
+        x.iter()
+            .map(|x| if x.is_finite() { *x } else { 0.5 })
+            .collect()
+    };
+    let (k, v) = (finite(&k), finite(&v));
+    let sinks = [0.5f32; 8];
+    let options = AttentionOptions {
+        sliding_window: Some(150),
+        soft_cap: Some(5.0),
+        sinks: Some(&sinks),
+    };
+    let call = |parallel: &dyn Parallel| {
+        let mut out = vec![0.0; q.len()];
+        paged_decode_attention_with(
+            parallel, &shape, &options, &q, &k, &v, &kv_lens, &tables, &mut out,
+        )
+        .unwrap();
+        out
+    };
+    assert_eq!(call(&ScopedThreads), call(&Sequential));
 }

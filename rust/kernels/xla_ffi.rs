@@ -22,7 +22,9 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use crate::kernels::cpu_attention::{paged_decode_attention, Bf16, DecodeShape, KvElement, F16};
+use crate::kernels::cpu_attention::{
+    paged_decode_attention_with, AttentionOptions, Bf16, DecodeShape, KvElement, F16,
+};
 use crate::kernels::cpu_matmul::{self, MatmulShape, OutPtr};
 use crate::kernels::parallel::Parallel;
 
@@ -450,8 +452,13 @@ pub(super) unsafe fn handle(
 
 /// XLA FFI handler: paged decode attention on the host
 /// ([`crate::kernels::cpu_attention`]). Arguments: `q [S, Hq, D]` f32, `k_pages` and
-/// `v_pages [Hkv, P, B, D]` (f32 or bf16, same dtype), `kv_lens [S]` s32,
+/// `v_pages [Hkv, P, B, D]` (f32, f16 or bf16, same dtype), `kv_lens [S]` s32,
 /// `block_tables [S, M]` s32; result `[S, Hq, D]` f32.
+///
+/// Three more arguments turn on the options ([`AttentionOptions`]; all three or
+/// none): `sliding_window` s32 (one element, 0 = none), `soft_cap` f32 (one element,
+/// 0 = none) and `sinks [Hq]` f32 (a sink of -inf adds nothing to its denominator,
+/// so a caller with a window but no sinks passes -inf).
 ///
 /// # Safety
 /// Called by XLA with a valid call frame.
@@ -464,10 +471,18 @@ pub unsafe extern "C" fn kvpage_paged_decode_attention(frame: *mut c_void) -> *m
     )
 }
 
+/// The ABI of [`kvpage_paged_decode_attention`]: 2 takes the three option
+/// arguments (Python checks this before passing them to a core built earlier).
+#[no_mangle]
+pub extern "C" fn kvpage_paged_decode_attention_abi() -> i32 {
+    2
+}
+
 unsafe fn run_paged_decode_attention(frame: &CallFrame) -> Result<(), String> {
-    let args = buffers(&frame.args, "arguments", 5)?;
+    let with_options = frame.args.size == 8;
+    let args = buffers(&frame.args, "arguments", if with_options { 8 } else { 5 })?;
     let mut rets = buffers(&frame.rets, "results", 1)?;
-    let [q, k, v, kv_lens, tables] = &args[..] else {
+    let [q, k, v, kv_lens, tables] = &args[..5] else {
         unreachable!("five arguments checked")
     };
     let out = &mut rets[0];
@@ -514,10 +529,36 @@ unsafe fn run_paged_decode_attention(frame: &CallFrame) -> Result<(), String> {
     let slice_i32 = |view: &View| std::slice::from_raw_parts(view.data as *const i32, view.len());
     let out_slice = std::slice::from_raw_parts_mut(out.data as *mut f32, out.len());
     let (q_s, lens_s, tables_s) = (slice_f32(q), slice_i32(kv_lens), slice_i32(tables));
+    let mut options = AttentionOptions::default();
+    if with_options {
+        let [window, cap, sinks] = &args[5..] else {
+            unreachable!("eight arguments checked")
+        };
+        if window.dtype != DTYPE_S32 || window.len() != 1 {
+            return Err("sliding_window must be one int32".into());
+        }
+        if cap.dtype != DTYPE_F32 || cap.len() != 1 {
+            return Err("soft_cap must be one float32".into());
+        }
+        if sinks.dtype != DTYPE_F32 || sinks.dims != [shape.q_heads] {
+            return Err(format!("sinks must be float32 [{}]", shape.q_heads));
+        }
+        let window = *(window.data as *const i32);
+        if window < 0 {
+            return Err(format!("sliding_window {window} is negative"));
+        }
+        let cap = *(cap.data as *const f32);
+        options = AttentionOptions {
+            sliding_window: (window > 0).then_some(window as usize),
+            soft_cap: (cap != 0.0).then_some(cap),
+            sinks: Some(slice_f32(sinks)),
+        };
+    }
     let pool = XlaPool { frame };
     let call = DecodeCall {
         pool: &pool,
         shape: &shape,
+        options: &options,
         q: q_s,
         kv_lens: lens_s,
         block_tables: tables_s,
@@ -537,6 +578,7 @@ unsafe fn run_paged_decode_attention(frame: &CallFrame) -> Result<(), String> {
 struct DecodeCall<'a> {
     pool: &'a XlaPool<'a>,
     shape: &'a DecodeShape,
+    options: &'a AttentionOptions<'a>,
     q: &'a [f32],
     kv_lens: &'a [i32],
     block_tables: &'a [i32],
@@ -547,9 +589,10 @@ impl DecodeCall<'_> {
     /// `k` and `v` hold elements of type `T` (their dtype was matched).
     unsafe fn run<T: KvElement>(&self, k: &View, v: &View, out: &mut [f32]) -> Result<(), String> {
         let pages = |view: &View| std::slice::from_raw_parts(view.data as *const T, view.len());
-        paged_decode_attention(
+        paged_decode_attention_with(
             self.pool,
             self.shape,
+            self.options,
             self.q,
             pages(k),
             pages(v),

@@ -53,11 +53,12 @@ def test_matches_naive_attention_and_the_lax_loop(
     assert_close(out, lax_loop, tol)
 
 
-def test_gpu_lowering_does_not_call_the_host_kernel() -> None:
+@pytest.mark.parametrize("options", [{}, {"sliding_window": 5, "logit_soft_cap": 3.0}])
+def test_gpu_lowering_does_not_call_the_host_kernel(options: dict) -> None:
     case = make_case(0, [1, 1], [20, 33], num_kv_heads=2, group=2, head_dim=16, block_size=8)
-    traced = jax.jit(lambda *a: xla_paged_attention(*a, sm_scale=0.25, decode_only=True)).trace(
-        *case.args
-    )
+    traced = jax.jit(
+        lambda *a: xla_paged_attention(*a, sm_scale=0.25, decode_only=True, **options)
+    ).trace(*case.args)
     cuda = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert "kvpage_paged_decode_attention" not in cuda
     assert "kvpage_paged_decode_attention" in traced.lower().as_text()
@@ -70,3 +71,19 @@ def test_a_page_outside_the_pool_is_an_error_not_a_read() -> None:
     case.block_tables = jnp.asarray(tables)
     with pytest.raises(Exception, match="page id"):
         _attention(True, True)(*case.args).block_until_ready()
+
+
+def test_a_bad_page_outside_the_window_is_never_read() -> None:
+    """Out-of-window table entries are not even validated: the scheduler may free
+    those blocks. The same bad id inside the window is still an error."""
+    case = make_case(1, [1, 1], [20, 33], num_kv_heads=2, group=2, head_dim=16, block_size=8)
+    tables = np.asarray(case.block_tables).copy()
+    tables[1, 0] = case.k_pages.shape[1] + 1000  # row 1 (kv_len 33), window 9: blocks 3, 4
+    run = jax.jit(
+        lambda *a: xla_paged_attention(*a, sm_scale=0.2, decode_only=True, sliding_window=9)
+    )
+    out = run(*case.args[:4], jnp.asarray(tables), *case.args[5:])
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(run(*case.args)))
+    with pytest.raises(Exception, match="page id"):
+        tables[1, 3] = tables[1, 0]
+        run(*case.args[:4], jnp.asarray(tables), *case.args[5:]).block_until_ready()

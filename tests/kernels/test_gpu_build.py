@@ -56,10 +56,61 @@ def test_kernels_export_for_cuda(shape: str, bucket: str) -> None:
         assert _triton_calls(exp) >= 1, kernel.__name__
 
 
+# Sliding window, soft-cap and sinks: the options of reference.py, at Llama-3-8B shapes.
+OPTION_CASES = {
+    "window": dict(sliding_window=100),
+    "gemma2": dict(sliding_window=100, logit_soft_cap=50.0),
+    "gpt-oss": dict(sliding_window=128, sinks=True),
+}
+
+
+def _with_options(kernel: str, case: str):
+    """(function, abstract args) of one Pallas kernel with one option case."""
+    hq, _, d = triton_build.SHAPES["llama3-8b"]
+    options = dict(OPTION_CASES[case])
+    with_sinks = options.pop("sinks", False)
+    fn, rows, tokens = {
+        "ragged": (ragged_paged_attention, 8, 64),
+        "decode": (paged_decode_attention, 16, 16),
+    }[kernel]
+    args = triton_build.kernel_args("llama3-8b", jnp.bfloat16, rows=rows, tokens=tokens)
+
+    def call(*a):
+        sinks = a[7] if with_sinks else None
+        return fn(*a[:7], sm_scale=d**-0.5, interpret=False, sinks=sinks, **options)
+
+    sinks = (jax.ShapeDtypeStruct((hq,), jnp.float32),) if with_sinks else ()
+    return call, (*args, *sinks)
+
+
+@pytest.mark.parametrize("case", list(OPTION_CASES))
+@pytest.mark.parametrize("kernel", ["ragged", "decode"])
+def test_kernels_with_window_cap_and_sinks_export_for_cuda(kernel: str, case: str) -> None:
+    fn, args = _with_options(kernel, case)
+    exp = _export_cuda(fn, *args)
+    assert _triton_calls(exp) >= 1
+
+
+def test_kernels_with_every_option_compile_for_sm90a_without_spills() -> None:
+    reason = triton_build.triton_available()
+    if reason:
+        pytest.skip(f"cannot compile for sm_90a: {reason}")
+    for kernel in ("ragged", "decode"):
+        fn, args = _with_options(kernel, "gpt-oss")
+        modules = triton_build.lower_for_cuda(fn, *args)
+        modules += triton_build.lower_for_cuda(_with_options(kernel, "gemma2")[0], *args[:7])
+        assert len(modules) == 2
+        for module in modules:
+            build = triton_build.compile_sm90a(module)
+            print(f"\n{kernel} {module.name}: {build}")
+            assert build.spill_stores == 0 and build.spill_loads == 0, build
+            assert build.mma != "none", build
+
+
 def _model_step_args(shape: str, bucket: str):
     from kvpage.model.attention import get_attention_backend
     from kvpage.model.config import ModelConfig
-    from kvpage.model.llama import AttentionMetadata, forward
+    from kvpage.model.decoder import AttentionMetadata, forward
     from kvpage.model.params import param_spec, tree_from_flat
 
     hq, hkv, d = triton_build.SHAPES[shape]
@@ -202,3 +253,63 @@ def test_int8_matmul_compiles_for_sm90a_without_spills() -> None:
         print(f"\nint8_matmul rows {rows}: {build}")
         assert build.spill_stores == 0 and build.spill_loads == 0, build
         assert build.mma != "none", build  # the bf16 dot runs on tensor cores
+
+
+# ---- grouped matmul: mixture-of-experts layers ------------------------------------------
+
+# name -> (experts, K, N) of the expert up projection (HF [out, in] weight [E, N, K]).
+GROUPED_SHAPES = {"mixtral-8x7b-up": (8, 4096, 14336), "qwen3-30b-a3b-up": (128, 2048, 768)}
+GROUPED_ROWS = (64, 2048)  # 8 decode tokens x top-8; a 256-token prefill x top-8
+
+
+def _grouped_args(shape: str, rows: int, weight_dtype=jnp.bfloat16):
+    e, k, n = GROUPED_SHAPES[shape]
+    sds = jax.ShapeDtypeStruct
+    return (sds((rows, k), jnp.bfloat16), sds((e, n, k), weight_dtype), sds((e,), jnp.int32))
+
+
+@pytest.mark.parametrize("rows", GROUPED_ROWS)
+@pytest.mark.parametrize("shape", list(GROUPED_SHAPES))
+def test_grouped_matmul_exports_for_cuda(shape: str, rows: int) -> None:
+    from kvpage.kernels.pallas.grouped_matmul import grouped_matmul
+
+    args = _grouped_args(shape, rows)
+    with compiled_kernels():  # interpret=None follows the kernel switch, like attention
+        exp = _export_cuda(grouped_matmul, *args)
+    assert _triton_calls(exp) == 1
+    assert exp.out_avals[0].shape == (rows, args[1].shape[1])
+    assert exp.out_avals[0].dtype == jnp.bfloat16
+
+
+def test_grouped_int8_matmul_exports_for_cuda() -> None:
+    from kvpage.kernels.pallas.grouped_matmul import grouped_int8_matmul
+
+    x, q, g = _grouped_args("qwen3-30b-a3b-up", 64, jnp.int8)
+    scale = jax.ShapeDtypeStruct(q.shape[:2], jnp.float32)
+    exp = _export_cuda(functools.partial(grouped_int8_matmul, interpret=False), x, q, scale, g)
+    assert _triton_calls(exp) == 1
+    assert exp.out_avals[0].shape == (64, q.shape[1])
+
+
+def test_grouped_matmul_compiles_for_sm90a_without_spills() -> None:
+    from kvpage.kernels.pallas.grouped_matmul import grouped_int8_matmul, grouped_matmul
+
+    reason = triton_build.triton_available()
+    if reason:
+        pytest.skip(f"cannot compile for sm_90a: {reason}")
+    builds = []
+    for shape in GROUPED_SHAPES:
+        for rows in GROUPED_ROWS:
+            fn = functools.partial(grouped_matmul, interpret=False)
+            builds += triton_build.lower_for_cuda(fn, *_grouped_args(shape, rows))
+    x, q, g = _grouped_args("qwen3-30b-a3b-up", 64, jnp.int8)
+    scale = jax.ShapeDtypeStruct(q.shape[:2], jnp.float32)
+    fn = functools.partial(grouped_int8_matmul, interpret=False)
+    builds += triton_build.lower_for_cuda(fn, x, q, scale, g)
+    assert len(builds) == 2 * len(GROUPED_SHAPES) + 1
+    for module in builds:
+        build = triton_build.compile_sm90a(module)
+        print(f"\n{module.name} grid {module.grid}: {build}")
+        assert build.spill_stores == 0 and build.spill_loads == 0, build
+        assert build.mma != "none", build  # bf16 dots run on tensor cores
+        assert build.blocks_per_sm >= 1, build

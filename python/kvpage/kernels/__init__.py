@@ -10,7 +10,8 @@ kernels); nothing here imports the engine, runner or model.
 
 The attention contract every backend implements is written once, in ``xla/reference.py``:
 queries of many sequences concatenated along the token axis (``cu_q_lens``),
-each attending causally to its own paged KV (``kv_lens``, ``block_tables``).
+each attending causally to its own paged KV (``kv_lens``, ``block_tables``), with an
+optional sliding window, logit soft-cap and attention sinks.
 
 * ``pallas/ragged_paged_attention.py``: the general Pallas kernel (prefill + decode).
 * ``pallas/paged_decode_attention.py``: split-K Pallas kernel for pure-decode steps.

@@ -20,6 +20,10 @@ kernel for rows with ``q_len > 1`` and the split-K decode kernel for the
 decode rows, so decode rows keep split-K in steps with prefill. Tuning
 knobs are not exposed here on purpose: the kernels' defaults are what model
 code gets.
+
+``sliding_window``, ``logit_soft_cap`` (static) and ``sinks`` (an ``[Hq]`` float32
+array) are the contract's options (``reference.py``); every backend takes them, and
+``None`` (the default) leaves each backend's program as it was without them.
 """
 
 from __future__ import annotations
@@ -86,18 +90,34 @@ def paged_attention(
     sm_scale: float,
     backend: str | None = None,
     decode_only: bool = False,
+    sliding_window: int | None = None,
+    logit_soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Ragged paged attention (contract: ``reference.py``) on the chosen backend."""
     args = (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
     resolved = resolve_backend(backend)
+    options = _options(sliding_window, logit_soft_cap, sinks)
     if resolved == "reference":
-        return ragged_paged_attention_reference(*args, sm_scale=sm_scale)
+        return ragged_paged_attention_reference(*args, sm_scale=sm_scale, **options)
     if resolved == "xla":
-        return xla_paged_attention(*args, sm_scale=sm_scale, decode_only=decode_only)
+        return xla_paged_attention(*args, sm_scale=sm_scale, decode_only=decode_only, **options)
     interpret = interpret_default()
     if decode_only:
-        return paged_decode_attention(*args, sm_scale=sm_scale, interpret=interpret)
-    return mixed_paged_attention(*args, sm_scale=sm_scale, interpret=interpret)
+        return paged_decode_attention(*args, sm_scale=sm_scale, interpret=interpret, **options)
+    return mixed_paged_attention(*args, sm_scale=sm_scale, interpret=interpret, **options)
+
+
+def _options(
+    sliding_window: int | None, logit_soft_cap: float | None, sinks: jax.Array | None
+) -> dict[str, object]:
+    """The options that are set, as keyword arguments (none: a kernel call as before)."""
+    options = {
+        "sliding_window": sliding_window,
+        "logit_soft_cap": logit_soft_cap,
+        "sinks": sinks,
+    }
+    return {name: value for name, value in options.items() if value is not None}
 
 
 def mixed_paged_attention(
@@ -111,6 +131,9 @@ def mixed_paged_attention(
     *,
     sm_scale: float,
     interpret: bool = False,
+    sliding_window: int | None = None,
+    logit_soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """A step with prefill rows: decode rows still get split-K.
 
@@ -123,12 +146,13 @@ def mixed_paged_attention(
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
     live = jnp.arange(num_rows, dtype=jnp.int32) < num_seqs[0]
     decode_row = live & (q_lens == 1)
+    options = _options(sliding_window, logit_soft_cap, sinks)
     prefill = ragged_paged_attention(
         q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, decode_row,
-        sm_scale=sm_scale, interpret=interpret,
+        sm_scale=sm_scale, interpret=interpret, **options,
     )  # fmt: skip
     decode = paged_decode_attention(
         q, k_pages, v_pages, jnp.where(decode_row, kv_lens, 0), block_tables, cu_q_lens,
-        num_seqs, sm_scale=sm_scale, interpret=interpret,
+        num_seqs, sm_scale=sm_scale, interpret=interpret, **options,
     )  # fmt: skip
     return prefill + decode

@@ -7,7 +7,9 @@ Owns the two pieces both kernels run inside their page loop:
   masked loads: block-table entries past the row's last needed page and KV
   slots at or past the visible length are never read and come back as 0
   (the value guard that keeps NaN/inf garbage out of ``p @ V``).
-* :func:`online_softmax_step` - one flash-attention update in float32, base 2.
+* :func:`online_softmax_step` - one flash-attention update in float32, base 2
+  (with the contract's optional logit soft-cap);
+* :func:`add_sink` - an attention sink's logit folded into a finished denominator.
 
 These are traced inside ``pallas_call`` kernels (Triton lowering on GPU,
 the Pallas interpreter on CPU). Triton needs power-of-two tile sizes and
@@ -22,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kvpage.kernels.pallas._compat import masked_load
+from kvpage.kernels.pallas._compat import LOG2E, masked_load
 
 _DOT_QK = (((1,), (1,)), ((), ()))  # [M, D] x [N, D] -> [M, N]
 _DOT_PV = (((1,), (0,)), ((), ()))  # [M, N] x [N, D] -> [M, D]
@@ -89,16 +91,23 @@ def online_softmax_step(
     carry: Carry,
     *,
     scale: float,
+    soft_cap: float | None = None,
 ) -> Carry:
     """One flash-attention update; scores live in base 2 (``scale`` includes log2 e).
 
     ``q`` [M, D], ``k``/``v`` [N, D], ``visible`` [M, N]; ``carry`` is
     ``(acc [M, D], m [M], l [M])`` in float32 with ``m`` starting at -inf.
     Rows that have seen nothing keep ``acc = l = 0`` and ``m = -inf``.
+    ``soft_cap`` (natural-log units, like the contract's): the scaled score ``x``
+    becomes ``soft_cap * tanh(x / soft_cap)`` before the mask.
     """
     acc, m_prev, l_prev = carry
     s = lax.dot_general(q, k, _DOT_QK, precision=_PRECISION, preferred_element_type=jnp.float32)
-    s = jnp.where(visible, s * scale, -jnp.inf)
+    if soft_cap is None:
+        s = s * scale
+    else:  # scale / LOG2E is sm_scale; the capped score goes back to base 2
+        s = (soft_cap * LOG2E) * jnp.tanh(s * (scale / (LOG2E * soft_cap)))
+    s = jnp.where(visible, s, -jnp.inf)
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
     # Anchor fully masked rows at 0 so exp2(-inf - anchor) is 0, never NaN.
     anchor = jnp.where(m_next == -jnp.inf, 0.0, m_next)
@@ -109,6 +118,18 @@ def online_softmax_step(
         p.astype(v.dtype), v, _DOT_PV, precision=_PRECISION, preferred_element_type=jnp.float32
     )
     return alpha[:, None] * acc + pv, m_next, l_next
+
+
+def add_sink(carry: Carry, sink: jax.Array) -> Carry:
+    """Fold one sink logit per row (``[M]``, base 2) into a finished carry's denominator.
+
+    ``acc / l`` of the result is ``sum_j 2^s_j v_j / (sum_j 2^s_j + 2^sink)``; rows that
+    saw nothing keep ``acc = 0``.
+    """
+    acc, m, l_sum = carry
+    m_new = jnp.maximum(m, sink)
+    alpha = jnp.exp2(m - m_new)  # 0 for rows that saw nothing (m = -inf)
+    return acc * alpha[:, None], m_new, l_sum * alpha + jnp.exp2(sink - m_new)
 
 
 def init_carry(rows: int, head_dim: int) -> Carry:

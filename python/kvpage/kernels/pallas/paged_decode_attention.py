@@ -28,6 +28,14 @@ Work decomposition
   ``w_k = 2^(lse_k - max lse)``) and scatters row results to their token
   slots; tokens of padded rows / padding tokens are zeros.
 
+Options (contract: ``reference.py``). ``sliding_window``: the split plan covers
+the row's pages from the one holding its window's first position (``kv_len -
+window``), so pages wholly outside the window are never loaded; slots of that
+first page below the window are masked. ``logit_soft_cap``: applied to the
+score tile before the mask. ``sinks``: folded into the denominator once, by the
+jnp epilogue that merges the splits (``combine_splits``), never per split.
+``None`` traces none of this.
+
 Assumptions
 -----------
 * Same Triton constraints as the ragged kernel: power-of-two ``block_size``,
@@ -64,6 +72,7 @@ from kvpage.kernels.pallas._tiles import (
     load_kv_tiles,
     online_softmax_step,
 )
+from kvpage.kernels.xla.reference import check_attention_options
 
 # Programs a call should launch to fill an H100/H200 (132 SMs, ~2 waves);
 # the auto split count aims for this.
@@ -94,6 +103,8 @@ def _decode_kernel(
     pages_per_block: int,
     block_size: int,
     max_len: int,
+    sliding_window: int | None,
+    soft_cap: float | None,
 ) -> None:
     row = pl.program_id(0)
     head = pl.program_id(1)
@@ -104,10 +115,16 @@ def _decode_kernel(
     tok = cu_q_lens_ref[row]
     active = (row < num_seqs_ref[0]) & (cu_q_lens_ref[row + 1] > tok)
     n_kv = jnp.where(active, jnp.clip(kv_lens_ref[row], 0, max_len), 0)
+    if sliding_window is not None:  # the query (position n_kv - 1) sees slots >= lowest
+        lowest = jnp.maximum(n_kv - sliding_window, 0)
+        kv_begin = (lowest // block_size) * block_size
     # Split plan from the row's live length: the grid's ``num_splits`` is only an
     # upper bound; a row uses as many splits as give each >= ``min_blocks_per_split``
     # compute blocks, and this split takes its equal share (none if past the end).
-    blocks_total = (n_kv + block_k - 1) // block_k
+    if sliding_window is None:
+        blocks_total = (n_kv + block_k - 1) // block_k
+    else:
+        blocks_total = (n_kv - kv_begin + block_k - 1) // block_k
     row_splits = jnp.clip(
         (blocks_total + min_blocks_per_split - 1) // min_blocks_per_split, 1, num_splits
     )
@@ -121,6 +138,8 @@ def _decode_kernel(
 
     def body(j: jax.Array, carry: Carry) -> Carry:
         first_slot = (first_block + j) * block_k
+        if sliding_window is not None:
+            first_slot = kv_begin + first_slot
         k, v = load_kv_tiles(
             k_pages_ref,
             v_pages_ref,
@@ -132,8 +151,11 @@ def _decode_kernel(
             block_size=block_size,
         )
         kv_pos = first_slot + jnp.arange(block_k, dtype=jnp.int32)
-        visible = h_ok[:, None] & (kv_pos < n_kv)[None, :]
-        return online_softmax_step(q, k, v, visible, carry, scale=scale)
+        live = kv_pos < n_kv
+        if sliding_window is not None:
+            live = live & (kv_pos >= lowest)
+        visible = h_ok[:, None] & live[None, :]
+        return online_softmax_step(q, k, v, visible, carry, scale=scale, soft_cap=soft_cap)
 
     acc, m, l_sum = lax.fori_loop(0, n_blocks, body, init_carry(block_h, head_dim))
     seen = l_sum > 0.0
@@ -148,12 +170,17 @@ def _decode_kernel(
     masked_store(lse_ref, (split, row, head, pl.ds(0, block_h)), lse, mask=h_ok)
 
 
-def combine_splits(partial: jax.Array, lse: jax.Array) -> jax.Array:
-    """Merge ``[K, ...rows, D]`` partial outputs with base-2 LSEs ``[K, ...rows]``."""
+def combine_splits(partial: jax.Array, lse: jax.Array, sink: jax.Array | None = None) -> jax.Array:
+    """Merge ``[K, ...rows, D]`` partial outputs with base-2 LSEs ``[K, ...rows]``; a
+    base-2 ``sink`` logit (broadcast to ``[...rows]``) joins the denominator once."""
     lse_max = jnp.max(lse, axis=0)
+    if sink is not None:
+        lse_max = jnp.maximum(lse_max, sink)
     lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
     w = jnp.exp2(lse - lse_max[None])  # 0 for empty splits
     denom = jnp.sum(w, axis=0)
+    if sink is not None:
+        denom = denom + jnp.exp2(sink - lse_max)
     num = jnp.sum(w[..., None] * partial, axis=0)
     return num / jnp.where(denom == 0.0, 1.0, denom)[..., None]
 
@@ -176,6 +203,8 @@ def auto_num_splits(num_rows: int, num_kv_heads: int, max_blocks: int, pages_per
         "block_h",
         "num_warps",
         "num_stages",
+        "sliding_window",
+        "logit_soft_cap",
     ),
 )
 def paged_decode_attention(
@@ -195,6 +224,9 @@ def paged_decode_attention(
     block_h: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    sliding_window: int | None = None,
+    logit_soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Paged attention for pure-decode steps (every row has ``q_len`` 0 or 1).
 
@@ -208,6 +240,8 @@ def paged_decode_attention(
         default makes a 128-token KV block (at least one page).
       block_h: query-head tile (power of two, >= 16 and >= the GQA group).
       num_warps, num_stages: Triton launch parameters.
+      sliding_window, logit_soft_cap (static), sinks (``[Hq]`` float32): the
+        contract's options (``reference.py``).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, block_size, head_dim_k = k_pages.shape
@@ -222,6 +256,7 @@ def paged_decode_attention(
         raise ValueError("kv_lens must be [S] and cu_q_lens [S + 1] for block_tables [S, _]")
     if not (is_power_of_2(block_size) and is_power_of_2(head_dim)):
         raise ValueError(f"{block_size=} and {head_dim=} must be powers of two")
+    check_attention_options(sliding_window, logit_soft_cap, sinks, num_q_heads)
     group = num_q_heads // num_kv_heads
     if block_h is None:
         block_h = max(16, next_power_of_2(group))
@@ -248,6 +283,8 @@ def paged_decode_attention(
         pages_per_block=pages_per_compute_block,
         block_size=block_size,
         max_len=max_blocks * block_size,
+        sliding_window=sliding_window,
+        soft_cap=None if logit_soft_cap is None else float(logit_soft_cap),
     )
 
     def whole(shape: tuple[int, ...]) -> pl.BlockSpec:
@@ -281,7 +318,10 @@ def paged_decode_attention(
         name=f"paged_decode_attention_k{num_splits}_pp{pages_per_compute_block}",
     )(*operands)
 
-    rows_out = combine_splits(partial, lse).reshape(num_rows, num_q_heads, head_dim)
+    sink = None
+    if sinks is not None:
+        sink = (sinks.astype(jnp.float32) * LOG2E).reshape(1, num_kv_heads, group)
+    rows_out = combine_splits(partial, lse, sink).reshape(num_rows, num_q_heads, head_dim)
     row_ids = jnp.arange(num_rows, dtype=jnp.int32)
     live = (row_ids < num_seqs[0]) & (cu_q_lens[1:] > cu_q_lens[:-1])
     dest = jnp.where(live, cu_q_lens[:-1], num_tokens)  # out of range -> dropped

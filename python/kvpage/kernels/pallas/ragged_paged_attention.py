@@ -29,6 +29,13 @@ Work decomposition
   by ``sm_scale * log2(e)`` and exponentiated with ``exp2``).
 * Tokens that no item covers (padding past ``cu_q_lens[num_seqs]``) keep the
   zeros of the aliased zero-initialised output buffer.
+* Options (contract: ``reference.py``). ``sliding_window``: an item's KV loop
+  starts at the page holding the first position its first query's window sees,
+  so pages wholly outside the window (and their block-table entries) are never
+  loaded; the per-query window is part of the ``visible`` mask.
+  ``logit_soft_cap``: applied to the score tile before the mask.
+  ``sinks``: an extra ``[Hq]`` operand (only when given), folded into each
+  query head's denominator after the loop. ``None`` traces none of this.
 
 Metadata (lengths, ``cu_q_lens``, block tables, the item list) is passed as
 plain whole-array inputs and read with scalar loads: the Triton backend has
@@ -72,24 +79,16 @@ from kvpage.kernels.pallas._compat import (
 )
 from kvpage.kernels.pallas._tiles import (
     Carry,
+    add_sink,
     init_carry,
     load_kv_tiles,
     online_softmax_step,
 )
+from kvpage.kernels.xla.reference import check_attention_options
 
 
 def _ragged_kernel(
-    item_row_ref: Any,  # [num_items] int32, -1 for unused items
-    item_qblk_ref: Any,  # [num_items] int32, query block index inside the row
-    cu_q_lens_ref: Any,  # [S + 1] int32
-    kv_lens_ref: Any,  # [S] int32
-    block_tables_ref: Any,  # [S, max_blocks] int32
-    q_ref: Any,  # [T, Hkv, G, D]
-    k_pages_ref: Any,  # [P, B, D] (this program's KV head)
-    v_pages_ref: Any,  # [P, B, D]
-    zeros_ref: Any,  # [T, Hkv, G, D], aliased with o_ref; never read
-    o_ref: Any,  # [T, Hkv, G, D]
-    *,
+    *refs: Any,
     scale: float,
     group: int,
     group_pad: int,
@@ -97,8 +96,18 @@ def _ragged_kernel(
     pages_per_block: int,
     block_size: int,
     max_len: int,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    has_sinks: bool,
 ) -> None:
-    del zeros_ref
+    # item_row [num_items] int32 (-1: unused item), item_qblk [num_items] int32 (query
+    # block inside the row), cu_q_lens [S + 1], kv_lens [S], block_tables [S, max_blocks],
+    # q [T, Hkv, G, D], sinks [Hq] float32 (only with has_sinks), k_pages and v_pages
+    # [P, B, D] (this program's KV head), zeros [T, Hkv, G, D] (aliased with o_ref; never
+    # read), o_ref [T, Hkv, G, D].
+    item_row_ref, item_qblk_ref, cu_q_lens_ref, kv_lens_ref, block_tables_ref, q_ref = refs[:6]
+    sinks_ref = refs[6] if has_sinks else None
+    k_pages_ref, v_pages_ref, _zeros_ref, o_ref = refs[6 + has_sinks :]
     item = pl.program_id(0)
     head = pl.program_id(1)
     head_dim = q_ref.shape[-1]
@@ -133,8 +142,14 @@ def _ragged_kernel(
     q_idx = (pl.ds(tok0, bq), head, pl.ds(0, gp), slice(None))
     q = masked_load(q_ref, q_idx, mask=mask3, other=0).reshape(rows_m, head_dim)
 
+    # First KV slot the loop visits: 0, or the first slot of the page holding the
+    # lowest position the block's first query's window sees.
+    if sliding_window is not None:
+        lowest = jnp.maximum(kv_len - q_len + first_local - (sliding_window - 1), 0)
+        kv_begin = (lowest // block_size) * block_size
+
     def body(j: jax.Array, carry: Carry) -> Carry:
-        first_slot = j * block_k
+        first_slot = j * block_k if sliding_window is None else kv_begin + j * block_k
         k, v = load_kv_tiles(
             k_pages_ref,
             v_pages_ref,
@@ -147,10 +162,20 @@ def _ragged_kernel(
         )
         kv_pos = first_slot + jnp.arange(block_k, dtype=jnp.int32)
         visible = row_ok[:, None] & (kv_pos[None, :] <= q_pos[:, None]) & (kv_pos[None, :] < n_kv)
-        return online_softmax_step(q, k, v, visible, carry, scale=scale)
+        if sliding_window is not None:
+            visible = visible & (kv_pos[None, :] > q_pos[:, None] - sliding_window)
+        return online_softmax_step(q, k, v, visible, carry, scale=scale, soft_cap=soft_cap)
 
-    n_blocks = (n_kv + block_k - 1) // block_k
-    acc, _, l_sum = lax.fori_loop(0, n_blocks, body, init_carry(rows_m, head_dim))
+    if sliding_window is None:
+        n_blocks = (n_kv + block_k - 1) // block_k
+    else:
+        n_blocks = jnp.maximum(n_kv - kv_begin + block_k - 1, 0) // block_k
+    carry = lax.fori_loop(0, n_blocks, body, init_carry(rows_m, head_dim))
+    if has_sinks:
+        head_of_r = r % gp
+        sink = masked_load(sinks_ref, (head * group + head_of_r,), mask=head_of_r < group, other=0)
+        carry = add_sink(carry, sink * LOG2E)
+    acc, _, l_sum = carry
     out = acc / jnp.where(l_sum == 0.0, 1.0, l_sum)[:, None]
     out = out.reshape(bq, gp, head_dim).astype(o_ref.dtype)
     masked_store(o_ref, q_idx, out, mask=mask3)
@@ -207,6 +232,8 @@ def default_block_q(group_pad: int, num_tokens: int) -> int:
         "pages_per_compute_block",
         "num_warps",
         "num_stages",
+        "sliding_window",
+        "logit_soft_cap",
     ),
 )
 def ragged_paged_attention(
@@ -225,6 +252,9 @@ def ragged_paged_attention(
     pages_per_compute_block: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    sliding_window: int | None = None,
+    logit_soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Ragged paged attention with the exact semantics of the reference.
 
@@ -244,6 +274,8 @@ def ragged_paged_attention(
       pages_per_compute_block: pages per inner-loop step (power of two);
         default makes a 64-token KV block (at least one page).
       num_warps, num_stages: Triton launch parameters (ignored by the interpreter).
+      sliding_window, logit_soft_cap (static), sinks (``[Hq]`` float32): the
+        contract's options (``reference.py``).
 
     Returns:
       ``[T, Hq, D]`` in ``q.dtype``; padded tokens are zeros.
@@ -261,6 +293,7 @@ def ragged_paged_attention(
         raise ValueError("kv_lens must be [S] and cu_q_lens [S + 1] for block_tables [S, _]")
     if not (is_power_of_2(block_size) and is_power_of_2(head_dim)):
         raise ValueError(f"{block_size=} and {head_dim=} must be powers of two")
+    check_attention_options(sliding_window, logit_soft_cap, sinks, num_q_heads)
     group = num_q_heads // num_kv_heads
     group_pad = next_power_of_2(group)
     if block_q is None:
@@ -287,6 +320,9 @@ def ragged_paged_attention(
         pages_per_block=pages_per_compute_block,
         block_size=block_size,
         max_len=max_blocks * block_size,
+        sliding_window=sliding_window,
+        soft_cap=None if logit_soft_cap is None else float(logit_soft_cap),
+        has_sinks=sinks is not None,
     )
 
     def whole(x: jax.Array) -> pl.BlockSpec:
@@ -301,11 +337,13 @@ def ragged_paged_attention(
         kv_lens.astype(jnp.int32),
         block_tables.astype(jnp.int32),
         q4,
+        *(() if sinks is None else (sinks.astype(jnp.float32),)),
         k_pages,
         v_pages,
         zeros,
     )
-    in_specs = [whole(x) for x in operands[:6]] + [pool_spec, pool_spec, whole(zeros)]
+    metadata = operands[:-3]
+    in_specs = [whole(x) for x in metadata] + [pool_spec, pool_spec, whole(zeros)]
     out = pl.pallas_call(
         kernel,
         grid=(num_items, num_kv_heads),

@@ -21,6 +21,18 @@ granularity) and its scratch is ``O(S x chunk + q_tile x chunk)``, whatever
 ``max_model_len`` is; the compiled executable does not depend on the live lengths, so
 no extra buckets are needed. Slots at or past ``kv_len`` may hold garbage (NaN, inf):
 they are masked out of both the scores and the values.
+
+Sliding window, soft-cap, sinks (contract: ``reference.py``). With ``sliding_window``
+each decode row's chunk loop starts at the first block its window touches (a per-row
+offset into its table: ``take_along_axis`` instead of one ``dynamic_slice``), and each
+prefill tile's at the first block its first query's window touches; so a block wholly
+outside the window is never gathered, and its table entry never used as an index. The
+trip counts follow ``min(kv_len, window)``. Slots of the first block below the window
+are masked out of the scores only: they were written, so they are finite, and values
+are masked only at or past ``kv_len`` - so a wholly-outside block that *were* gathered
+would leak its garbage (the tests poison them to prove none is). ``logit_soft_cap`` caps
+each score tile before the mask; ``sinks`` join the denominator once, when the running
+softmax is finished. With all three ``None`` the traced program is the one without them.
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kvpage.kernels.host.cpu_decode_attention import cpu_paged_decode_attention
+from kvpage.kernels.xla.reference import check_attention_options, window_start
 
 DEFAULT_KV_CHUNK_BLOCKS = 8
 """KV blocks per chunk for prefill tiles (a ``[q_tile, chunk]`` score tile)."""
@@ -51,10 +64,13 @@ def _online_update(
     visible: jax.Array,
     values: jax.Array,
     pv_spec: str,
+    soft_cap: float | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One flash-attention step: fold ``scores [..., K]`` and ``values`` into the
     running max ``m``, denominator ``l`` and accumulator ``acc``."""
     m, l_sum, acc = carry
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
     scores = jnp.where(visible, scores, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
     m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
@@ -65,7 +81,16 @@ def _online_update(
     return m_new, l_sum, acc
 
 
-def _finish(l_sum: jax.Array, acc: jax.Array) -> jax.Array:
+def _finish(
+    m: jax.Array, l_sum: jax.Array, acc: jax.Array, sink: jax.Array | None = None
+) -> jax.Array:
+    """``acc / l``; with a ``sink`` logit (broadcast like ``m``) it joins the denominator."""
+    if sink is not None:
+        m_new = jnp.maximum(m, sink)
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        alpha = jnp.exp(m - m_safe)
+        l_sum = l_sum * alpha + jnp.exp(sink - m_safe)
+        acc = acc * alpha[..., None]
     return acc / jnp.where(l_sum == 0.0, 1.0, l_sum)[..., None]
 
 
@@ -76,30 +101,51 @@ def _decode_rows(
     kv_lens: jax.Array,  # [S], 0 for rows not computed here
     block_tables: jax.Array,  # [S, M], M a multiple of chunk_blocks
     chunk_blocks: int,
+    *,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: jax.Array | None = None,  # [Hkv, G] float32
 ) -> jax.Array:
     num_kv_heads, num_rows, group, head_dim = q.shape
     block_size = k_pages.shape[2]
+    width = block_tables.shape[1]
     chunk = chunk_blocks * block_size
-    num_chunks = _ceil_div(jnp.max(kv_lens), chunk)
+    if sliding_window is None:
+        num_chunks = _ceil_div(jnp.max(kv_lens), chunk)
+    else:  # each row starts at the first block its window touches
+        start = window_start(kv_lens - 1, sliding_window)  # [S]
+        first_block = start // block_size
+        num_chunks = _ceil_div(jnp.max(kv_lens - first_block * block_size), chunk)
 
     def body(c: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]):
-        ids = lax.dynamic_slice_in_dim(block_tables, c * chunk_blocks, chunk_blocks, axis=1)
+        if sliding_window is None:
+            ids = lax.dynamic_slice_in_dim(block_tables, c * chunk_blocks, chunk_blocks, axis=1)
+            kv_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
+            live = kv_pos[None, :] < kv_lens[:, None]  # [S, chunk]
+        else:
+            block = first_block + c * chunk_blocks  # [S]
+            cols = block[:, None] + jnp.arange(chunk_blocks, dtype=jnp.int32)[None, :]
+            # Columns past the table are clamped; their slots are past kv_len (masked).
+            ids = jnp.take_along_axis(block_tables, jnp.minimum(cols, width - 1), axis=1)
+            kv_pos = block[:, None] * block_size + jnp.arange(chunk, dtype=jnp.int32)[None, :]
+            live = kv_pos < kv_lens[:, None]
         k = k_pages[:, ids].reshape(num_kv_heads, num_rows, chunk, head_dim)
         v = v_pages[:, ids].reshape(num_kv_heads, num_rows, chunk, head_dim)
-        kv_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
-        live = kv_pos[None, :] < kv_lens[:, None]  # [S, chunk]
         v = jnp.where(live[None, :, :, None], v.astype(jnp.float32), 0.0)
+        visible = live if sliding_window is None else live & (kv_pos >= start[:, None])
         # (KV head, row) leading: XLA:CPU runs these batched dots fastest.
         scores = jnp.einsum("hsgd,hskd->hsgk", q, k.astype(jnp.float32))
-        return _online_update(carry, scores, live[None, :, None, :], v, "hsgk,hskd->hsgd")
+        return _online_update(
+            carry, scores, visible[None, :, None, :], v, "hsgk,hskd->hsgd", soft_cap
+        )
 
     init = (
         jnp.full((num_kv_heads, num_rows, group), -jnp.inf, jnp.float32),
         jnp.zeros((num_kv_heads, num_rows, group), jnp.float32),
         jnp.zeros((num_kv_heads, num_rows, group, head_dim), jnp.float32),
     )
-    _, l_sum, acc = lax.fori_loop(0, num_chunks, body, init)
-    return _finish(l_sum, acc)
+    m, l_sum, acc = lax.fori_loop(0, num_chunks, body, init)
+    return _finish(m, l_sum, acc, None if sinks is None else sinks[:, None, :])
 
 
 def _prefill_rows(
@@ -111,9 +157,13 @@ def _prefill_rows(
     q_starts: jax.Array,  # [S]
     q_lens: jax.Array,  # [S]
     kv_lens: jax.Array,  # [S]
-    block_tables: jax.Array,  # [S, M]
+    block_tables: jax.Array,  # [S, M]; with a window, >= chunk_blocks columns of padding
     chunk_blocks: int,
     q_tile: int,
+    *,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: jax.Array | None = None,  # [Hkv, G] float32
 ) -> jax.Array:
     _, num_kv_heads, group, head_dim = q.shape
     block_size = k_pages.shape[2]
@@ -133,26 +183,45 @@ def _prefill_rows(
             q_pos = context + offset
             q_valid = offset < q_len
             kv_end = jnp.minimum(context + (j + 1) * q_tile, kv_len)
+            # The tile's first query sees the lowest position; blocks wholly below it
+            # are skipped (without a window: none).
+            if sliding_window is not None:
+                win_start = window_start(context + j * q_tile, sliding_window)
+                first_block = win_start // block_size
 
             def kv_body(c: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]):
-                ids = lax.dynamic_slice_in_dim(table, c * chunk_blocks, chunk_blocks)
+                if sliding_window is None:
+                    ids = lax.dynamic_slice_in_dim(table, c * chunk_blocks, chunk_blocks)
+                    kv_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
+                else:
+                    block = first_block + c * chunk_blocks
+                    ids = lax.dynamic_slice_in_dim(table, block, chunk_blocks)
+                    kv_pos = block * block_size + jnp.arange(chunk, dtype=jnp.int32)
                 k = k_pages[:, ids].reshape(num_kv_heads, chunk, head_dim)
                 v = v_pages[:, ids].reshape(num_kv_heads, chunk, head_dim)
-                kv_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
                 live = kv_pos < kv_len
                 v = jnp.where(live[None, :, None], v.astype(jnp.float32), 0.0)
                 visible = (kv_pos[None, :] <= q_pos[:, None]) & live[None, :]
+                if sliding_window is not None:
+                    visible = visible & (kv_pos[None, :] > q_pos[:, None] - sliding_window)
                 scores = jnp.einsum("qhgd,hkd->qhgk", q_tile_vals, k.astype(jnp.float32))
-                return _online_update(carry, scores, visible[:, None, None, :], v, "qhgk,hkd->qhgd")
+                return _online_update(
+                    carry, scores, visible[:, None, None, :], v, "qhgk,hkd->qhgd", soft_cap
+                )
 
             init = (
                 jnp.full(tile_shape[:3], -jnp.inf, jnp.float32),
                 jnp.zeros(tile_shape[:3], jnp.float32),
                 jnp.zeros(tile_shape, jnp.float32),
             )
-            _, l_sum, acc = lax.fori_loop(0, _ceil_div(kv_end, chunk), kv_body, init)
+            if sliding_window is None:
+                trips = _ceil_div(kv_end, chunk)
+            else:
+                trips = _ceil_div(kv_end - first_block * block_size, chunk)
+            m, l_sum, acc = lax.fori_loop(0, trips, kv_body, init)
+            finished = _finish(m, l_sum, acc, None if sinks is None else sinks[None])
             current = lax.dynamic_slice(out, (first, 0, 0, 0), tile_shape)
-            result = jnp.where(q_valid[:, None, None, None], _finish(l_sum, acc), current)
+            result = jnp.where(q_valid[:, None, None, None], finished, current)
             return lax.dynamic_update_slice(out, result, (first, 0, 0, 0))
 
         return lax.fori_loop(0, _ceil_div(q_len, q_tile), tile_body, out)
@@ -175,8 +244,13 @@ def xla_paged_attention(
     decode_chunk_blocks: int = DEFAULT_DECODE_CHUNK_BLOCKS,
     q_tile: int = DEFAULT_Q_TILE,
     host_decode_kernel: bool = True,
+    sliding_window: int | None = None,
+    logit_soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Ragged paged attention (contract: ``reference.py``) with live-length loops.
+
+    ``sliding_window``, ``logit_soft_cap``, ``sinks``: as in ``reference.py``.
 
     ``host_decode_kernel``: on CPU, decode rows go through kvpage's Rust kernel
     (``cpu_decode_attention.py``) instead of the ``lax`` loop; same result.
@@ -188,10 +262,15 @@ def xla_paged_attention(
     num_kv_heads, num_pages, _, _ = k_pages.shape
     num_rows, width = block_tables.shape
     group = num_q_heads // num_kv_heads
+    check_attention_options(sliding_window, logit_soft_cap, sinks, num_q_heads)
     chunk_blocks = max(1, min(kv_chunk_blocks, width))
     decode_blocks = max(1, min(decode_chunk_blocks, width))
     multiple = chunk_blocks * decode_blocks // math.gcd(chunk_blocks, decode_blocks)
     padded_width = -(-width // multiple) * multiple
+    if sliding_window is not None:
+        # Prefill chunks start at a window's first block, not a multiple of the chunk:
+        # a whole chunk past the table keeps their dynamic slices from being clamped.
+        padded_width += chunk_blocks
     if padded_width != width:  # whole chunks only; the extra entries are never read
         block_tables = jnp.pad(
             block_tables, ((0, 0), (0, padded_width - width)), constant_values=num_pages - 1
@@ -202,6 +281,10 @@ def xla_paged_attention(
     q_lens = jnp.where(live_row, cu_q_lens[1:] - q_starts, 0)
     kv_lens = jnp.where(live_row, kv_lens, 0)
     qf = (q.astype(jnp.float32) * sm_scale).reshape(num_tokens, num_kv_heads, group, head_dim)
+    options = {"sliding_window": sliding_window, "soft_cap": logit_soft_cap}
+    options["sinks"] = (
+        None if sinks is None else sinks.astype(jnp.float32).reshape(num_kv_heads, group)
+    )
 
     is_decode = q_lens == 1
     decode_tokens = jnp.clip(q_starts, 0, num_tokens - 1)
@@ -216,6 +299,7 @@ def xla_paged_attention(
                 decode_kv_lens,
                 block_tables,
                 decode_blocks,
+                **options,
             )
             .transpose(1, 0, 2, 3)
             .reshape(num_rows, num_q_heads, head_dim)
@@ -230,6 +314,9 @@ def xla_paged_attention(
             block_tables,
             sm_scale=sm_scale,
             otherwise=decode_in_xla,
+            sliding_window=sliding_window,
+            logit_soft_cap=logit_soft_cap,
+            sinks=sinks,
         )
     else:
         decode_out = decode_in_xla()
@@ -253,6 +340,7 @@ def xla_paged_attention(
             block_tables,
             chunk_blocks,
             tile,
+            **options,
         )[:num_tokens]
     target = jnp.where(is_decode, decode_tokens, num_tokens)  # non-decode rows: dropped
     out = out.at[target].set(decode_out, mode="drop")
