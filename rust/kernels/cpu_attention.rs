@@ -45,6 +45,7 @@ use std::sync::{Mutex, OnceLock};
 
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::cpu_attention_avx2::{group_attention, HeadPages};
+use crate::kernels::head_options::{finish, soft_cap, HeadOptions};
 pub use crate::kernels::kv_element::{Bf16, KvElement, F16};
 use crate::kernels::kv_element::{MAX_BLOCK, MAX_GROUP, MAX_HEAD_DIM};
 use crate::kernels::parallel::Parallel;
@@ -83,43 +84,6 @@ impl AttentionOptions<'_> {
         self.sliding_window
             .map_or(0, |window| kv_len.saturating_sub(window))
     }
-}
-
-/// What one KV head's query group needs beyond plain attention: the row's first
-/// visible position, the soft cap and the group's sinks (`[group]`).
-#[derive(Clone, Copy, Debug)]
-pub(super) struct HeadOptions<'a> {
-    pub start: usize,
-    pub soft_cap: Option<f32>,
-    pub sinks: Option<&'a [f32]>,
-}
-
-impl HeadOptions<'_> {
-    pub(super) fn sink(&self, g: usize) -> Option<f32> {
-        self.sinks.map(|sinks| sinks[g])
-    }
-}
-
-/// `scores[i] = cap * tanh(scores[i] / cap)`.
-#[inline(always)]
-pub(super) fn soft_cap(scores: &mut [f32], cap: f32) {
-    let inv = 1.0 / cap;
-    scores.iter_mut().for_each(|s| *s = cap * (*s * inv).tanh());
-}
-
-/// Normalise one query head's accumulator `out` by its softmax denominator `sum`
-/// (scores' running max `max`), with the head's sink logit in the denominator if any.
-#[inline(always)]
-pub(super) fn finish(out: &mut [f32], max: f32, sum: f32, sink: Option<f32>) {
-    let scale = match sink {
-        None => 1.0 / sum,
-        Some(sink) => {
-            let new_max = max.max(sink);
-            let alpha = (max - new_max).exp();
-            alpha / (sum * alpha + (sink - new_max).exp())
-        }
-    };
-    out.iter_mut().for_each(|a| *a *= scale);
 }
 
 impl DecodeShape {

@@ -18,7 +18,7 @@
 
 use std::arch::x86_64::*;
 
-use super::cpu_attention::{finish, soft_cap, HeadOptions};
+use super::head_options::{finish, soft_cap, HeadOptions};
 use super::kv_element::{KvElement, MAX_BLOCK, MAX_GROUP};
 
 /// One KV head's pages and the shape of the query group that reads them.

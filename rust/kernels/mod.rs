@@ -3,7 +3,8 @@
 //! - [`cpu_attention`]: paged decode attention on the host CPU: one query
 //!   token per row, K/V read straight from the paged pool; its AVX2 kernel in
 //!   `cpu_attention_avx2.rs`; the pool element types and buffer limits both
-//!   share in `kv_element.rs` (both depend on it, it on neither).
+//!   share in `kv_element.rs`, the per-head window / soft-cap / sink extras in
+//!   `head_options.rs` (both depend on them, they on neither).
 //! - [`cpu_matmul`]: linear layers of few rows (decode steps): `y = x · wᵀ`.
 //! - [`expert_matmul`]: mixture-of-experts layers, `y[n] = x[n] · W[e_n]ᵀ`,
 //!   float or quantized experts, reading only the routed experts' weights
@@ -46,6 +47,7 @@ mod expert_matmul_tests;
 mod guard_page;
 #[cfg(test)]
 mod guard_page_tests;
+mod head_options;
 mod kv_element;
 pub mod lazy_zeros;
 pub mod parallel;
