@@ -107,6 +107,9 @@ def _arch_metadata(writer: Any, cfg: Any, arch: str) -> None:
     if arch.startswith("gemma"):
         if getattr(cfg, "sliding_window", None):
             writer.add_sliding_window(cfg.sliding_window)
+        local = (getattr(cfg, "rope_parameters", None) or {}).get("sliding_attention")
+        if arch == "gemma3" and local:  # what the converter writes for the local layers
+            writer.add_float32("gemma3.rope.freq_base_swa", float(local["rope_theta"]))
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             if getattr(cfg, key, None) is not None:
                 getattr(writer, f"add_{key}")(float(getattr(cfg, key)))

@@ -93,7 +93,7 @@ GGUF_ARCHITECTURES = {
     "gemma": ("gemma", {}),
     "gemma2": ("gemma2", dict(query_pre_attn_scalar=16, sliding_window=6)),
     "gemma3": ("gemma3", dict(query_pre_attn_scalar=16, sliding_window=6,
-                              rope_local_base_freq=10000.0,
+                              rope_local_base_freq=500.0,
                               layer_types=["sliding_attention"] * 5 + ["full_attention"],
                               num_hidden_layers=6)),
     "phi3": ("phi3", {}),
@@ -118,6 +118,7 @@ def test_architecture_from_gguf_matches_transformers(arch: str, tmp_path: Path) 
     assert config.architecture == hf_dir_config.architecture
     assert config.moe == hf_dir_config.moe
     assert config.layer_types == hf_dir_config.layer_types
+    assert config.rope_local == hf_dir_config.rope_local
     np.testing.assert_allclose(prefill_logits(config, params, PROMPT), hf_logits(model, PROMPT),
                                atol=1e-4, rtol=0)
 

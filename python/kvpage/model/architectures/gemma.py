@@ -18,6 +18,7 @@ from typing import Any
 
 from kvpage.model.architectures.architecture import Architecture, ConfigFields, GGUFGet
 from kvpage.model.config_types import FULL_ATTENTION, SLIDING_ATTENTION, RopeConfig
+from kvpage.model.gguf_file import GGUFArray
 from kvpage.model.hf_config import (
     activation,
     decoder_fields,
@@ -90,14 +91,25 @@ def _gemma3(raw: Mapping[str, Any]) -> ConfigFields:
 
 
 def _gguf_gemma(version: int) -> Any:
-    """The ``gguf_parse`` of a Gemma file. llama.cpp hard-codes what the file lacks: the
-    window pattern (every 2nd / 6th layer full), Gemma 3's local RoPE base 10000, and the
+    """The ``gguf_parse`` of a Gemma file. llama.cpp reads the window pattern and the
+    local RoPE base when written and otherwise hard-codes them (every 2nd / 6th layer
+    full; Gemma 3's local base 10000, Gemma 2's the global one), and the
     query scale ``head_dim ** -0.5`` except for the 27B models (46 / 62 layers), which
     scale by ``(hidden / heads) ** -0.5`` as their ``query_pre_attn_scalar`` says."""
 
     def parse(get: GGUFGet, fields: ConfigFields) -> ConfigFields:
         n, hidden = fields["num_layers"], fields["hidden_size"]
-        pattern = 2 if version == 2 else int(get("attention.sliding_window_pattern", 6))
+        # llama.cpp's load_swa_pattern: one bool per layer (true: sliding) or a period
+        # (every period-th layer full, 0: none), default 2 (Gemma 2) / 6 (Gemma 3).
+        pattern = get("attention.sliding_window_pattern", None)
+        if isinstance(pattern, GGUFArray):
+            flags = [bool(f) for f in pattern.tolist()] if len(pattern) == n else None
+            if flags is None:
+                raise ValueError(f"attention.sliding_window_pattern has {len(pattern)} "
+                                 f"entries for {n} layers")
+        else:
+            period = int(pattern) if pattern is not None else (2 if version == 2 else 6)
+            flags = [period == 0 or i % period < period - 1 for i in range(n)]
         big = n == (46 if version == 2 else 62)
         out: ConfigFields = dict(
             hidden_act="gelu_tanh",
@@ -110,11 +122,15 @@ def _gguf_gemma(version: int) -> Any:
             attn_logit_softcap=optional_float(get("attn_logit_softcapping", None)),
         )
         if out["sliding_window"]:
-            out["layer_types"] = tuple(
-                FULL_ATTENTION if (i + 1) % pattern == 0 else SLIDING_ATTENTION
-                for i in range(n)
-            )
-        if version == 3:
+            out["layer_types"] = tuple(SLIDING_ATTENTION if f else FULL_ATTENTION
+                                       for f in flags)
+        # The sliding layers' RoPE base: rope.freq_base_swa when written (the converter
+        # writes Gemma 3's rope_parameters["sliding_attention"]["rope_theta"]), else
+        # Gemma 3's 10000 / Gemma 2's global base; never frequency-scaled.
+        local_base = get("rope.freq_base_swa", None)
+        if local_base is not None:
+            out["rope_local"] = RopeConfig(theta=float(local_base))
+        elif version == 3:
             out["rope_local"] = RopeConfig(theta=10000.0)
         return out
 
