@@ -153,3 +153,38 @@ def test_quantized_experts_stay_in_blocks_and_match_their_dequantized_values(
     logprobs = [[float(o.logprobs[r]) for plan, o in run[2]
                  for r in range(len(plan.sample_rows))] for run in runs]
     np.testing.assert_allclose(logprobs[1], logprobs[0], atol=2e-3)
+
+
+def test_gpt_oss_mxfp4_experts_are_dequantized_at_load(tmp_path: Path) -> None:
+    """A gpt-oss checkpoint whose experts are MXFP4 blocks and scales (as released):
+    kvpage dequantizes them at load and matches transformers running the same values
+    (dequantized by transformers' own MXFP4 conversion)."""
+    import torch
+    from safetensors.numpy import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    model = build_hf_model("gpt_oss", seed=6)
+    cfg = model.config
+    experts, hidden, inter = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+    rng = np.random.default_rng(0)
+    packed: dict[str, np.ndarray] = {}
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            for name, (out, inp) in {"gate_up_proj": (2 * inter, hidden),
+                                     "down_proj": (hidden, inter)}.items():
+                blocks = rng.integers(0, 256, (experts, out, inp // 32, 16), dtype=np.uint8)
+                scales = rng.integers(122, 126, (experts, out, inp // 32), dtype=np.uint8)
+                prefix = f"model.layers.{i}.mlp.experts.{name}"
+                packed[f"{prefix}_blocks"], packed[f"{prefix}_scales"] = blocks, scales
+                values = convert_moe_packed_tensors(torch.from_numpy(blocks),
+                                                    torch.from_numpy(scales),
+                                                    dtype=torch.float32)
+                getattr(layer.mlp.experts, name).copy_(values)
+    directory = save_hf_model(model, tmp_path)
+    (weights,) = directory.glob("*.safetensors")
+    tensors = {k: v for k, v in load_file(weights).items()
+               if not k.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    save_file({**tensors, **packed}, weights, metadata={"format": "pt"})
+    config, params = load_model(directory)
+    np.testing.assert_allclose(prefill_logits(config, params, PROMPT), hf_logits(model, PROMPT),
+                               atol=1e-4, rtol=0)

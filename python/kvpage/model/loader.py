@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvpage.model.architectures import TensorSource, get_architecture
+from kvpage.model.architectures.architecture import available_source
 from kvpage.model.config import ModelConfig
 from kvpage.model.errors import CheckpointError
 from kvpage.model.params import (
@@ -147,7 +148,9 @@ def load_params(
     where = _weight_files(model_dir)
     arch = get_architecture(config.architecture)
     spec = param_spec(config)
-    sources = {name: arch.source(name, config) for name in spec}
+    sources = {
+        name: available_source(arch.source(name, config), where.__contains__) for name in spec
+    }
     missing = [n for source in sources.values() for n in source.names if n not in where]
     if missing:
         more = f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""
@@ -195,13 +198,15 @@ def params_from_hf_tensors(
     arch = get_architecture(config.architecture)
     flat = {}
     for name, shape in param_spec(config).items():
-        source = TensorSource((name,)) if name in tensors else arch.source(name, config)
+        source = (
+            TensorSource((name,)) if name in tensors
+            else available_source(arch.source(name, config), tensors.__contains__)
+        )
         absent = [n for n in source.names if n not in tensors]
         if absent:
             raise CheckpointError(f"tensors missing from mapping: {', '.join(absent[:8])}")
-        value = source.read(tensors.__getitem__) if source.stacked or source.rows else (
-            tensors[source.names[0]]
-        )
+        plain = not (source.stacked or source.rows or source.transform or source.combine)
+        value = tensors[source.names[0]] if plain else source.read(tensors.__getitem__)
         if tuple(np.shape(value)) != shape:
             raise CheckpointError(
                 f"tensor {name!r} has shape {tuple(np.shape(value))}, expected {shape}"

@@ -38,6 +38,17 @@ ConfigFields = dict[str, Any]
 _EXPERTS = re.compile(r"^(.*\.experts)\.(\w+\.\w+)$")
 
 
+def available_source(source: TensorSource, present: Callable[[str], bool]) -> TensorSource:
+    """The first of ``source`` and its ``otherwise`` chain whose tensors are all
+    ``present`` (``source`` itself when none is: its names are the ones to report)."""
+    option: TensorSource | None = source
+    while option is not None:
+        if all(present(name) for name in option.names):
+            return option
+        option = option.otherwise
+    return source
+
+
 class TensorSource(NamedTuple):
     """Where one kvpage tensor comes from: checkpoint ``names``, and how they combine.
 
@@ -51,9 +62,15 @@ class TensorSource(NamedTuple):
     stacked: bool = False
     transform: Callable[[np.ndarray], np.ndarray] | None = None
     """Applied last: a layout change (gpt-oss's ``[E, in, out]`` experts)."""
+    combine: Callable[..., np.ndarray] | None = None
+    """Builds the tensor from all of ``names`` (MXFP4 blocks and scales)."""
+    otherwise: TensorSource | None = None
+    """Where to read instead when a checkpoint lacks ``names`` (another storage)."""
 
     def read(self, get: Callable[[str], Any]) -> np.ndarray:
-        if self.stacked:
+        if self.combine is not None:
+            value = self.combine(*(np.asarray(get(name)) for name in self.names))
+        elif self.stacked:
             value = np.stack([np.asarray(get(name)) for name in self.names])
         else:
             value = np.asarray(get(self.names[0]))
@@ -109,8 +126,7 @@ class Architecture:
         name) comes from in an HF checkpoint of this architecture."""
         layer = re.match(r"^(model\.layers\.\d+\.)(.*)$", name)
         if layer is not None and layer.group(2) in self.sources:
-            source = self.sources[layer.group(2)](config)
-            return source._replace(names=tuple(layer.group(1) + n for n in source.names))
+            return _prefixed(self.sources[layer.group(2)](config), layer.group(1))
         match = _EXPERTS.match(name)
         if match is not None and config.moe is not None:
             prefix, rest = match.groups()
@@ -124,3 +140,9 @@ class Architecture:
             return TensorSource((self.checkpoint_name(layer.group(1) + fused_name),),
                                 rows=rows(config))
         return TensorSource((self.checkpoint_name(name),))
+
+
+def _prefixed(source: TensorSource, prefix: str) -> TensorSource:
+    """``source`` (and its ``otherwise`` chain) with layer-relative names made whole."""
+    otherwise = None if source.otherwise is None else _prefixed(source.otherwise, prefix)
+    return source._replace(names=tuple(prefix + n for n in source.names), otherwise=otherwise)

@@ -8,8 +8,10 @@ takes the top-k logits before the softmax; each expert has biases and a clamped 
 as ``experts.gate_up_proj [E, hidden, 2 * I]`` (gate and up interleaved by column,
 ``[in, out]`` orientation), ``gate_up_proj_bias [E, 2 * I]``, ``down_proj [E, I,
 hidden]`` and ``down_proj_bias``; kvpage reads them into its ``[E, out, in]`` stacks.
-The released checkpoints store the experts as MXFP4 blocks (``*_blocks`` / ``*_scales``),
-which kvpage does not read yet: they fail naming the missing ``gate_up_proj``.
+The released checkpoints store the experts as MXFP4 (``*_blocks`` ``[E, out, in / 32,
+16]`` uint8 pairs of 4-bit floats, ``*_scales`` ``[E, out, in / 32]`` power-of-two
+exponents biased by 127, rows of ``gate_up`` interleaved the same way): kvpage
+dequantizes them at load (to the model's dtype; the 4-bit blocks are not kept yet).
 """
 
 from __future__ import annotations
@@ -47,18 +49,44 @@ def _gpt_oss(raw: Mapping[str, Any]) -> ConfigFields:
     return fields
 
 
+FP4_VALUES = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+    np.float32,
+)
+"""The 16 values of an MXFP4 (E2M1) code."""
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """float32 ``[..., out, in]`` of MXFP4 ``blocks [..., out, in / 32, 16]`` (low nibble
+    first) and ``scales [..., out, in / 32]`` (exponents biased by 127)."""
+    blocks = blocks.astype(np.uint8)
+    values = np.stack([FP4_VALUES[blocks & 0x0F], FP4_VALUES[blocks >> 4]], axis=-1)
+    values = values.reshape(*blocks.shape[:-1], 32)
+    values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
+    return values.reshape(*blocks.shape[:-2], -1)
+
+
 def _half(name: str, offset: int, transpose: bool) -> Any:
-    """Every other column (``offset`` 0: gate, 1: up) of a fused interleaved tensor."""
+    """Every other column (``offset`` 0: gate, 1: up) of a fused interleaved tensor;
+    for the weights, MXFP4 storage when the float tensor is absent (its rows interleave)."""
 
     def take(value: np.ndarray) -> np.ndarray:
         part = value[..., offset::2]
         return np.swapaxes(part, 1, 2) if transpose else part
 
-    return lambda config: TensorSource((name,), transform=take)
+    def rows(value: np.ndarray) -> np.ndarray:
+        return value[:, offset::2, :]
+
+    packed = TensorSource((f"{name}_blocks", f"{name}_scales"), combine=dequantize_mxfp4,
+                          transform=rows)
+    return lambda config: TensorSource((name,), transform=take,
+                                       otherwise=packed if transpose else None)
 
 
 def _transposed(name: str) -> Any:
-    return lambda config: TensorSource((name,), transform=lambda v: np.swapaxes(v, 1, 2))
+    packed = TensorSource((f"{name}_blocks", f"{name}_scales"), combine=dequantize_mxfp4)
+    return lambda config: TensorSource((name,), transform=lambda v: np.swapaxes(v, 1, 2),
+                                       otherwise=packed)
 
 
 def _plain(name: str) -> Any:
