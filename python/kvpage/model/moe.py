@@ -30,6 +30,7 @@ Invariants: routing probabilities are computed in float32; the weights of a toke
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -80,13 +81,20 @@ def _gathered(x: jax.Array, w: ExpertWeight, ids: jax.Array) -> jax.Array:
     return jnp.einsum("ni,noi->no", x, weight, preferred_element_type=jnp.float32)
 
 
+def _by_expert(x: jax.Array, ids: jax.Array, experts: int,
+               grouped: Callable[[jax.Array, jax.Array], jax.Array]) -> jax.Array:
+    """``grouped(rows sorted by expert, rows per expert)``, put back in ``x``'s order:
+    the grouped-matmul calling convention of ``ragged_dot`` and the Pallas kernel."""
+    order = jnp.argsort(ids)
+    sizes = jnp.bincount(ids, length=experts).astype(jnp.int32)
+    y = grouped(x[order], sizes)
+    return jnp.zeros_like(y).at[order].set(y)
+
+
 def _grouped(x: jax.Array, w: ExpertWeight, ids: jax.Array) -> jax.Array:
     weight = w.dequantize(x.dtype) if isinstance(w, QuantizedWeight) else w
-    order = jnp.argsort(ids)
-    sizes = jnp.bincount(ids, length=_num_experts(w)).astype(jnp.int32)
-    y = lax.ragged_dot(x[order], jnp.swapaxes(weight, 1, 2), sizes,
-                       preferred_element_type=jnp.float32)
-    return jnp.zeros_like(y).at[order].set(y)
+    return _by_expert(x, ids, _num_experts(w), lambda rows, sizes: lax.ragged_dot(
+        rows, jnp.swapaxes(weight, 1, 2), sizes, preferred_element_type=jnp.float32))
 
 
 def expert_matmul_nt(x: jax.Array, w: ExpertWeight, ids: jax.Array,
@@ -112,11 +120,8 @@ def expert_matmul_nt(x: jax.Array, w: ExpertWeight, ids: jax.Array,
 
 def _pallas_grouped(x: jax.Array, w: jax.Array, ids: jax.Array) -> jax.Array:
     """The GPU branch: rows sorted by expert through the Pallas grouped matmul."""
-    order = jnp.argsort(ids)
-    sizes = jnp.bincount(ids, length=_num_experts(w)).astype(jnp.int32)
-    y = grouped_matmul(x[order], w, sizes, preferred_element_type=jnp.float32,
-                       interpret=False)
-    return jnp.zeros_like(y).at[order].set(y)
+    return _by_expert(x, ids, _num_experts(w), lambda rows, sizes: grouped_matmul(
+        rows, w, sizes, preferred_element_type=jnp.float32, interpret=False))
 
 
 def _host_kernel(x: jax.Array, w: ExpertWeight, ids: jax.Array, live: jax.Array | None
