@@ -19,7 +19,7 @@
 //!   never spawn threads themselves.
 //! - [`xla_ffi`]: the `#[no_mangle]` C-ABI handlers that JAX registers as
 //!   CPU custom-call targets, and the slice of XLA's FFI C API they need
-//!   ([`xla_ffi_quant`]: the quantized ones, [`xla_ffi_experts`]: the
+//!   ([`xla_ffi_attention`]: paged decode attention, [`xla_ffi_quant`]: the quantized ones, [`xla_ffi_experts`]: the
 //!   mixture-of-experts ones, [`xla_ffi_zeros`]: the pools' zero-fill).
 //!
 //! Invariants:
@@ -53,6 +53,7 @@ pub mod lazy_zeros;
 pub mod parallel;
 pub mod quant;
 pub mod xla_ffi;
+pub mod xla_ffi_attention;
 pub mod xla_ffi_experts;
 pub mod xla_ffi_quant;
 pub mod xla_ffi_zeros;

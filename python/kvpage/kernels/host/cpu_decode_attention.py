@@ -3,7 +3,7 @@
 Owns :func:`cpu_paged_decode_attention` and the registration of its FFI target. XLA:CPU
 gathers paged K/V blocks at ~5 GB/s, which made decode attention over long contexts the
 largest cost of a CPU step; the Rust kernel (``rust/kernels/cpu_attention.rs``, exported by
-``rust/kernels/xla_ffi.rs``) reads each live block once, in place, on all cores.
+``rust/kernels/xla_ffi_attention.rs``) reads each live block once, in place, on all cores.
 
 Contract: ``q [S, Hq, D]`` (one query token per row), the paged pools, ``kv_lens [S]``
 (0 for rows not computed: they get zeros) and ``block_tables [S, M]``; result
