@@ -24,4 +24,6 @@ pub mod block_pool;
 pub mod kv_cache;
 #[cfg(test)]
 mod kv_cache_tests;
+#[cfg(test)]
+mod kv_cache_window_tests;
 pub mod prefix_cache;
