@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,30 @@ def test_a_second_engine_loads_every_piece_and_gives_the_same_tokens(
     assert got == want
     assert loaded.loads == saved.saves and loaded.saves == 0  # nothing traced again
     assert (compile_counts() - before).loaded >= loaded.loads  # counted as loads
+
+
+def _tokens(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def test_a_store_started_anew_compiles_rather_than_storing_jax_cache_hits(
+    store_on: Path, tiny_model_dir: Path
+) -> None:
+    """jaxlib serializes an executable that JAX's persistent cache returned without its
+    machine code ("Function ..._fusion not found" at its first run, once loaded). A
+    store started anew (a new kvpage version, or the folder removed) while JAX's cache
+    holds the same programs must still store working executables."""
+    want = _tokens(LLM(str(tiny_model_dir), **ENGINE))
+    shutil.rmtree(store_on)  # JAX's cache (the session's) keeps every program
+    jax.clear_caches()
+    refilled = LLM(str(tiny_model_dir), **ENGINE)
+    assert _tokens(refilled) == want
+    store = refilled.engine.runner.executables.store
+    assert store is not None and store.saves > 0 and store.loads == 0
+    jax.clear_caches()
+    loaded = LLM(str(tiny_model_dir), **ENGINE)
+    assert _tokens(loaded) == want  # runs every stored piece it loaded
+    assert loaded.engine.runner.executables.store.loads >= store.saves
 
 
 def test_other_configurations_and_arguments_miss(store_on: Path) -> None:

@@ -22,25 +22,36 @@ Invariants: a stored executable is returned only if its argument structure, shap
 dtypes equal the ones the caller is about to pass (checked on every load; a mismatch is
 a miss); a file is written whole or not at all (temporary file, then rename), so a
 reader never sees a partial one; an unreadable or stale file is a miss, logged once, and
-replaced. Loading runs code from the cache directory, which is trusted as JAX's own cache
-is (both live under the user's cache directory).
+replaced; only an executable XLA compiled in this process is stored, never one that
+JAX's persistent cache returned. jaxlib 0.10 serializes such an executable without its
+machine code, and loading it back fails at its first run ("Function ..._fusion not
+found"). Each piece is therefore jitted under a name that carries a random salt kept
+in the store's folder (:meth:`ExecutableStore.compile`), so that a new kvpage version or
+a store removed by hand, both starting empty, compile their pieces instead of finding
+them in JAX's cache; a cache hit anyway (one file of the store removed or damaged)
+renews the salt and compiles again.
+
+Loading runs code from the cache directory, which is trusted as JAX's own cache is (both
+live under the user's cache directory).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
 import pickle
 import tempfile
-from collections.abc import Hashable
+import threading
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
 import jax
 
-from kvpage.system.compilation_cache import STORE_LOAD
+from kvpage.system.compilation_cache import CACHE_HIT, STORE_LOAD
 
 logger = logging.getLogger("kvpage.compile")
 
@@ -106,6 +117,24 @@ def register_host_kernels() -> None:
         register(name)
 
 
+_cache_hits = threading.local()
+"""``count``: JAX persistent-cache hits in this thread (a compile on the background
+thread must not count against the foreground's)."""
+
+
+@functools.cache
+def _count_cache_hits() -> None:
+    def on_event(event: str, **_: object) -> None:
+        if event == CACHE_HIT:
+            _cache_hits.count = getattr(_cache_hits, "count", 0) + 1
+
+    jax.monitoring.register_event_listener(on_event)
+
+
+def _hits_in_this_thread() -> int:
+    return getattr(_cache_hits, "count", 0)
+
+
 def signature(tree: Any) -> tuple[Any, ...]:
     """Structure, shapes and dtypes of ``tree`` (arrays or ShapeDtypeStructs)."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
@@ -125,6 +154,8 @@ class ExecutableStore:
         self.loads = 0
         """Executables loaded from disk."""
         self.saves = 0
+        self._salt: str | None = None
+        """Read from the folder at the first compile (:meth:`_read_salt`)."""
 
     @classmethod
     def for_compilation_cache(cls, trace_inputs: Any, device: jax.Device
@@ -135,6 +166,68 @@ class ExecutableStore:
         if not cache_dir or os.environ.get("KVPAGE_EXECUTABLE_STORE", "1") == "0":
             return None
         return cls(Path(cache_dir) / STORE_DIR_NAME, trace_inputs, device)
+
+    def compile(self, piece: Hashable, fn: Callable[..., Any], args: tuple[Any, ...],
+                lower: Callable[[Callable[..., Any]], jax.stages.Lowered]
+                ) -> jax.stages.Compiled:
+        """The stored executable of ``piece``, else ``lower(fn)`` compiled and stored.
+        ``fn`` is lowered under a name carrying this store's salt, so that JAX's cache
+        holds it only for this store (module docstring). A hit in JAX's cache anyway
+        means a file of this store went missing or bad: the salt is renewed and the
+        piece compiled again, to be stored."""
+        found = self.load(piece, args)
+        if found is not None:
+            return found
+        compiled, from_jax_cache = self._compile(fn, lower)
+        if from_jax_cache:
+            logger.info("executable of %s came from JAX's cache: compiling it anew to "
+                        "store it", piece)
+            self._salt = self._new_salt()
+            compiled, from_jax_cache = self._compile(fn, lower)
+        if not from_jax_cache:
+            self.save(piece, compiled)
+        return compiled
+
+    def _compile(self, fn: Callable[..., Any],
+                 lower: Callable[[Callable[..., Any]], jax.stages.Lowered]
+                 ) -> tuple[jax.stages.Compiled, bool]:
+        """``lower(fn)`` under this store's name for it, compiled; and whether JAX's
+        persistent cache answered."""
+        _count_cache_hits()
+        hits = _hits_in_this_thread()
+
+        def piece(*args: Any) -> Any:
+            return fn(*args)
+
+        name = getattr(fn, "__name__", "piece")
+        if self._salt is None:
+            self._salt = self._read_salt()
+        piece.__name__ = piece.__qualname__ = f"{name}_{self._salt}"
+        compiled = lower(piece).compile()
+        return compiled, _hits_in_this_thread() != hits
+
+    def _read_salt(self) -> str:
+        """This store folder's salt, made by the first process to ask (a folder made
+        anew gets a new one)."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileExistsError), open(
+                    self.directory / "salt", "x", encoding="ascii") as file:
+                file.write(os.urandom(8).hex())
+            salt = (self.directory / "salt").read_text(encoding="ascii").strip()
+        except OSError:
+            return os.urandom(8).hex()  # an unwritable store: a salt for this process
+        return salt if len(salt) == 16 else os.urandom(8).hex()  # being written
+
+    def _new_salt(self) -> str:
+        """A new salt for this store folder, replacing the old one whole."""
+        salt = os.urandom(8).hex()
+        with contextlib.suppress(OSError):
+            with tempfile.NamedTemporaryFile("w", dir=self.directory, delete=False,
+                                             encoding="ascii") as file:
+                file.write(salt)
+            os.replace(file.name, self.directory / "salt")
+        return salt
 
     def _path(self, piece: Hashable) -> Path:
         name = hashlib.sha256(repr(piece).encode()).hexdigest()[:32]

@@ -174,13 +174,12 @@ class StepExecutables:
     ) -> jax.stages.Compiled:
         """:meth:`_jit` then compile, or the executable of ``piece`` kept by an earlier
         start (:mod:`kvpage.runner.executable_store`: no trace, no lowering)."""
-        store = self.store
-        if store is not None and (found := store.load(piece, args)) is not None:
-            return found
-        compiled = self._jit(fn, donate, args, in_shardings, out_shardings).compile()
-        if store is not None:
-            store.save(piece, compiled)
-        return compiled
+        def lower(named: Callable[..., Any]) -> jax.stages.Lowered:
+            return self._jit(named, donate, args, in_shardings, out_shardings)
+
+        if self.store is None:
+            return lower(fn).compile()
+        return self.store.compile(piece, fn, args, lower)
 
     def trace_inputs(self) -> dict[str, Any]:
         """Everything of this runner that its traces depend on (the executable store's

@@ -26,7 +26,7 @@ import jax
 logger = logging.getLogger("kvpage.compile")
 
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
-_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+CACHE_HIT = "/jax/compilation_cache/cache_hits"
 STORE_LOAD = "/kvpage/executable_store/load"
 """Recorded by :mod:`kvpage.runner.executable_store` for each executable it loads."""
 
@@ -98,7 +98,7 @@ class _Counter:
                 self.requests += 1
 
     def _on_event(self, event: str, **_: object) -> None:
-        if event == _CACHE_HIT:
+        if event == CACHE_HIT:
             with self.lock:
                 self.hits += 1
         elif event == STORE_LOAD:
