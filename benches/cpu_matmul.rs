@@ -183,12 +183,17 @@ fn two_thread_split(c: &mut Criterion) {
     black_box(&ys);
 }
 
-/// One-row products cycling through 160 MB of weights, one thread.
+/// One-row (and, for Q4_1, four-row: a speculative verification's or a
+/// small decode batch's) products cycling through 160 MB of weights, one thread.
 fn one_row_from_dram(c: &mut Criterion) {
     let mut group = c.benchmark_group("quant_one_row");
     group.sample_size(10);
     let (inner, outs) = (576usize, 1536usize);
-    for kind in [QuantType::Q4_1, QuantType::Q8_0] {
+    for (kind, rows) in [
+        (QuantType::Q4_1, 1usize),
+        (QuantType::Q8_0, 1),
+        (QuantType::Q4_1, 4),
+    ] {
         let bytes = kind.row_bytes(inner).expect("whole blocks") * outs;
         let count = 160_000_000usize.div_ceil(bytes);
         let weights: Vec<Vec<u8>> = (0..count)
@@ -196,18 +201,18 @@ fn one_row_from_dram(c: &mut Criterion) {
             .collect();
         let shape = QuantShape {
             kind,
-            rows: 1,
+            rows,
             inner,
             outs,
         };
-        let x = inputs(inner);
-        let mut y = vec![0.0f32; outs];
+        let x = inputs(rows * inner);
+        let mut y = vec![0.0f32; rows * outs];
         println!(
-            "{} one row: {:.0} MB of weights per iteration ({count} products)",
+            "{} {rows} rows: {:.0} MB of weights per iteration ({count} products)",
             kind.name(),
             (count * bytes) as f64 / 1e6
         );
-        group.bench_function(format!("{}_rows1_from_dram", kind.name()), |b| {
+        group.bench_function(format!("{}_rows{rows}_from_dram", kind.name()), |b| {
             b.iter(|| {
                 for w in &weights {
                     qmatmul(&shape, &x, w, &[], &mut y).unwrap();

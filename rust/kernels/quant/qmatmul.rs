@@ -18,7 +18,10 @@
 //!   bits (`pmovzxbw`/`pmovsxbw` from memory, then a mask and a shift for
 //!   nibbles), and the kernel reads one weight row at a time, front to back:
 //!   four rows interleaved ran up to 2x slower from DRAM (`benches/RESULTS.md`,
-//!   "Latest: one weight row at a time"). 8-bit inputs with `pmaddubsw` (llama.cpp's
+//!   "Latest: one weight row at a time"), asking the cache for the bytes 2 KiB
+//!   ahead as it goes: the hardware prefetcher alone left a row's loads
+//!   waiting on memory (`quant_one_row`, 160 MB of Q4_1: 46.5 -> 17.7 ms one
+//!   row, 73.5 -> 41.4 ms four rows; 2026-11-27, `benches/RESULTS.md`). 8-bit inputs with `pmaddubsw` (llama.cpp's
 //!   choice for 4-bit weights) ran 1.1-1.3x faster still but flipped SmolLM2's
 //!   greedy tokens: 43 % agreement with the float path over 8 prompts, against
 //!   91 % with 16 bits (`tests/quant/test_quant.py`).
