@@ -154,6 +154,37 @@ def test_the_background_compiler_yields_to_serving_and_reports(
                             r"1 failed", r.getMessage()) for r in caplog.records)
 
 
+def test_keys_cheap_to_build_later_wait_while_the_owner_serves() -> None:
+    """Deferrable keys (stored executables, loaded by the steps that need them) wait
+    while the owner is busy; the others are built meanwhile; all once it is idle."""
+    import threading
+
+    from kvpage.runner.background_compiler import BackgroundCompiler
+
+    class Owner:
+        busy = True
+        built: list[int] = []
+        first_built = threading.Event()
+
+        def build(self, key: int) -> None:
+            self.built.append(key)
+            if key == 3:
+                self.first_built.set()
+
+        def serving(self) -> bool:
+            return self.busy
+
+    owner = Owner()
+    compiler = BackgroundCompiler(owner, "build", [1, 2, 3, 4], deferrable=lambda k: k in (1, 2),
+                                  busy_name="serving")
+    assert owner.first_built.wait(30)
+    assert not compiler.wait(timeout=0.3)  # 1 and 2 wait for the owner
+    assert owner.built == [3, 4] and compiler.remaining == 2
+    owner.busy = False
+    assert compiler.wait(timeout=30)
+    assert owner.built == [3, 4, 1, 2]
+
+
 def test_a_step_runs_in_a_close_larger_bucket_or_its_own() -> None:
     compiled = [(1, 1, True), (4, 4, True), (16, 4, False), (64, 8, False)]
     assert pick_fallback((2, 2, True), compiled) == (4, 4, True)

@@ -106,6 +106,27 @@ def test_a_store_started_anew_compiles_rather_than_storing_jax_cache_hits(
     assert loaded.engine.runner.executables.store.loads >= store.saves
 
 
+def test_a_step_loads_its_stored_bucket_rather_than_run_in_a_larger_one(
+    store_on: Path
+) -> None:
+    """A stored bucket costs a load, not a compile: a step that needs it loads it rather
+    than run in a larger compiled bucket, and the background thread leaves it alone
+    while the runner serves."""
+    small, large = (4, 4, True), (8, 4, True)
+    first = _runner()
+    first.executables.bucket(small)
+    runner = _runner()
+    ex = runner.executables
+    assert ex.stored(small) and not ex.stored(large)
+    ex.bucket(large)
+    ex._last_step = float("inf")  # serving from now on
+    background = ex.start_background_compile()
+    background.stop()  # after the build in flight, which is never `small`
+    assert ("bucket", *small) not in ex.cache.ready_keys()
+    assert ex.bucket_for(small)[0] == small and ex.fallback_steps == 0
+    assert ex.store.loads >= 1
+
+
 def test_other_configurations_and_arguments_miss(store_on: Path) -> None:
     runner = _runner()
     runner.executables.bucket((4, 4, False))

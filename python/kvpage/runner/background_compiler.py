@@ -10,7 +10,10 @@ compiles outside the GIL, so the engine thread keeps stepping.
 
 Serving comes first: the thread runs at a lower CPU priority (:data:`COMPILE_NICENESS`,
 Linux's per-thread nice value), so on a small machine a step's work is scheduled ahead of
-LLVM's, and it takes the next key only after the one in flight is built. It ends with one
+LLVM's, and it takes the next key only after the one in flight is built. Keys that are
+cheap to build when a step needs them (``deferrable``: loaded from the executable store,
+~0.1 s) wait while the owner is ``busy`` serving: loading them holds the GIL a step's
+host work needs, and a step that needs one loads it itself. It ends with one
 log line saying what it built and how long it took; a key that fails to build is logged
 with its traceback as an error (a bug to fix, not a condition to live with).
 
@@ -34,6 +37,9 @@ logger = logging.getLogger("kvpage.compile")
 
 _LIVE: weakref.WeakSet[BackgroundCompiler] = weakref.WeakSet()
 
+BUSY_POLL_S = 0.05
+"""How often a thread holding only deferred keys asks whether its owner is still busy."""
+
 COMPILE_NICENESS = 10
 """How much lower than the serving threads the compile thread is scheduled (nice value
 added to its own thread; XLA:CPU compiles on the calling thread)."""
@@ -51,12 +57,19 @@ def _lower_priority() -> None:
 
 class BackgroundCompiler:
     """Builds ``keys`` in order on a daemon thread through ``owner``'s ``build_name``
-    method (looked up through a weak reference on each key)."""
+    method (looked up through a weak reference on each key); ``deferrable`` keys wait
+    while ``owner``'s ``busy_name`` method says it is serving."""
 
-    def __init__(self, owner: Any, build_name: str, keys: Iterable[Hashable]) -> None:
+    def __init__(self, owner: Any, build_name: str, keys: Iterable[Hashable],
+                 deferrable: Callable[[Hashable], bool] | None = None,
+                 busy_name: str | None = None) -> None:
         self._owner = weakref.ref(owner)
         self._build_name = build_name
         self._queue: list[Hashable] = list(keys)
+        self._deferrable = deferrable
+        self._busy_name = busy_name
+        """``owner``'s method saying whether it is serving (looked up weakly, as
+        ``build_name``)."""
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._idle = threading.Event()
@@ -93,20 +106,37 @@ class BackgroundCompiler:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
-    def _next(self) -> Hashable | None:
-        with self._lock:
-            if not self._queue:
+    def _next(self, deferred: set[Hashable]) -> Hashable | None:
+        """The next key to build; while the owner is busy, the first one not deferred
+        (waiting for either). None: the queue is empty or the thread is stopping."""
+        while not self._stop.is_set():
+            owner = self._owner()
+            if owner is None:
                 return None
-            self._building = 1  # counted as pending from the moment it leaves the queue
-            return self._queue.pop(0)
+            busy = self._busy_name is not None and getattr(owner, self._busy_name)()
+            del owner
+            with self._lock:
+                if not self._queue:
+                    return None
+                for i, key in enumerate(self._queue):
+                    if not (busy and key in deferred):
+                        self._building = 1  # pending from the moment it leaves the queue
+                        return self._queue.pop(i)
+            self._stop.wait(BUSY_POLL_S)
+        return None
 
     def _run(self) -> None:
         _lower_priority()
         start = time.perf_counter()
+        with self._lock:
+            keys = list(self._queue)
+        deferred = set() if self._deferrable is None else set(filter(self._deferrable, keys))
         try:
             while not self._stop.is_set():
-                key = self._next()
+                key = self._next(deferred)
                 if key is None:
+                    if self._stop.is_set() or self.remaining:
+                        return
                     logger.info(
                         "background compile done: %d executables built in %.1f s%s",
                         self.built, time.perf_counter() - start,

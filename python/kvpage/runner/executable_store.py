@@ -233,6 +233,10 @@ class ExecutableStore:
         name = hashlib.sha256(repr(piece).encode()).hexdigest()[:32]
         return self.directory / f"{name}.exec"
 
+    def has(self, piece: Hashable) -> bool:
+        """Whether a file for ``piece`` is stored (it may still be stale: :meth:`load`)."""
+        return self._path(piece).exists()
+
     def load(self, piece: Hashable, args: tuple[Any, ...]) -> jax.stages.Compiled | None:
         """The stored executable of ``piece`` if there is one for exactly ``args``'
         structure, shapes and dtypes; else None."""

@@ -70,7 +70,7 @@ class MultiStepDecode:
                 max_steps,
             )
             compiled = self._exec.compile(
-                ("multi", num_seqs, max_steps),
+                self._piece(num_seqs),
                 fn,
                 (1, 2),
                 args,
@@ -81,6 +81,9 @@ class MultiStepDecode:
             return compiled
 
         return self._exec.cache.get_or_build(("multi", num_seqs, max_steps), build)
+
+    def _piece(self, num_seqs: int) -> tuple[str, int, int]:
+        return ("multi", num_seqs, self._r.num_scheduler_steps)
 
     def buckets(self) -> list[int]:
         """The sequence buckets that get a multi-step executable."""
@@ -94,12 +97,15 @@ class MultiStepDecode:
         """Under ``warmup="background"``, compile the multi-step executable for
         ``num_rows`` rows on a background thread once the step buckets are built (a
         step asks again later while they are not). Without warmup nothing compiles
-        ahead of use, so steps run one per call; ``warmup="full"`` built it already."""
+        ahead of use, so steps run one per call; ``warmup="full"`` built it already.
+        A stored executable (:mod:`kvpage.runner.executable_store`) is loaded at once,
+        on that thread too, without waiting for the step buckets."""
         _, s_pad = self._exec.padded_sizes(num_rows, num_rows)
         if s_pad not in self.buckets() or s_pad in self._compilers:
             return
         background = self._exec.background_compiler
-        if background is None or not background.wait(0):
+        stored = self._exec.store is not None and self._exec.store.has(self._piece(s_pad))
+        if background is None or not (stored or background.wait(0)):
             return
         self._compilers[s_pad] = BackgroundCompiler(self, "multi_step_fn", [s_pad])
 

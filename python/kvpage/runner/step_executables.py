@@ -21,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -58,6 +59,11 @@ StepKey = tuple[int, int, bool]
 """(padded tokens, padded sequences, pure-decode variant)"""
 
 
+SERVING_GAP_S = 0.2
+"""A runner that stepped this recently is serving: the background compiler leaves its
+stored buckets to be loaded by the steps that need them (:meth:`StepExecutables.serving`)."""
+
+
 class StepExecutables:
     """Every executable of one :class:`~kvpage.runner.model_runner.ModelRunner`."""
 
@@ -68,6 +74,8 @@ class StepExecutables:
         """Step buckets, samplers and helpers, by key."""
         self._background: BackgroundCompiler | None = None
         self.fallback_steps = 0
+        self._last_step = -math.inf
+        """When :meth:`bucket_for` last ran (``time.monotonic``)."""
         """Steps that ran in a larger compiled bucket while theirs was being compiled."""
         self._layouts: dict[tuple[int, int], tuple[PackedLayout, np.ndarray]] = {}
         self._count_lock = threading.Lock()
@@ -337,16 +345,30 @@ class StepExecutables:
         background compiler when it is building them)."""
         return self.cache.get_or_build(("bucket", *key), lambda: self._build_bucket(key))
 
+    def stored(self, key: StepKey) -> bool:
+        """Whether bucket ``key``'s layer groups, the pieces that take long to compile,
+        are in the executable store (then building it is a load, ~0.1 s)."""
+        store = self.store
+        return store is not None and all(
+            store.has(("layers", *key, kind)) for kind in range(len(self._r.layer_plan.kinds))
+        )
+
+    def serving(self) -> bool:
+        """Whether a step ran in the last :data:`SERVING_GAP_S` seconds."""
+        return time.monotonic() - self._last_step < SERVING_GAP_S
+
     def bucket_for(self, key: StepKey) -> tuple[StepKey, StepBucket]:
-        """The bucket a step of bucket ``key`` runs in: its own once compiled; while the
-        background compiler has not reached it, a compiled one at most
-        ``FALLBACK_MAX_RATIO`` times larger (and ``key`` is compiled next); else its own,
-        compiled now."""
+        """The bucket a step of bucket ``key`` runs in: its own once compiled or when it
+        is stored (loaded now); while the background compiler has not reached it, a
+        compiled one at most ``FALLBACK_MAX_RATIO`` times larger (and ``key`` is compiled
+        next); else its own, compiled now."""
+        self._last_step = time.monotonic()
         ready = self.cache.get(("bucket", *key))
         if ready is not None:
             return key, ready
         background = self._background
-        if background is not None and not self.cache.is_pending(("bucket", *key)):
+        if (background is not None and not self.cache.is_pending(("bucket", *key))
+                and not self.stored(key)):
             fallback = pick_fallback(
                 key, [k[1:] for k in self.cache.ready_keys() if k[0] == "bucket"]
             )
@@ -443,7 +465,8 @@ class StepExecutables:
         self.copy_fn()
         if self._background is None:
             self._background = BackgroundCompiler(
-                self, "bucket", background_order(self.warmup_buckets())
+                self, "bucket", background_order(self.warmup_buckets()),
+                deferrable=self.stored, busy_name="serving",
             )
         return self._background
 
