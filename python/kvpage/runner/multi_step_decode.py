@@ -131,6 +131,7 @@ class MultiStepDecode:
         of ``plan`` in one device call (:mod:`kvpage.runner.multi_step`; the caller
         checked its promises). ``result()`` returns each step's sampled rows, in
         ``plan``'s row order."""
+        self._exec.note_step()
         num_sampled = len(plan.logits_indices)
         self._r.check(plan, num_sampled)
         if not 1 <= num_steps <= self._r.num_scheduler_steps:

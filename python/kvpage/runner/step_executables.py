@@ -75,7 +75,7 @@ class StepExecutables:
         self._background: BackgroundCompiler | None = None
         self.fallback_steps = 0
         self._last_step = -math.inf
-        """When :meth:`bucket_for` last ran (``time.monotonic``)."""
+        """When the last step was dispatched (:meth:`note_step`, ``time.monotonic``)."""
         """Steps that ran in a larger compiled bucket while theirs was being compiled."""
         self._layouts: dict[tuple[int, int], tuple[PackedLayout, np.ndarray]] = {}
         self._count_lock = threading.Lock()
@@ -357,12 +357,16 @@ class StepExecutables:
         """Whether a step ran in the last :data:`SERVING_GAP_S` seconds."""
         return time.monotonic() - self._last_step < SERVING_GAP_S
 
+    def note_step(self) -> None:
+        """A step is being dispatched now (:meth:`serving`)."""
+        self._last_step = time.monotonic()
+
     def bucket_for(self, key: StepKey) -> tuple[StepKey, StepBucket]:
         """The bucket a step of bucket ``key`` runs in: its own once compiled or when it
         is stored (loaded now); while the background compiler has not reached it, a
         compiled one at most ``FALLBACK_MAX_RATIO`` times larger (and ``key`` is compiled
         next); else its own, compiled now."""
-        self._last_step = time.monotonic()
+        self.note_step()
         ready = self.cache.get(("bucket", *key))
         if ready is not None:
             return key, ready
