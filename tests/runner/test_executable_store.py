@@ -162,6 +162,23 @@ def test_a_damaged_file_is_a_miss_that_is_replaced(
     assert fresh.executables.store.loads == 4
 
 
+def test_the_key_holds_the_environment_that_traces_read(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvpage.runner.executable_store import code_fingerprint
+
+    fingerprint = code_fingerprint.__wrapped__
+    base = fingerprint()
+    monkeypatch.setenv("KVPAGE_BENCH_REPORT", "/tmp/report-1.json")  # a bench's, per run
+    monkeypatch.setenv("KVPAGE_API_KEY", "secret")
+    assert fingerprint() == base
+    monkeypatch.setenv("KVPAGE_CPU_MATMUL", "0")  # changes which kernels a trace calls
+    assert fingerprint() != base
+    monkeypatch.delenv("KVPAGE_CPU_MATMUL")
+    monkeypatch.setenv("KVPAGE_SOMETHING_NEW", "1")  # unknown: a miss, never a wrong program
+    assert fingerprint() != base
+
+
 def test_the_store_is_off_without_a_cache_or_when_asked(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

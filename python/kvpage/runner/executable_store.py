@@ -13,7 +13,8 @@ runner's :meth:`~kvpage.runner.model_runner.ModelRunner.trace_inputs`):
 * kvpage's code: every ``.py`` file of ``kvpage`` and the
   compiled core (size and modification time);
 * JAX, jaxlib and the device (platform, kind, the host CPU's feature flags), the
-  ``XLA_FLAGS`` and every ``KVPAGE_*`` environment variable;
+  ``XLA_FLAGS`` and every ``KVPAGE_*`` environment variable but the few that no trace
+  reads (:data:`NOT_TRACED`: a bench's report path, the API key, ...);
 * the runner's configuration: model config, the params' structure, shapes and dtypes,
   the KV pool, buckets' layout parameters, sampler settings, attention backend;
 * the piece itself (its name and bucket key).
@@ -59,6 +60,14 @@ STORE_DIR_NAME = "kvpage-executables"
 """The store's folder inside the compilation cache directory."""
 
 
+NOT_TRACED = frozenset({
+    "KVPAGE_API_KEY", "KVPAGE_BENCH_REPORT", "KVPAGE_CACHE_DIR", "KVPAGE_MODELS_DIR",
+    "KVPAGE_PUBLIC_METRICS", "KVPAGE_REEXECED", "KVPAGE_TEST_WORKERS",
+})
+"""kvpage's environment variables that no trace reads (every other ``KVPAGE_*`` one is in
+the key: an unknown one costs a miss, never a wrong program)."""
+
+
 @functools.cache
 def code_fingerprint() -> str:
     """A hash of everything process-wide that a trace depends on (module docstring)."""
@@ -77,7 +86,8 @@ def code_fingerprint() -> str:
     digest.update(f"{core.st_size}:{core.st_mtime_ns}".encode())
     device = jax.devices()[0]
     environment = sorted(
-        (k, v) for k, v in os.environ.items() if k.startswith("KVPAGE_") or k == "XLA_FLAGS"
+        (k, v) for k, v in os.environ.items()
+        if (k.startswith("KVPAGE_") and k not in NOT_TRACED) or k == "XLA_FLAGS"
     )
     digest.update(repr((
         jax.__version__, jaxlib.__version__, device.platform, device.device_kind,
