@@ -56,8 +56,9 @@ def engine_decode_step(llm: Any, rows: int, context: int, steps: int) -> dict[st
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=steps + 32, temperature=0.0, ignore_eos=True)
     ids = []
-    for i in range(rows):
-        prompt = rng.integers(1000, 30000, size=context).tolist()
+    vocab = llm.engine.runner.config.vocab_size
+    for i in range(rows):  # ids well inside the vocabulary, past the special tokens
+        prompt = rng.integers(min(1000, vocab // 4), min(30000, vocab), size=context).tolist()
         engine.add_request(f"profile-{i}", {"prompt_token_ids": prompt}, params)
         ids.append(f"profile-{i}")
     def pure_decode() -> bool:
