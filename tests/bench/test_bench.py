@@ -251,3 +251,16 @@ def test_first_minute_token_times_and_time_to_steady_state(server_url: str) -> N
     got = first_minute.time_to_fraction(ramp, 0.0, steady=100.0)
     assert got is not None and 14.0 <= got <= 15.0
     assert first_minute.time_to_fraction(ramp[:100], 0.0, steady=100.0) is None
+
+
+def test_step_profile_runs_on_a_small_vocabulary_model(tmp_path: Path) -> None:
+    """`kvpage bench step-profile` on the packaged tiny model (2048 tokens: prompts must
+    come from inside its vocabulary) reports every component of the step."""
+    from kvpage.assets import default_model_dir
+
+    out = tmp_path / "profile.json"
+    assert main(["bench", "step-profile", str(default_model_dir()), "--rows", "2",
+                 "--context", "16", "--steps", "3", "--repeats", "1", "--json", str(out)]) == 0
+    parts = json.loads(out.read_text())["components_ms"]
+    assert {"dense layers (matmuls, norms, rope)", "KV write", "paged attention"} <= set(parts)
+    assert all(v >= 0 for v in parts.values())
