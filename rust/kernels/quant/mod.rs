@@ -19,7 +19,8 @@
 //! - [`call`]: a call's shape, its validation, its tiles, the kernel choice.
 //! - `unpack_avx2.rs`: the formats' blocks unpacked in AVX2 registers.
 //! - [`qmatmul`]: the product and its portable loops; `qmatmul_avx2.rs` its
-//!   AVX2 kernels.
+//!   AVX2 kernels, `panel_avx512.rs` the AVX-512 register block of its panel
+//!   path (the same sums, bit for bit).
 //! - [`dequantize`]: the float weights, for products of many rows.
 //!
 //! Invariants:
@@ -39,6 +40,8 @@ pub mod activations;
 pub mod call;
 pub mod dequantize;
 pub mod formats;
+#[cfg(target_arch = "x86_64")]
+mod panel_avx512;
 pub mod qmatmul;
 #[cfg(target_arch = "x86_64")]
 mod qmatmul_avx2;
