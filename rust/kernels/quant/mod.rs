@@ -19,8 +19,8 @@
 //! - [`call`]: a call's shape, its validation, its tiles, the kernel choice.
 //! - `unpack_avx2.rs`: the formats' blocks unpacked in AVX2 registers.
 //! - [`qmatmul`]: the product and its portable loops; `qmatmul_avx2.rs` its
-//!   AVX2 kernels, `panel_avx512.rs` the AVX-512 register block of its panel
-//!   path (the same sums, bit for bit).
+//!   AVX2 kernels, `panel_avx512.rs` the AVX-512 register blocks of its panel
+//!   path (the same sums, bit for bit), `panel_block.rs` the block both read.
 //! - [`dequantize`]: the float weights, for products of many rows.
 //!
 //! Invariants:
@@ -42,6 +42,8 @@ pub mod dequantize;
 pub mod formats;
 #[cfg(target_arch = "x86_64")]
 mod panel_avx512;
+#[cfg(target_arch = "x86_64")]
+mod panel_block;
 pub mod qmatmul;
 #[cfg(target_arch = "x86_64")]
 mod qmatmul_avx2;

@@ -18,7 +18,7 @@ use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
 use super::call::OUTS_PER_TILE;
-use super::qmatmul_avx2::{Block, PANEL_INNER};
+use super::panel_block::{Block, PANEL_INNER};
 
 /// Input rows and weight-row pairs of a block (4 x 4 pairs: 16 accumulators,
 /// 4 weight pairs and one input within the 32 registers).
@@ -76,6 +76,47 @@ pub(super) unsafe fn run<const R: usize, const P: usize>(block: &Block, odd: boo
             if !(odd && p == P - 1) {
                 *at.add(1) = _mm512_extractf32x8_ps::<1>(acc[r][p]);
             }
+        }
+    }
+}
+
+/// Every block of one span of a tile: 4 input rows x 4 pairs of weight rows
+/// at a time, the same sums as the AVX2 blocks.
+///
+/// # Safety
+/// [`available`]; the panel, inputs and accumulators of a panel tile.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
+pub(super) unsafe fn blocks(
+    panel: *const f32,
+    x: &[f32],
+    inner: usize,
+    span: usize,
+    len: usize,
+    rows: usize,
+    outs: usize,
+    acc: *mut __m256,
+) {
+    for r in (0..rows).step_by(BLOCK_ROWS) {
+        for o in (0..outs).step_by(2 * BLOCK_PAIRS) {
+            let block = Block::at(panel, x, inner, span, len, acc, r, o);
+            let left = (outs - o).min(2 * BLOCK_PAIRS);
+            let odd = left % 2 == 1;
+            macro_rules! dispatch {
+                ($(($r:literal, $p:literal)),*) => {
+                    match ((rows - r).min(BLOCK_ROWS), left.div_ceil(2)) {
+                        $(($r, $p) => run::<$r, $p>(&block, odd),)*
+                        _ => unreachable!("blocks of 1..=4 rows x 1..=4 pairs"),
+                    }
+                };
+            }
+            #[rustfmt::skip]
+            dispatch!(
+                (1, 1), (1, 2), (1, 3), (1, 4),
+                (2, 1), (2, 2), (2, 3), (2, 4),
+                (3, 1), (3, 2), (3, 3), (3, 4),
+                (4, 1), (4, 2), (4, 3), (4, 4)
+            );
         }
     }
 }

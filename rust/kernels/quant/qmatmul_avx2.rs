@@ -12,14 +12,11 @@ use super::activations::Q16Rows;
 use super::call::{row_scale, QuantShape, OUTS_PER_TILE};
 use super::formats::{QuantType, SUB};
 use super::panel_avx512;
+use super::panel_block::{Block, PANEL_INNER};
 use super::unpack_avx2::{by_format, expand, Format};
 use crate::kernels::cpu_matmul::avx2::horizontal_sum;
 use crate::kernels::cpu_matmul::OutPtr;
 
-/// Inner elements of a tile's weight rows expanded to float at once (a
-/// multiple of every format's block, so a span never splits one): the
-/// tile's span, 16 x 256 floats, stays in L1 while every input row reads it.
-pub(super) const PANEL_INNER: usize = 256;
 /// Input rows per expansion of a weight row on the few-row float path: one
 /// accumulator per row, four weight vectors and one input within 16
 /// registers (measured against 5 rows with two chains each: 8 rows 21.8 ->
@@ -217,7 +214,7 @@ unsafe fn panel_tile_of<F: Format>(
         // is a burst of loads that would otherwise wait on L3 or DRAM.
         prefetch_next_span(w, row_bytes, start, outs, span + len, inner, F::KIND);
         if wide {
-            wide_blocks(
+            panel_avx512::blocks(
                 panel.as_ptr(),
                 x,
                 inner,
@@ -229,15 +226,9 @@ unsafe fn panel_tile_of<F: Format>(
             );
         } else {
             for r in (0..rows).step_by(BLOCK_ROWS) {
-                let x_span = x.as_ptr().add(r * inner + span);
                 for o in (0..outs).step_by(BLOCK_OUTS) {
-                    let block = Block {
-                        panel: panel.as_ptr().add(o * PANEL_INNER),
-                        x: x_span,
-                        x_stride: inner,
-                        len,
-                        acc: acc.as_mut_ptr().add(r * OUTS_PER_TILE + o),
-                    };
+                    let block =
+                        Block::at(panel.as_ptr(), x, inner, span, len, acc.as_mut_ptr(), r, o);
                     macro_rules! dispatch {
                         ($(($r:literal, $o:literal)),*) => {
                             match ((rows - r).min(BLOCK_ROWS), (outs - o).min(BLOCK_OUTS)) {
@@ -263,62 +254,6 @@ unsafe fn panel_tile_of<F: Format>(
     for r in 0..rows {
         for o in 0..outs {
             *y.at(r * shape.outs + start + o) = horizontal_sum(acc[r * OUTS_PER_TILE + o]);
-        }
-    }
-}
-
-/// The span's blocks on AVX-512 ([`panel_avx512`]): 4 input rows x 4 pairs of
-/// weight rows at a time, the same sums as the AVX2 blocks.
-#[allow(clippy::too_many_arguments)]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn wide_blocks(
-    panel: *const f32,
-    x: &[f32],
-    inner: usize,
-    span: usize,
-    len: usize,
-    rows: usize,
-    outs: usize,
-    acc: *mut __m256,
-) {
-    use panel_avx512::{run, BLOCK_PAIRS, BLOCK_ROWS as ROWS};
-    for r in (0..rows).step_by(ROWS) {
-        for o in (0..outs).step_by(2 * BLOCK_PAIRS) {
-            let block = Block {
-                panel: panel.add(o * PANEL_INNER),
-                x: x.as_ptr().add(r * inner + span),
-                x_stride: inner,
-                len,
-                acc: acc.add(r * OUTS_PER_TILE + o),
-            };
-            let left = (outs - o).min(2 * BLOCK_PAIRS);
-            let odd = left % 2 == 1;
-            macro_rules! dispatch {
-                ($(($r:literal, $p:literal)),*) => {
-                    match ((rows - r).min(ROWS), left.div_ceil(2)) {
-                        $(($r, $p) => run::<$r, $p>(&block, odd),)*
-                        _ => unreachable!("blocks of 1..=4 rows x 1..=4 pairs"),
-                    }
-                };
-            }
-            dispatch!(
-                (1, 1),
-                (1, 2),
-                (1, 3),
-                (1, 4),
-                (2, 1),
-                (2, 2),
-                (2, 3),
-                (2, 4),
-                (3, 1),
-                (3, 2),
-                (3, 3),
-                (3, 4),
-                (4, 1),
-                (4, 2),
-                (4, 3),
-                (4, 4)
-            );
         }
     }
 }
@@ -378,19 +313,6 @@ unsafe fn expand_span<F: Format>(
             _mm256_storeu_ps(dst.add(k - span + 8 * c), *weights);
         }
     }
-}
-
-/// One block of input rows x weight rows over one span: `acc[r][o] += x[r] *
-/// panel[o]`, eight lanes at a time.
-pub(super) struct Block {
-    /// The first weight row's span, rows `PANEL_INNER` apart.
-    pub(super) panel: *const f32,
-    /// The first input row's span, rows `x_stride` apart.
-    pub(super) x: *const f32,
-    pub(super) x_stride: usize,
-    pub(super) len: usize,
-    /// The first row's first accumulator, rows `OUTS_PER_TILE` apart.
-    pub(super) acc: *mut __m256,
 }
 
 impl Block {
