@@ -49,6 +49,8 @@
 //!
 //! Sliding-window attention: `sliding_window.rs` (the rule for dropping
 //! blocks that leave the window, and the prefix cache under a window).
+//! Speculative decoding: `speculative.rs` (`truncate`, giving back the
+//! slots of rejected draft tokens).
 
 use crate::error::{KvError, KvResult};
 use crate::kv::block_pool::{BlockId, BlockPool};
@@ -56,6 +58,7 @@ use crate::kv::prefix_cache::{InsertOutcome, NodeId, PrefixCache, PrefixCacheSta
 
 mod invariants;
 mod sliding_window;
+mod speculative;
 
 /// Handle of a live sequence: slab index in the low 32 bits, generation in
 /// the high 32 bits, so a stale handle is an error rather than an alias.

@@ -12,7 +12,7 @@ use crate::py::step_plan::StepPlan;
 use crate::py::structured::Grammar;
 use crate::sched::request::{RequestParams, DEFAULT_MAX_TOKENS};
 use crate::sched::scheduler::{
-    defaults, Policy, Scheduler as CoreScheduler, SchedulerConfig, TokenEvent,
+    defaults, Policy, Scheduler as CoreScheduler, SchedulerConfig, SpeculativeConfig, TokenEvent,
 };
 
 /// The continuous-batching scheduler (see `rust/sched/scheduler/`). Sizes
@@ -33,7 +33,8 @@ impl Scheduler {
         max_model_len = defaults::MAX_MODEL_LEN, enable_chunked_prefill = true,
         long_prefill_token_threshold = 0,
         enable_prefix_caching = true, scheduling_policy = "fcfs", eos_token_ids = None,
-        sliding_window = None,
+        sliding_window = None, num_speculative_tokens = 0, prompt_lookup_min = 2,
+        prompt_lookup_max = 4, speculative_max_running = 8,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -48,6 +49,10 @@ impl Scheduler {
         scheduling_policy: &str,
         eos_token_ids: Option<Vec<u32>>,
         sliding_window: Option<u32>,
+        num_speculative_tokens: usize,
+        prompt_lookup_min: usize,
+        prompt_lookup_max: usize,
+        speculative_max_running: usize,
     ) -> PyResult<Self> {
         let config = SchedulerConfig {
             num_blocks,
@@ -61,6 +66,12 @@ impl Scheduler {
             policy: Policy::parse(scheduling_policy)?,
             eos_token_ids: eos_token_ids.unwrap_or_default(),
             sliding_window,
+            speculative: SpeculativeConfig {
+                num_speculative_tokens,
+                prompt_lookup_min,
+                prompt_lookup_max,
+                max_running: speculative_max_running,
+            },
         };
         Ok(Self {
             inner: CoreScheduler::new(config)?,
@@ -114,6 +125,12 @@ impl Scheduler {
     fn schedule(&mut self, py: Python<'_>) -> PyResult<StepPlan> {
         let plan = self.inner.schedule()?;
         StepPlan::from_core(py, plan)
+    }
+
+    /// Never draft tokens for this request (speculative decoding): for
+    /// sampling that needs every earlier token on the device (penalties).
+    fn disable_speculation(&mut self, handle: u64) -> PyResult<()> {
+        Ok(self.inner.disable_speculation(handle)?)
     }
 
     /// Decode steps (1..=max_steps) the plan awaiting its update may run in
@@ -327,6 +344,9 @@ impl Scheduler {
         d.set_item("idle_seats_while_waiting", s.idle_seats_while_waiting)?;
         d.set_item("num_finished_requests", s.num_finished_requests)?;
         d.set_item("num_aborted_requests", s.num_aborted_requests)?;
+        d.set_item("spec_decode_num_drafts", s.num_drafts)?;
+        d.set_item("spec_decode_num_draft_tokens", s.num_draft_tokens)?;
+        d.set_item("spec_decode_num_accepted_tokens", s.num_accepted_tokens)?;
         Ok(d)
     }
 

@@ -7,6 +7,8 @@
 //!   applies the sampled tokens, checks stop conditions and frees finished
 //!   sequences. It also holds the `static` policy (the measurable baseline)
 //!   and carries each constrained sequence's grammar matcher.
+//! - [`ngram_drafter`]: prompt-lookup drafts for speculative decoding
+//!   (the scheduler verifies them: `scheduler/speculation.rs`).
 //! - [`step_plan`]: everything the model runner needs to execute one step,
 //!   as flat arrays; the single place the format is documented.
 //!
@@ -16,6 +18,7 @@
 
 #[cfg(test)]
 mod lookahead_tests;
+pub mod ngram_drafter;
 #[cfg(test)]
 mod reference_model_tests;
 pub mod request;

@@ -31,7 +31,7 @@ use std::collections::HashMap;
 use crate::error::KvError;
 use crate::kv::prefix_cache::hash_block_tokens;
 use crate::sched::request::{FinishReason, RequestParams};
-use crate::sched::scheduler::{Policy, Scheduler, SchedulerConfig, TokenEvent};
+use crate::sched::scheduler::{Policy, Scheduler, SchedulerConfig, SpeculativeConfig, TokenEvent};
 use crate::sched::step_plan::StepPlan;
 use crate::test_rng::SplitMix64;
 
@@ -59,12 +59,25 @@ fn context_hashes(salt: usize, tokens: &[u32]) -> Vec<u64> {
         .collect()
 }
 
-/// The "model": the token sampled after a context, for one sample; with
-/// `suppress_stop`, EOS and the request's stop tokens are masked (the next
-/// allowed token wins), as the device sampler does before min_tokens.
-fn sample_token(context: u64, sample_index: u32, suppress_stop: bool, stop_ids: &[u32]) -> u32 {
-    let mut token =
-        (hash_block_tokens(&[context as u32, (context >> 32) as u32, sample_index]) % VOCAB) as u32;
+/// The "model": the token sampled after a context ending in `last`, for one
+/// sample; with `suppress_stop`, EOS and the request's stop tokens are masked
+/// (the next allowed token wins), as the device sampler does before
+/// min_tokens. A quarter of the tokens come from the context's hash (so
+/// wrong KV changes the output); the rest continue a cycle from `last`, so
+/// outputs repeat and n-gram drafts are often right.
+fn sample_token(
+    context: u64,
+    last: u32,
+    sample_index: u32,
+    suppress_stop: bool,
+    stop_ids: &[u32],
+) -> u32 {
+    let hash = hash_block_tokens(&[context as u32, (context >> 32) as u32, sample_index]);
+    let mut token = if hash.is_multiple_of(4) {
+        (hash % VOCAB) as u32
+    } else {
+        (last + 1 + sample_index) % VOCAB as u32
+    };
     while suppress_stop && (token == EOS || stop_ids.contains(&token)) {
         token = (token + 1) % VOCAB as u32;
     }
@@ -111,7 +124,8 @@ fn decode(
     let mut out = Vec::new();
     loop {
         let suppress = (out.len() as u32) < p.min_tokens;
-        let token = sample_token(context, sample_index, suppress, &p.stop_token_ids);
+        let last = *tokens.last().expect("a prompt is never empty");
+        let token = sample_token(context, last, sample_index, suppress, &p.stop_token_ids);
         out.push(token);
         tokens.push(token);
         context = context_hash(context, token);
@@ -138,6 +152,22 @@ struct Harness {
     live: Vec<u64>,
     events: Vec<TokenEvent>,
     steps_with_work: usize,
+}
+
+/// Half the seeds speculate, with random draft lengths and n-gram sizes
+/// (from their own stream, so the other settings stay those of the seed).
+fn speculative(seed: u64) -> SpeculativeConfig {
+    let mut rng = SplitMix64::new(seed ^ 0x5bec_0de5);
+    if rng.chance(1, 2) {
+        return SpeculativeConfig::default();
+    }
+    let prompt_lookup_min = 1 + rng.below(2);
+    SpeculativeConfig {
+        num_speculative_tokens: 1 + rng.below(4),
+        prompt_lookup_min,
+        prompt_lookup_max: prompt_lookup_min + rng.below(3),
+        max_running: 1 + rng.below(6),
+    }
 }
 
 impl Harness {
@@ -173,6 +203,7 @@ impl Harness {
             policy,
             eos_token_ids: vec![EOS],
             sliding_window,
+            speculative: speculative(seed),
         };
         let slots = (config.num_blocks + 1) * block_size;
         let scratch_slot = config.num_blocks * block_size;
@@ -362,7 +393,19 @@ impl Harness {
                 plan.cu_q_lens[row] as usize,
                 plan.cu_q_lens[row + 1] as usize,
             );
-            let row_tokens: Vec<u32> = plan.token_ids[from..to].iter().map(|&t| t as u32).collect();
+            // A verification row's drafts (one sampled row each after its
+            // first) are guesses: only its committed tokens are the context's.
+            let mut sampled_at: Vec<i32> = (0..plan.num_sampled())
+                .map(|r| plan.logits_indices[r])
+                .filter(|&i| (from as i32..to as i32).contains(&i))
+                .collect();
+            sampled_at.dedup();
+            let drafts = sampled_at.len().saturating_sub(1);
+            let kv_len = kv_len - drafts;
+            let row_tokens: Vec<u32> = plan.token_ids[from..to - drafts]
+                .iter()
+                .map(|&t| t as u32)
+                .collect();
             let start = plan.positions[from] as usize;
             // With a window, the row's queries read nothing before its first
             // query's window.
@@ -391,6 +434,7 @@ impl Harness {
                 let context = computed[plan.logits_indices[r] as usize];
                 sample_token(
                     context,
+                    plan.token_ids[plan.logits_indices[r] as usize] as u32,
                     plan.sample_index[r] as u32,
                     plan.sample_suppress_stop[r],
                     &request.params.stop_token_ids,
@@ -471,10 +515,10 @@ impl Harness {
 }
 
 /// What one seed exercised: (steps with work, preemptions, ghost rows,
-/// prefix-cache hit blocks).
-fn run_seed(seed: u64, steps: usize, windowed: bool) -> [u64; 4] {
+/// prefix-cache hit blocks, drafted tokens, accepted drafts).
+fn run_seed(seed: u64, steps: usize, windowed: bool) -> [u64; 6] {
     let Some(mut h) = Harness::new(seed, windowed) else {
-        return [0; 4];
+        return [0; 6];
     };
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         for _ in 0..steps {
@@ -499,6 +543,8 @@ fn run_seed(seed: u64, steps: usize, windowed: bool) -> [u64; 4] {
         stats.num_preemptions,
         stats.ghost_rows,
         h.sched.kv().prefix_cache_stats().hit_blocks,
+        stats.num_draft_tokens,
+        stats.num_accepted_tokens,
     ]
 }
 
@@ -516,16 +562,20 @@ fn scheduler_matches_the_reference_model() {
     } else {
         (120, 300)
     };
-    let mut total = [0u64; 4];
+    let mut total = [0u64; 6];
     for seed in 0..seeds {
         for (sum, n) in total.iter_mut().zip(run_seed(seed, steps, false)) {
             *sum += n;
         }
     }
-    eprintln!("steps with work, preemptions, ghost rows, prefix hit blocks: {total:?}");
+    eprintln!(
+        "steps with work, preemptions, ghost rows, prefix hit blocks, drafted, accepted: {total:?}"
+    );
+    // Drafts need a quiet queue, which this workload rarely leaves.
     assert!(
-        total.iter().all(|&n| n > 100),
-        "the workload must exercise preemption, static ghosts and prefix hits: {total:?}"
+        total[..5].iter().all(|&n| n > 100) && total[5] > 40,
+        "the workload must exercise preemption, static ghosts, prefix hits and accepted and \
+         rejected drafts: {total:?}"
     );
 }
 
@@ -543,7 +593,7 @@ fn scheduler_with_a_sliding_window_matches_the_reference_model() {
     } else {
         (80, 300)
     };
-    let mut total = [0u64; 4];
+    let mut total = [0u64; 6];
     for seed in 0..seeds {
         for (sum, n) in total.iter_mut().zip(run_seed(seed, steps, true)) {
             *sum += n;

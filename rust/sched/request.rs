@@ -124,6 +124,10 @@ pub struct Sequence {
     /// The seat (sampling-table row) held from the first sampled row after
     /// admission until the sequence finishes or is preempted.
     pub seat: Option<u32>,
+    /// Speculative decoding (`scheduler/speculation.rs`): the tokens drafted
+    /// for the step awaiting its update (else empty), and how many to draft.
+    pub draft: Vec<u32>,
+    pub spec_k: u32,
 }
 
 impl Sequence {
@@ -149,4 +153,6 @@ pub struct Request {
     /// A row of the request was in an issued plan (reported once through
     /// `StepPlan::first_scheduled`).
     pub scheduled: bool,
+    /// Its sequences may draft tokens (`scheduler/speculation.rs`).
+    pub speculate: bool,
 }

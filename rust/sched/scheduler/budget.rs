@@ -24,13 +24,21 @@ impl Scheduler {
 
     pub(super) fn schedule_running(&mut self, budget: &mut usize) -> KvResult<bool> {
         let mut preempted_any = false;
+        // Sampled rows drafts may still add (`speculation.rs`).
+        let mut draft_room = self.draft_room();
         let mut i = 0;
         while i < self.running.len() && *budget > 0 {
             let seq = self.running[i];
-            let len = self.chunk_len(seq, *budget);
+            let mut len = self.chunk_len(seq, *budget);
             if len == 0 {
                 i += 1;
                 continue;
+            }
+            let decoding = self.seq(seq).tokens.len() - self.seq(seq).num_computed == 1;
+            if decoding && draft_room > 0 {
+                let drafted = self.draft(seq, *budget - 1, draft_room);
+                draft_room -= drafted;
+                len += drafted;
             }
             let start = self.seq(seq).num_computed;
             loop {
@@ -46,6 +54,12 @@ impl Scheduler {
                         *budget -= len;
                         i += 1;
                         break;
+                    }
+                    Err(KvError::OutOfBlocks { .. }) if !self.seq(seq).draft.is_empty() => {
+                        // Drafts never cost anyone their memory: decode without them.
+                        let drafted = std::mem::take(&mut self.seq_mut(seq).draft).len();
+                        draft_room += drafted;
+                        len -= drafted;
                     }
                     Err(KvError::OutOfBlocks { .. }) => {
                         let victim = *self.running.last().expect("seq is running");

@@ -54,7 +54,7 @@ impl Scheduler {
     pub fn num_constrained_rows(&self) -> usize {
         self.sample_rows
             .iter()
-            .filter(|&&(_, _, seq)| self.seq(seq).grammar.is_some())
+            .filter(|r| self.seq(r.seq).grammar.is_some())
             .count()
     }
 
@@ -80,7 +80,7 @@ impl Scheduler {
             .sample_rows
             .iter()
             .enumerate()
-            .map(|(row, &(_, _, seq))| (seq, row))
+            .map(|(row, r)| (r.seq, row))
             .collect();
         let mut matchers: Vec<Option<&mut GrammarMatcher>> = (0..rows).map(|_| None).collect();
         for (index, entry) in self.seqs.iter_mut().enumerate() {

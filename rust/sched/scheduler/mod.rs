@@ -70,7 +70,10 @@ mod lookahead;
 mod plan;
 mod preemption;
 mod requests;
+mod speculation;
 mod static_batching;
+
+pub use speculation::SpeculativeConfig;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Policy {
@@ -127,6 +130,8 @@ pub struct SchedulerConfig {
     /// (see `kv/kv_cache.rs`); the `static` policy ignores it (it reserves
     /// each sample's whole length up front).
     pub sliding_window: Option<u32>,
+    /// Speculative decoding (`speculation.rs`); off by default.
+    pub speculative: SpeculativeConfig,
 }
 
 impl Default for SchedulerConfig {
@@ -143,6 +148,7 @@ impl Default for SchedulerConfig {
             policy: Policy::Fcfs,
             eos_token_ids: Vec::new(),
             sliding_window: None,
+            speculative: SpeculativeConfig::default(),
         }
     }
 }
@@ -163,6 +169,11 @@ pub struct SchedulerStats {
     pub idle_seats_while_waiting: u64,
     pub num_finished_requests: u64,
     pub num_aborted_requests: u64,
+    /// Speculative decoding: verified sequence rows, their drafted tokens,
+    /// and the drafts the model accepted (`speculation.rs`).
+    pub num_drafts: u64,
+    pub num_draft_tokens: u64,
+    pub num_accepted_tokens: u64,
 }
 
 /// One sampled token's outcome, as `update` reports it.
@@ -189,6 +200,17 @@ struct Scheduled {
 
 type WaitKey = (i64, u64, u32);
 
+/// One sampled row of the last plan: its request (the handle, with its
+/// generation, guards the sequence index), sample and sequence, and its
+/// offset among the sequence's rows (`speculation.rs`; 0 without drafts).
+#[derive(Debug, Clone, Copy)]
+struct SampleRow {
+    handle: u64,
+    sample_index: u32,
+    seq: u32,
+    offset: u32,
+}
+
 pub struct Scheduler {
     config: SchedulerConfig,
     kv: KvCacheManager,
@@ -209,9 +231,8 @@ pub struct Scheduler {
     seats_freed: Vec<i32>,
     next_arrival: u64,
     scheduled: Vec<Scheduled>,
-    /// (request handle, sample index, sequence) of each sampled row of the
-    /// last plan; the handle (with its generation) guards the sequence index.
-    sample_rows: Vec<(u64, u32, u32)>,
+    /// Each sampled row of the last plan.
+    sample_rows: Vec<SampleRow>,
     awaiting_update: bool,
     copies: Vec<BlockCopy>,
     plan: StepPlan,
@@ -438,16 +459,39 @@ impl Scheduler {
         }
         self.awaiting_update = false;
         let rows = std::mem::take(&mut self.sample_rows);
-        for (row, (&(handle, sample_index, seq), &token)) in rows.iter().zip(sampled).enumerate() {
-            // The sequence may have been aborted (and its index reused) since
-            // the plan was made: its request handle must still match.
-            let live = match &self.seqs[seq as usize] {
-                Some(s) if s.state == SeqState::Running => self.requests[s.request as usize]
-                    .as_ref()
-                    .is_some_and(|r| r.handle == handle),
-                _ => false,
-            };
-            if !live {
+        // Whether the current sequence's rows are still being kept, and the
+        // verified sequences with their accepted drafts (`speculation.rs`).
+        let mut keeping = false;
+        let mut verified: Vec<(u32, usize, usize)> = Vec::new();
+        for (row, (r, &token)) in rows.iter().zip(sampled).enumerate() {
+            let seq = r.seq;
+            if r.offset == 0 {
+                // The sequence may have been aborted (and its index reused)
+                // since the plan was made: its request handle must still match.
+                keeping = match &self.seqs[seq as usize] {
+                    Some(s) if s.state == SeqState::Running => self.requests[s.request as usize]
+                        .as_ref()
+                        .is_some_and(|q| q.handle == r.handle),
+                    _ => false,
+                };
+                let drafted = if keeping {
+                    self.seq(seq).draft.len()
+                } else {
+                    0
+                };
+                if drafted > 0 {
+                    verified.push((seq, 0, drafted));
+                }
+            } else if keeping {
+                // Row `offset` is the model's only if it agreed with the
+                // draft before it (a sequence that finished stopped keeping).
+                let s = self.seq(seq);
+                keeping = s.tokens.last() == Some(&s.draft[r.offset as usize - 1]);
+                if keeping {
+                    verified.last_mut().expect("a verified sequence").1 += 1;
+                }
+            }
+            if !keeping {
                 continue;
             }
             let token = token as u32;
@@ -461,15 +505,19 @@ impl Scheduler {
                 && self.request_of(seq).params.stop_token_ids.contains(&token);
             if let Some(reason) = finish {
                 self.finish_seq(seq, reason)?;
+                keeping = false; // its later rows (drafts past the end) are dropped
             }
             events.push(TokenEvent {
                 row: row as u32,
-                request: handle,
-                sample_index,
+                request: r.handle,
+                sample_index: r.sample_index,
                 token,
                 finish,
                 stop_token,
             });
+        }
+        for (seq, accepted, drafted) in verified {
+            self.settle_verified(seq, accepted, drafted)?;
         }
         self.sample_rows = rows;
         self.sample_rows.clear();

@@ -3,7 +3,7 @@
 //! n > 1 requests forked when their prompt completes, newly full blocks
 //! cached.
 
-use super::{Scheduled, Scheduler};
+use super::{SampleRow, Scheduled, Scheduler};
 use crate::error::{KvError, KvResult};
 use crate::kv::block_pool::block_ids_as_i32;
 use crate::sched::request::{SeqState, Sequence};
@@ -41,8 +41,11 @@ impl Scheduler {
             }
             // Advance, cache newly full blocks, sample when the row reaches
             // the end of its known tokens, fork a completed n > 1 prompt.
+            // Drafted tokens (`speculation.rs`) are computed but not yet the
+            // sequence's: `update` advances past those it accepts.
             let seq = self.seqs[row.seq as usize].as_mut().expect("live");
-            seq.num_computed = row.start + row.len;
+            let drafts = seq.draft.len();
+            seq.num_computed = row.start + row.len - drafts;
             let done = seq.num_computed == seq.tokens.len();
             let kv = seq.kv.expect("scheduled");
             self.kv.record_written(kv, row.start, seq.num_computed)?;
@@ -59,13 +62,15 @@ impl Scheduler {
             if !done {
                 continue;
             }
-            let logits_index = self.plan.token_ids.len() as i32 - 1;
-            self.push_sample_row(row.seq, logits_index)?;
+            let logits_index = self.plan.token_ids.len() as i32 - 1 - drafts as i32;
+            for offset in 0..=drafts {
+                self.push_sample_row(row.seq, logits_index + offset as i32, offset)?;
+            }
             let forks = std::mem::take(&mut self.seq_mut(row.seq).forks_pending);
             self.pending_fork_seats -= forks as usize;
             for _ in 0..forks {
                 let child = self.fork_seq(row.seq)?;
-                self.push_sample_row(child, logits_index)?;
+                self.push_sample_row(child, logits_index, 0)?;
             }
         }
         self.stats.num_steps += u64::from(!scheduled.is_empty());
@@ -106,8 +111,11 @@ impl Scheduler {
         let request = &*request;
         let kv = seq.kv.expect("scheduled");
         let end = row.start + row.len;
+        // A verification row: the last committed token, then the drafts.
+        let committed = end - seq.draft.len();
         plan.token_ids
-            .extend(seq.tokens[row.start..end].iter().map(|&t| t as i32));
+            .extend(seq.tokens[row.start..committed].iter().map(|&t| t as i32));
+        plan.token_ids.extend(seq.draft.iter().map(|&t| t as i32));
         plan.positions.extend((row.start..end).map(|p| p as i32));
         let slots_from = plan.slot_mapping.len();
         plan.slot_mapping.resize(slots_from + row.len, scratch_slot);
@@ -128,8 +136,8 @@ impl Scheduler {
             .extend(std::iter::repeat_n(scratch_block, width - table.len()));
         if row.ghost {
             // A static ghost recomputes its last position: not a real token.
-        } else if row.len == 1 && row.start >= request.prompt_len {
-            plan.num_decode_tokens += 1;
+        } else if row.len - seq.draft.len() == 1 && row.start >= request.prompt_len {
+            plan.num_decode_tokens += row.len;
         } else {
             plan.num_prefill_tokens += row.len;
         }
@@ -159,6 +167,8 @@ impl Scheduler {
             // Each sample walks the grammar on its own.
             grammar: p.grammar.clone(),
             seat: None,
+            draft: Vec::new(),
+            spec_k: p.spec_k,
         };
         let child = self.new_seq(child);
         self.requests[request as usize]
@@ -170,7 +180,9 @@ impl Scheduler {
         Ok(child)
     }
 
-    fn push_sample_row(&mut self, seq: u32, logits_index: i32) -> KvResult<()> {
+    /// A sampled row of `seq` at `logits_index`, `offset` rows after its
+    /// first in this plan (its drafts' rows, `speculation.rs`).
+    fn push_sample_row(&mut self, seq: u32, logits_index: i32, offset: usize) -> KvResult<()> {
         let new_seat = self.seq(seq).seat.is_none();
         if new_seat {
             let seat = self.free_seats.pop().ok_or_else(|| {
@@ -184,7 +196,7 @@ impl Scheduler {
         let s = self.seqs[seq as usize].as_ref().expect("live");
         let request = self.requests[s.request as usize].as_ref().expect("live");
         let p = &request.params;
-        let output_len = s.tokens.len() - request.prompt_len;
+        let output_len = s.tokens.len() - request.prompt_len + offset;
         let plan = &mut self.plan;
         plan.logits_indices.push(logits_index);
         plan.sample_request.push(request.handle);
@@ -194,7 +206,12 @@ impl Scheduler {
             .push((output_len as u32) < p.min_tokens);
         plan.sample_rows.push(s.seat.expect("bound above") as i32);
         plan.sample_new_seat.push(new_seat);
-        self.sample_rows.push((request.handle, s.sample_index, seq));
+        self.sample_rows.push(SampleRow {
+            handle: request.handle,
+            sample_index: s.sample_index,
+            seq,
+            offset: offset as u32,
+        });
         Ok(())
     }
 }

@@ -59,6 +59,7 @@ impl Scheduler {
     /// Preempt by recompute: free the sequence's blocks (full ones stay in
     /// the prefix cache) and put it back at its place in the waiting queue.
     pub(super) fn preempt(&mut self, seq: u32) -> KvResult<()> {
+        self.seq_mut(seq).draft.clear();
         self.remove_running(seq);
         self.release_seat(seq);
         self.release_kv(seq)?;

@@ -50,6 +50,8 @@ impl Scheduler {
             admitted: false,
             grammar: None,
             seat: None,
+            draft: Vec::new(),
+            spec_k: self.config.speculative.num_speculative_tokens as u32,
         });
         self.requests[index as usize] = Some(Request {
             handle,
@@ -61,6 +63,7 @@ impl Scheduler {
             seqs: vec![seq],
             num_unfinished: params.n,
             scheduled: false,
+            speculate: true,
             params,
         });
         self.by_handle.insert(handle, index);
@@ -87,6 +90,22 @@ impl Scheduler {
             )));
         }
         request.reuse_limit = tokens;
+        Ok(())
+    }
+
+    /// Never draft tokens for request `handle` (`speculation.rs`): the engine
+    /// calls it for requests whose sampling needs every earlier token on the
+    /// device (penalties).
+    pub fn disable_speculation(&mut self, handle: u64) -> KvResult<()> {
+        let Some(&index) = self.by_handle.get(&handle) else {
+            return Err(KvError::InvalidArgument(format!(
+                "request {handle} is not live"
+            )));
+        };
+        self.requests[index as usize]
+            .as_mut()
+            .expect("live request")
+            .speculate = false;
         Ok(())
     }
 

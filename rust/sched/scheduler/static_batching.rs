@@ -144,6 +144,8 @@ impl Scheduler {
             admitted: false,
             grammar,
             seat: None,
+            draft: Vec::new(),
+            spec_k: self.config.speculative.num_speculative_tokens as u32,
         });
         self.requests[request as usize]
             .as_mut()

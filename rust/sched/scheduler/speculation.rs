@@ -1,0 +1,159 @@
+//! Speculative decoding: a decoding sequence runs its next token plus up to
+//! `k` drafted ones in one step, and keeps the drafts the model agrees with.
+//!
+//! Phase 2 (`budget.rs`) asks [`Scheduler::draft`] for a decoding sequence's
+//! drafts ([`super::super::ngram_drafter`]); the row then carries
+//! `1 + d` query tokens, its committed last token followed by the drafts, and
+//! `build_plan` emits one sampled row per position: sampled row `i` (offset
+//! `i`, logits index `first + i`, the same seat) gives the token after
+//! position `start + i`. The runner samples every row as it would without
+//! speculation, the seat's generated-token index advanced by the offset (so
+//! seeded samples draw the same keys), and records only the rows this file
+//! accepts.
+//!
+//! Verification (`update`, [`Scheduler::settle_verified`]): row `0`'s token
+//! is always kept; row `i > 0` is kept when row `i - 1`'s token equals draft
+//! `i - 1` (then that draft's KV, written this step, is the sequence's) and
+//! no earlier token finished the sequence. The first token that differs
+//! from its draft is the model's own choice at that position. Since the
+//! drafts are deterministic, keeping a draft exactly when the target's sample
+//! equals it is rejection sampling with acceptance `p(draft)`: the kept
+//! tokens have the distribution they have without speculation, and greedy
+//! outputs are identical. The slots of rejected drafts go back
+//! (`KvCacheManager::truncate`); they were never cached (`build_plan` caches
+//! committed tokens only), and never reach the events `update` returns.
+//!
+//! When it applies: the config's `num_speculative_tokens > 0`, a policy other
+//! than `static`, no sliding window, nobody waiting (under load the step is
+//! full anyway: speculation shrinks to zero), at most `max_running`
+//! sequences running, and for the sequence: decoding, no grammar, its request
+//! allows it (`Scheduler::disable_speculation`: the engine turns it off for
+//! penalties, whose counts would need the drafts), and it has generated a
+//! token (the row completing a prompt may fork its samples). The drafts count against
+//! the token budget, the sampled rows stay within `max_num_seqs`, and a
+//! sequence drafts `spec_k` tokens: `num_speculative_tokens` after a step that
+//! accepted every draft, one more than it accepted otherwise.
+//!
+//! Invariants: a sequence holds a non-empty `draft` only between the plan
+//! that verifies it and that plan's `update`; its sampled rows are
+//! consecutive, offsets `0..=draft.len()`; after `update` its table holds
+//! exactly `num_computed` tokens again and `num_computed == tokens.len() - 1`.
+
+use super::Scheduler;
+use crate::error::KvResult;
+use crate::sched::ngram_drafter;
+use crate::sched::request::SeqState;
+
+/// Speculative decoding settings (vLLM's `--speculative-config` names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SpeculativeConfig {
+    /// Most drafted tokens per sequence and step; 0 turns speculation off.
+    pub num_speculative_tokens: usize,
+    /// Shortest and longest suffix the n-gram drafter matches.
+    pub prompt_lookup_min: usize,
+    pub prompt_lookup_max: usize,
+    /// Sequences draft only while at most this many run.
+    pub max_running: usize,
+}
+
+impl Default for SpeculativeConfig {
+    fn default() -> Self {
+        Self {
+            num_speculative_tokens: 0,
+            prompt_lookup_min: 2,
+            prompt_lookup_max: 4,
+            max_running: 8,
+        }
+    }
+}
+
+impl Scheduler {
+    /// Sampled rows drafts may add to the step being scheduled (0 when
+    /// speculation does not apply to it).
+    pub(super) fn draft_room(&self) -> usize {
+        let spec = &self.config.speculative;
+        let applies = spec.num_speculative_tokens > 0
+            && self.config.policy != super::Policy::Static
+            && self.config.sliding_window.is_none()
+            && self.waiting.is_empty()
+            && self.running.len() <= spec.max_running;
+        if !applies {
+            return 0;
+        }
+        self.config
+            .max_num_seqs
+            .saturating_sub(self.running.len() + self.pending_fork_seats)
+    }
+
+    /// Draft up to `room` tokens (and at most `budget`) for `seq`, which
+    /// decodes its next token this step: stored in its `draft`, their count
+    /// returned.
+    pub(super) fn draft(&mut self, seq: u32, budget: usize, room: usize) -> usize {
+        let spec = self.config.speculative;
+        let s = self.seq(seq);
+        let request = self.request_of(seq);
+        let produced = s.tokens.len() - request.prompt_len;
+        // The last drafted position still leaves its sample room to be generated.
+        let left = (request.params.max_tokens as usize)
+            .saturating_sub(produced + 1)
+            .min(self.config.max_model_len.saturating_sub(s.tokens.len() + 1));
+        let k = (s.spec_k as usize).min(budget).min(room).min(left);
+        // Past the prompt only: the row completing a prompt may fork (n > 1),
+        // and children must not inherit drafted slots.
+        if k == 0 || produced == 0 || s.grammar.is_some() || !request.speculate {
+            return 0;
+        }
+        let mut draft = std::mem::take(&mut self.seq_mut(seq).draft);
+        let s = self.seq(seq);
+        ngram_drafter::propose(
+            &s.tokens,
+            spec.prompt_lookup_min,
+            spec.prompt_lookup_max,
+            k,
+            &mut draft,
+        );
+        let drafted = draft.len();
+        self.seq_mut(seq).draft = draft;
+        drafted
+    }
+
+    /// After `update` kept `accepted` of the `drafted` tokens of `seq`: if
+    /// it still runs, their KV is the sequence's, the rest of its table goes
+    /// back, full blocks are cached, and its next draft length adapts (a
+    /// sequence that finished on one of its tokens has released everything).
+    pub(super) fn settle_verified(
+        &mut self,
+        seq: u32,
+        accepted: usize,
+        drafted: usize,
+    ) -> KvResult<()> {
+        self.stats.num_draft_tokens += drafted as u64;
+        self.stats.num_accepted_tokens += accepted as u64;
+        self.stats.num_drafts += 1;
+        let Some(s) = self.seqs[seq as usize].as_mut() else {
+            return Ok(()); // its request finished and left
+        };
+        s.draft.clear();
+        if s.state != SeqState::Running {
+            return Ok(());
+        }
+        let bs = self.config.block_size;
+        let k_max = self.config.speculative.num_speculative_tokens as u32;
+        s.spec_k = if accepted == drafted {
+            k_max
+        } else {
+            (accepted as u32 + 1).min(k_max)
+        };
+        let kv = s.kv.expect("running sequences hold KV");
+        let before = s.num_computed;
+        let after = before + accepted;
+        s.num_computed = after;
+        self.kv.truncate(kv, after)?;
+        self.kv.record_written(kv, before, after)?;
+        if self.config.enable_prefix_caching && before / bs != after / bs {
+            let tokens = &self.seqs[seq as usize].as_ref().expect("live").tokens;
+            self.kv.cache_blocks(kv, &tokens[..after])?;
+        }
+        Ok(())
+    }
+}
