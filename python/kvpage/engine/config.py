@@ -10,6 +10,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
+from typing import Any
+
+from kvpage.engine.speculative_config import SpeculativeConfig, parse_speculative_config
 from kvpage.quant.modes import QUANTIZATION_MODES
 from kvpage.quant.modes import check_mode as check_quantization
 
@@ -74,7 +77,14 @@ class EngineConfig:
     ``$XDG_CACHE_HOME/kvpage/xla`` (``~/.cache/kvpage/xla``), a path uses that directory,
     None turns it off. A cache the process already configured is left alone."""
 
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
+    """Speculative decoding (vLLM's ``--speculative-config``, :mod:`kvpage.engine.\
+speculative_config`): e.g. ``{"method": "ngram", "num_speculative_tokens": 5}``; a dict or
+    its JSON text becomes a :class:`SpeculativeConfig`. None: off."""
+
     def __post_init__(self) -> None:
+        self.speculative_config = parse_speculative_config(self.speculative_config)
+
         def positive(name: str, upper: int = 1 << 24) -> None:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= upper:
@@ -275,6 +285,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="largest logprobs a request may ask for",
     )
     g.add_argument("--seed", type=int, default=d.seed, help="engine seed")
+    g.add_argument(
+        "--speculative-config", default=None, metavar="JSON",
+        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 5, '
+        '"prompt_lookup_max": 4}\' (default: off)',
+    )
     g.add_argument(
         "--warmup", nargs="?", const="full", default=None, choices=WARMUP_MODES,
         help="when step buckets compile: none (on first use; generate's default), "

@@ -86,6 +86,9 @@ class RequestIntake:
         )
         if grammar is not None:
             self._structured.constrain(handle, grammar)
+        if params.uses_penalties:
+            # Penalties count every earlier token on the device: drafts would be missing.
+            self._ctx.scheduler.disable_speculation(handle)
         metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic())
         streams = self._outputs.open(handle, ids, params, delta=delta, final_only=final_only)
         request = Request(request_id, handle, text, ids, params, metrics, streams, delta)

@@ -131,6 +131,7 @@ class LLMEngine:
                 if model_config.all_layers_slide and config.scheduling_policy != "static"
                 else None
             ),
+            **(spec.scheduler_args() if (spec := config.speculative_config) else {}),
         )
         ctx = self._ctx = EngineContext(
             config, model_config, self.max_model_len, self.eos_token_ids, runner, scheduler,

@@ -56,6 +56,7 @@ from kvpage.runner.prompt_scoring import score_prompt_tokens
 from kvpage.runner.step_inputs import PackedLayout
 from kvpage.sampling.sampler import sample
 from kvpage.sampling.table import SamplingTable, gather_inputs, record_sampled
+from kvpage.sampling.verification import draft_rows, kept_rows
 
 
 class StepBucket(NamedTuple):
@@ -83,10 +84,13 @@ def is_stacked(params: Params) -> bool:
 
 
 class SampleInfo(NamedTuple):
-    """The sampler's inputs from the packed step buffer, as one int32 ``[S + 3]`` array
-    (``logits`` writes it, ``finish`` reads it)."""
+    """The sampler's inputs from the packed step buffer, as one int32 ``[3 S + 3]`` array
+    (``logits`` writes it, ``finish`` reads it): each sampled row's seat, its offset and
+    draft when it verifies drafted tokens (:mod:`kvpage.sampling.verification`)."""
 
     sample_rows: jax.Array  # [S]
+    offsets: jax.Array  # [S]
+    drafts: jax.Array  # [S]
     num_sampled: jax.Array  # scalar
     step_counter: jax.Array  # scalar
     want_top_logprobs: jax.Array  # scalar bool
@@ -94,15 +98,20 @@ class SampleInfo(NamedTuple):
     @staticmethod
     def pack(layout: PackedLayout, packed: jax.Array) -> jax.Array:
         a = layout.unpack(packed)
+        offsets, drafts = draft_rows(
+            a.token_ids, a.logits_indices, a.sample_rows, a.num_sampled
+        )
         scalars = jnp.stack(
             [a.num_sampled, a.step_counter, a.want_top_logprobs.astype(jnp.int32)]
         )
-        return jnp.concatenate([a.sample_rows, scalars])
+        return jnp.concatenate([a.sample_rows, offsets, drafts, scalars])
 
     @staticmethod
     def unpack(info: jax.Array, num_seqs: int) -> SampleInfo:
+        s = num_seqs
         return SampleInfo(
-            info[:num_seqs], info[num_seqs], info[num_seqs + 1], info[num_seqs + 2] != 0
+            info[:s], info[s : 2 * s], info[2 * s : 3 * s], info[3 * s], info[3 * s + 1],
+            info[3 * s + 2] != 0,
         )
 
 
@@ -304,9 +313,12 @@ def make_head(
         with live_rows(num_seqs, s.num_sampled):  # rows past num_sampled are padding
             logits = logits_of(params, rows).astype(jnp.float32)
         inputs = gather_inputs(table, s.sample_rows)
+        # A draft's row samples the token at its seat's next index plus its offset.
+        inputs = inputs._replace(step=inputs.step + s.offsets)
         step_key = jax.random.fold_in(jax.random.key(base_seed), s.step_counter)
         out = sample(logits, inputs, step_key, num_top, s.want_top_logprobs, token_bitmask)
         valid = jnp.arange(num_seqs) < s.num_sampled
+        valid &= kept_rows(s.offsets, s.drafts, out.token_ids)
         return out, record_sampled(table, s.sample_rows, out.token_ids, valid)
 
     return head

@@ -304,7 +304,7 @@ class StepExecutables:
                     embed_weight(params).dtype,
                     sharding=rep,
                 ),
-                jax.ShapeDtypeStruct((num_seqs + 3,), jnp.int32, sharding=rep),
+                jax.ShapeDtypeStruct((3 * num_seqs + 3,), jnp.int32, sharding=rep),
                 self._place.abstract(self._r.sampling_table),
                 jax.ShapeDtypeStruct((num_seqs, bitmask_words(vocab)), jnp.int32, sharding=rep),
             )

@@ -1,0 +1,92 @@
+"""Speculative decoding settings, with vLLM's ``--speculative-config`` names.
+
+This file owns :class:`SpeculativeConfig` and :func:`parse_speculative_config`, which
+accepts what a user passes (a dict, its JSON text, a config, or None) and names the
+problem in a ``ValueError``. The engine hands the result to the Rust scheduler, which
+drafts and verifies (``rust/sched/scheduler/speculation.rs``); the device side is
+:mod:`kvpage.sampling.verification`.
+
+Methods: ``"ngram"`` (prompt lookup: the tokens that followed the latest earlier match of
+the sequence's last ``prompt_lookup_min..prompt_lookup_max`` tokens). vLLM's
+``"draft_model"`` and kvpage's ``"suffix"`` are named in the error until they land.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+METHODS = ("ngram",)
+PLANNED_METHODS = ("draft_model", "suffix", "eagle", "eagle3", "medusa", "mtp")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """How sequences draft tokens for one-pass verification (module docs)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 5
+    """Most drafted tokens per sequence and step."""
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    max_running: int = 8
+    """Sequences draft only while at most this many run and nobody waits: a larger batch
+    already fills the step, so drafts would cost more than they save."""
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            later = " (not supported yet)" if self.method in PLANNED_METHODS else ""
+            raise ValueError(
+                f"speculative_config method {self.method!r}{later}: supported methods are "
+                f"{list(METHODS)}"
+            )
+        for name, value, top in (
+            ("num_speculative_tokens", self.num_speculative_tokens, 64),
+            ("prompt_lookup_max", self.prompt_lookup_max, 64),
+            ("prompt_lookup_min", self.prompt_lookup_min, 64),
+            ("max_running", self.max_running, 1 << 20),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
+                raise ValueError(
+                    f"speculative_config {name} must be an integer in [1, {top}], got {value!r}"
+                )
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) exceeds "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+
+    def scheduler_args(self) -> dict[str, int]:
+        """The Rust ``Scheduler``'s keyword arguments for these settings."""
+        return {
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "prompt_lookup_min": self.prompt_lookup_min,
+            "prompt_lookup_max": self.prompt_lookup_max,
+            "speculative_max_running": self.max_running,
+        }
+
+
+def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
+    """``value`` (None, a :class:`SpeculativeConfig`, a dict or its JSON text) as a
+    config; ValueError naming what is wrong."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"speculative_config must be a dict or its JSON text, got {type(value).__name__}"
+        )
+    known = set(SpeculativeConfig.__dataclass_fields__)
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(
+            f"speculative_config has unknown keys {unknown}; known keys are {sorted(known)}"
+        )
+    if "method" not in value:
+        raise ValueError("speculative_config needs a method, e.g. {\"method\": \"ngram\"}")
+    return SpeculativeConfig(**value)
