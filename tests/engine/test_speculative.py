@@ -1,0 +1,119 @@
+"""Speculative decoding (``speculative_config``, n-gram drafts): verification keeps only
+what the model would have produced, so every output -- greedy, seeded sampling with
+logprobs, stop strings and ids, parallel samples, lengths ending among the drafts -- is
+token for token the engine's without speculation, and every KV block returns."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import model_fixtures  # noqa: F401  (sys.path / import setup, before kvpage)
+import numpy as np
+import pytest
+from kvpage import LLM, SamplingParams
+from kvpage.engine.speculative_config import SpeculativeConfig, parse_speculative_config
+from kvpage.sampling.verification import draft_rows, kept_rows
+
+# Repetitive prompts, so the drafter finds matches in the prompt and in the output.
+LOOP = [5, 17, 99, 3, 42, 7] * 4
+PROMPTS: list[Any] = [
+    {"prompt_token_ids": LOOP},
+    {"prompt_token_ids": [8, 9, 8, 9, 8, 9, 8]},
+    {"prompt_token_ids": list(range(20, 41)) * 2},
+]
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+        "prompt_lookup_min": 1}
+
+
+def make_llm(model: Path, spec: dict[str, Any] | None) -> LLM:
+    return LLM(
+        str(model), max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
+        block_size=8, num_scheduler_steps=1, speculative_config=spec,
+    )
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir: Path) -> tuple[LLM, LLM]:
+    return make_llm(tiny_model_dir, None), make_llm(tiny_model_dir, SPEC)
+
+
+def run_all(llm: LLM) -> list[Any]:
+    free = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=30),
+                        use_tqdm=False)[0].outputs[0]
+    cases: list[tuple[list[Any], Any]] = [
+        (PROMPTS, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)),
+        # Lengths that end inside a step's drafts.
+        (PROMPTS, [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+                   for m in (3, 11, 26)]),
+        ([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=30, stop=[free.text[6:9]])),
+        ([PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=30,
+                                      stop_token_ids=[free.token_ids[9]])),
+        # Seeded sampling draws the same keys per generated index, drafts or not.
+        (PROMPTS[:2], SamplingParams(temperature=0.9, seed=3, max_tokens=25, logprobs=2,
+                                     top_p=0.9, ignore_eos=True)),
+        ([PROMPTS[2]], SamplingParams(temperature=0.8, seed=11, n=2, max_tokens=20,
+                                      ignore_eos=True)),
+        # Penalties never draft (their counts would miss the drafts).
+        ([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
+                                      repetition_penalty=1.3)),
+    ]
+    results = []
+    for prompts, params in cases:
+        for out in llm.generate(prompts, params, use_tqdm=False):
+            for c in out.outputs:
+                top = None
+                if c.logprobs is not None:
+                    top = [sorted(step.items()) for step in c.logprobs]
+                results.append((list(c.token_ids), c.text, c.finish_reason, top))
+    return results
+
+
+def test_outputs_equal_the_engine_without_speculation(engines: tuple[LLM, LLM]) -> None:
+    plain, spec = engines
+    want, got = run_all(plain), run_all(spec)
+    assert len(want) == len(got)
+    for w, g in zip(want, got, strict=True):
+        assert g[:3] == w[:3]
+        if w[3] is not None:  # logprobs: the target model's, at the same positions
+            for ws, gs in zip(w[3], g[3], strict=True):
+                assert [t for t, _ in ws] == [t for t, _ in gs]
+                for (_, a), (_, b) in zip(ws, gs, strict=True):
+                    assert abs(a.logprob - b.logprob) < 1e-4
+    stats = spec.engine._ctx.scheduler.stats()
+    assert stats["spec_decode_num_draft_tokens"] > 20
+    assert stats["spec_decode_num_accepted_tokens"] > 5
+    for llm in engines:
+        s = llm.engine._ctx.scheduler.stats()
+        assert s["num_referenced_blocks"] == 0  # every block came back
+
+
+def test_the_device_keeps_rows_while_drafts_agree() -> None:
+    # Two sequences: one verifying drafts [7, 8] at tokens 10..12, one plain row at 20.
+    tokens = np.zeros(32, np.int32)
+    tokens[10:13] = [6, 7, 8]
+    logits_indices = np.asarray([10, 11, 12, 20, 0, 0], np.int32)
+    seats = np.asarray([2, 2, 2, 5, 0, 0], np.int32)
+    offsets, drafts = draft_rows(tokens, logits_indices, seats, np.int32(4))
+    assert list(offsets[:4]) == [0, 1, 2, 0]
+    assert list(drafts[:4]) == [7, 8, -1, -1]
+    kept = kept_rows(offsets, drafts, np.asarray([7, 9, 4, 1, 0, 0], np.int32))
+    assert list(kept[:4]) == [True, True, False, True]  # 9 != 8 rejects row 2
+
+
+def test_bad_speculative_configs_name_the_problem() -> None:
+    assert parse_speculative_config(None) is None
+    config = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 3}')
+    assert config == SpeculativeConfig(num_speculative_tokens=3)
+    for bad, words in [
+        ({"method": "eagle"}, "not supported yet"),
+        ({"method": "medusa2"}, "supported methods"),
+        ({"num_speculative_tokens": 3}, "needs a method"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "ngram", "prompt_lookup_min": 5}, "exceeds"),
+        ({"method": "ngram", "lookahead": 2}, "unknown keys"),
+        ("{not json", "not valid JSON"),
+        (7, "must be a dict"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            parse_speculative_config(bad)
