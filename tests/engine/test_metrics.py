@@ -66,6 +66,15 @@ def test_gauges_and_counters_follow_running_totals() -> None:
     assert _value(m, "kvpage:iteration_tokens_total_count") == 3
 
 
+def test_speculative_decoding_counters_use_vllm_names() -> None:
+    m = EngineMetrics("m", prefix="vllm")
+    m.on_step(_stats(spec_decode_num_drafts=4, spec_decode_num_draft_tokens=18,
+                     spec_decode_num_accepted_tokens=11))
+    assert _value(m, "vllm:spec_decode_num_drafts_total") == 4
+    assert _value(m, "vllm:spec_decode_num_draft_tokens_total") == 18
+    assert _value(m, "vllm:spec_decode_num_accepted_tokens_total") == 11
+
+
 def test_request_latencies_and_finish_reasons() -> None:
     m = EngineMetrics("m")
     # latencies count from when the outputs are delivered (``now``), not from

@@ -12,6 +12,7 @@
     kvpage bench vs-llama-cpp [MODEL.gguf]                          vs llama.cpp's server, same file
     kvpage bench rollout [MODEL]                                    vs tunix's rollout (GRPO)
     kvpage bench moe                                                MoE: routed / dense / llama.cpp
+    kvpage bench spec [MODEL.gguf]                                  speculative decoding off / on
 
 ``compare`` runs the two lessons of continuous batching and PagedAttention
 on the same model and workload, only the scheduling policy changed, and can
@@ -34,6 +35,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         roofline,
         scheduler,
         serve,
+        spec,
         startup,
         step_profile,
         throughput,
@@ -60,4 +62,5 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     vs_llama_cpp.add_parser(sub)
     rollout.add_parser(sub)
     moe.add_parser(sub)
+    spec.add_parser(sub)
     return bench

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, fields
-
 from typing import Any
 
 from kvpage.engine.speculative_config import SpeculativeConfig, parse_speculative_config

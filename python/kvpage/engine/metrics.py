@@ -147,6 +147,14 @@ class EngineMetrics:
                                        "Sequences preempted to free KV blocks.")
         self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens received.")
         self.generation_tokens = counter("generation_tokens_total", "Tokens generated.")
+        self.spec_decode_drafts = counter(
+            "spec_decode_num_drafts_total",
+            "Speculative decoding: sequence rows that verified drafted tokens.")
+        self.spec_decode_draft_tokens = counter(
+            "spec_decode_num_draft_tokens_total", "Speculative decoding: tokens drafted.")
+        self.spec_decode_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens_total",
+            "Speculative decoding: drafted tokens the model accepted.")
         self._request_success = Counter(
             name_of("request_success_total"), "Finished requests, by finish reason.",
             ["model_name", "engine", "finished_reason"], registry=reg,
@@ -208,6 +216,9 @@ class EngineMetrics:
             "num_preemptions": self.num_preemptions,
             "prompt_tokens_total": self.prompt_tokens,
             "generation_tokens_total": self.generation_tokens,
+            "spec_decode_num_drafts": self.spec_decode_drafts,
+            "spec_decode_num_draft_tokens": self.spec_decode_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.spec_decode_accepted_tokens,
         }
         self._last_totals: dict[str, float] = {}
         self._live: dict[str, _Seen] = {}
