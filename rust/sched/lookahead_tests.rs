@@ -3,7 +3,7 @@
 //! equals the plan `schedule()` makes for the same state.
 
 use crate::sched::request::RequestParams;
-use crate::sched::scheduler::{Scheduler, SchedulerConfig, TokenEvent};
+use crate::sched::scheduler::{Scheduler, SchedulerConfig, SpeculativeConfig, TokenEvent};
 use crate::sched::step_plan::StepPlan;
 use crate::test_rng::SplitMix64;
 
@@ -217,4 +217,50 @@ fn seeded_continuations_equal_plain_schedules_in_lockstep() {
             "seed {seed}: blocks back"
         );
     }
+}
+
+#[test]
+fn continuation_plans_never_draft_though_schedule_does() {
+    let mut c = config(64, 16);
+    c.speculative = SpeculativeConfig {
+        num_speculative_tokens: 3,
+        prompt_lookup_min: 1,
+        prompt_lookup_max: 2,
+        max_running: 4,
+    };
+    let mut sched = Scheduler::new(c).unwrap();
+    sched
+        .add_request(&[1, 2, 3, 4, 5, 6], params(40, true), 0, None)
+        .unwrap();
+    let mut events = Vec::new();
+    sched.schedule().unwrap(); // the prompt
+    sched.update(&[7], &mut events).unwrap();
+    // Nothing repeats yet: a plain decode, run as a lookahead.
+    assert_eq!(sched.schedule().unwrap().num_tokens(), 1);
+    assert!(sched.lookahead_steps(8) > 1);
+    sched.update(&[6], &mut events).unwrap(); // "6" occurred before, followed by 7 6
+    let plan = sched.schedule_continuation().unwrap();
+    assert_eq!((plan.num_tokens(), plan.num_sampled()), (1, 1), "no drafts");
+    sched.update(&[7], &mut events).unwrap();
+    sched.check_invariants().unwrap();
+    // A full schedule() drafts: the last "6 7" was followed by "6 7".
+    let plan = sched.schedule().unwrap();
+    assert_eq!(plan.token_ids, vec![7, 6, 7]);
+    assert_eq!(plan.num_sampled(), 3);
+    assert_eq!(
+        sched.lookahead_steps(8),
+        1,
+        "a verification step runs alone"
+    );
+    // The model agrees with the first draft only: its second row's token is
+    // kept, the third row is dropped.
+    events.clear();
+    sched.update(&[6, 8, 9], &mut events).unwrap();
+    let kept: Vec<u32> = events.iter().map(|e| e.token).collect();
+    assert_eq!(kept, vec![6, 8]);
+    sched.check_invariants().unwrap();
+    assert_eq!(sched.stats.num_accepted_tokens, 1);
+    assert_eq!(sched.stats.num_draft_tokens, 2);
+    // The next step decodes after "... 7 6 8" from the accepted position.
+    assert_eq!(sched.schedule().unwrap().positions[0], 10);
 }

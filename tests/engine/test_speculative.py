@@ -26,16 +26,21 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
         "prompt_lookup_min": 1}
 
 
-def make_llm(model: Path, spec: dict[str, Any] | None) -> LLM:
+def make_llm(model: Path, spec: dict[str, Any] | None, steps: int = 1) -> LLM:
+    # The settings of test_multi_step.py: its compiled buckets are reused.
     return LLM(
         str(model), max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
-        block_size=8, num_scheduler_steps=1, speculative_config=spec,
+        block_size=8, num_scheduler_steps=steps, warmup="full" if steps > 1 else "none",
+        speculative_config=spec,
     )
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_model_dir: Path) -> tuple[LLM, LLM]:
-    return make_llm(tiny_model_dir, None), make_llm(tiny_model_dir, SPEC)
+def engines(tiny_model_dir: Path) -> tuple[LLM, LLM, LLM]:
+    """Without speculation; with it; with it and multi-step decode (the two take turns:
+    a step with drafts runs alone, one without may run several steps)."""
+    return (make_llm(tiny_model_dir, None), make_llm(tiny_model_dir, SPEC),
+            make_llm(tiny_model_dir, SPEC, steps=4))
 
 
 def run_all(llm: LLM) -> list[Any]:
@@ -69,20 +74,24 @@ def run_all(llm: LLM) -> list[Any]:
     return results
 
 
-def test_outputs_equal_the_engine_without_speculation(engines: tuple[LLM, LLM]) -> None:
-    plain, spec = engines
-    want, got = run_all(plain), run_all(spec)
-    assert len(want) == len(got)
-    for w, g in zip(want, got, strict=True):
-        assert g[:3] == w[:3]
-        if w[3] is not None:  # logprobs: the target model's, at the same positions
-            for ws, gs in zip(w[3], g[3], strict=True):
-                assert [t for t, _ in ws] == [t for t, _ in gs]
-                for (_, a), (_, b) in zip(ws, gs, strict=True):
-                    assert abs(a.logprob - b.logprob) < 1e-4
-    stats = spec.engine._ctx.scheduler.stats()
-    assert stats["spec_decode_num_draft_tokens"] > 20
-    assert stats["spec_decode_num_accepted_tokens"] > 5
+def test_outputs_equal_the_engine_without_speculation(
+    engines: tuple[LLM, LLM, LLM],
+) -> None:
+    plain, *speculating = engines
+    want = run_all(plain)
+    for spec in speculating:
+        got = run_all(spec)
+        assert len(want) == len(got)
+        for w, g in zip(want, got, strict=True):
+            assert g[:3] == w[:3]
+            if w[3] is not None:  # logprobs: the target model's, at the same positions
+                for ws, gs in zip(w[3], g[3], strict=True):
+                    assert [t for t, _ in ws] == [t for t, _ in gs]
+                    for (_, a), (_, b) in zip(ws, gs, strict=True):
+                        assert abs(a.logprob - b.logprob) < 1e-4
+        stats = spec.engine._ctx.scheduler.stats()
+        assert stats["spec_decode_num_draft_tokens"] > 20
+        assert stats["spec_decode_num_accepted_tokens"] > 5
     for llm in engines:
         s = llm.engine._ctx.scheduler.stats()
         assert s["num_referenced_blocks"] == 0  # every block came back

@@ -22,10 +22,12 @@ impl Scheduler {
         len
     }
 
-    pub(super) fn schedule_running(&mut self, budget: &mut usize) -> KvResult<bool> {
+    /// The running sequences' rows; with `drafts`, decoding ones may carry
+    /// drafted tokens (`speculation.rs`). True when it preempted any.
+    pub(super) fn schedule_running(&mut self, budget: &mut usize, drafts: bool) -> KvResult<bool> {
         let mut preempted_any = false;
-        // Sampled rows drafts may still add (`speculation.rs`).
-        let mut draft_room = self.draft_room();
+        // Sampled rows drafts may still add.
+        let mut draft_room = if drafts { self.draft_room() } else { 0 };
         let mut i = 0;
         while i < self.running.len() && *budget > 0 {
             let seq = self.running[i];

@@ -11,7 +11,10 @@
 //! it touches any state.
 //!
 //! Invariant: a continuation plan is exactly the plan `schedule()` would
-//! make with an empty waiting queue (the reference-model tests replay both).
+//! make with an empty waiting queue and no drafts (the reference-model tests
+//! replay both): speculation (`speculation.rs`) and lookahead take turns, a
+//! plan with drafts runs alone (`lookahead_steps` is 1 when a plan samples
+//! more rows than it schedules) and a continuation never drafts.
 
 use super::{Policy, Scheduler};
 use crate::error::{KvError, KvResult};
@@ -88,7 +91,8 @@ impl Scheduler {
         self.scheduled.clear();
         self.copies.clear();
         let mut budget = self.config.max_num_batched_tokens.max(self.running.len());
-        let preempted = self.schedule_running(&mut budget)?;
+        // One token each, as promised: no drafts (`speculation.rs`).
+        let preempted = self.schedule_running(&mut budget, false)?;
         if preempted || !self.copies.is_empty() {
             return Err(KvError::InvariantViolated(
                 "a lookahead step allocated or copied a block".into(),

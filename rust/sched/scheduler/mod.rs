@@ -420,7 +420,7 @@ impl Scheduler {
                 if policy == Policy::Priority {
                     self.preempt_for_priority()?;
                 }
-                let preempted = self.schedule_running(&mut budget)?;
+                let preempted = self.schedule_running(&mut budget, true)?;
                 if !preempted {
                     self.admit_waiting(&mut budget)?;
                 }
