@@ -313,3 +313,31 @@ def test_grouped_matmul_compiles_for_sm90a_without_spills() -> None:
         assert build.spill_stores == 0 and build.spill_loads == 0, build
         assert build.mma != "none", build  # bf16 dots run on tensor cores
         assert build.blocks_per_sm >= 1, build
+
+
+def test_speculative_verification_exports_for_cuda() -> None:
+    """A verification step's sampling lowers for CUDA: each sampled row's draft and offset
+    (:mod:`kvpage.sampling.verification`), sampling at the offset token index, the keep
+    rule and recording the kept rows (the model pass is the mixed bucket above)."""
+    from kvpage.sampling.sampler import sample
+    from kvpage.sampling.table import gather_inputs, init_sampling_table, record_sampled
+    from kvpage.sampling.verification import draft_rows, kept_rows
+
+    rows, tokens, vocab = 8, 64, 512
+
+    def verify(logits, token_ids, logits_indices, seats, num_sampled, table):
+        offsets, drafts = draft_rows(token_ids, logits_indices, seats, num_sampled)
+        inputs = gather_inputs(table, seats)
+        inputs = inputs._replace(step=inputs.step + offsets)
+        out = sample(logits, inputs, jax.random.key(0), 2)
+        kept = kept_rows(offsets, drafts, out.token_ids) & (jnp.arange(rows) < num_sampled)
+        return out.token_ids, record_sampled(table, seats, out.token_ids, kept)
+
+    table = init_sampling_table(4, vocab, enable_penalties=True)
+    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+    exp = _export_cuda(
+        verify, jax.ShapeDtypeStruct((rows, vocab), jnp.float32), i32((tokens,)), i32((rows,)),
+        i32((rows,)), i32(()), jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                            table),
+    )
+    assert exp.platforms == ("cuda",)
