@@ -196,4 +196,6 @@ handlers! {
     QuantType::Q4K => kvpage_expert_qmatmul_q4_k;
     QuantType::Q6K => kvpage_expert_qmatmul_q6_k;
     QuantType::Int8 => kvpage_expert_qmatmul_int8;
+    QuantType::Q5_0 => kvpage_expert_qmatmul_q5_0;
+    QuantType::Q5_1 => kvpage_expert_qmatmul_q5_1;
 }

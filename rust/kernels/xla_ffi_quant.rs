@@ -1,7 +1,7 @@
 //! XLA FFI handlers of the quantized linear layers ([`crate::kernels::quant`]).
 //!
 //! One C symbol per weight format, `kvpage_qmatmul_<name>` (`q8_0`, `q4_0`,
-//! `q4_1`, `q4_k`, `q6_k`, `int8`), so the format is part of the target and no
+//! `q4_1`, `q4_k`, `q6_k`, `int8`, `q5_0`, `q5_1`), so the format is part of the target and no
 //! attribute has to be parsed. Arguments: `x [T, K]` f32, `w [N, row_bytes]`
 //! (u8, or s8 for int8), for int8 `row_scales [N]` f32, then `live_rows [1]`
 //! s32; result `y [T, N]` f32. Only the first `live_rows` rows of `x` are
@@ -192,6 +192,8 @@ handlers! {
     QuantType::Q4K => kvpage_qmatmul_q4_k, kvpage_dequantize_q4_k;
     QuantType::Q6K => kvpage_qmatmul_q6_k, kvpage_dequantize_q6_k;
     QuantType::Int8 => kvpage_qmatmul_int8, kvpage_dequantize_int8;
+    QuantType::Q5_0 => kvpage_qmatmul_q5_0, kvpage_dequantize_q5_0;
+    QuantType::Q5_1 => kvpage_qmatmul_q5_1, kvpage_dequantize_q5_1;
 }
 
 /// 1 when the quantized kernels run vectorized (AVX2 + FMA + F16C) here, 0 for

@@ -33,7 +33,7 @@ from model_fixtures import build_hf_model, prefill_logits, save_hf_model
 # GGUF type name -> kvpage format, from the formats table (tests/quant/test_formats.py).
 GGUF_KINDS = formats.GGUF_KEPT
 # Types gguf-py quantizes itself; the K-quants are written as random blocks.
-QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1")
+QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 
 
 def stored_blocks(kind: str, shape: tuple[int, int], seed: int = 0) -> np.ndarray:

@@ -44,8 +44,8 @@ class EngineConfig:
     dtype: str = "auto"
     quantization: str = "auto"
     """Which weights stay quantized in memory (:mod:`kvpage.quant.modes`): ``"auto"``
-    keeps a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K blocks on CPU, ``"none"`` dequantizes
-    at load, ``"gguf"`` keeps blocks everywhere, ``"int8"`` stores per-channel int8."""
+    keeps a GGUF file's Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q6_K blocks on CPU, ``"none"``
+    dequantizes at load, ``"gguf"`` keeps blocks everywhere, ``"int8"`` per-channel int8."""
     kv_cache_dtype: str = "auto"
     """Element type of the KV pools (:func:`kvpage.runner.kv_cache.resolve_kv_cache_dtype`):
     ``"auto"`` is float16 when quantized weights run on CPU (as llama.cpp keeps its cache:

@@ -22,7 +22,7 @@ llama.cpp's converter permutes the rows of Llama's q/k projections (per head, fr
 as transformers' GGUF loader does (on a quantized tensor it moves whole rows of blocks).
 
 ``quantization`` (:mod:`kvpage.quant.modes`) decides what stays quantized: by default a
-Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K tensor stays in its blocks on CPU
+Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q6_K tensor stays in its blocks on CPU
 (:class:`~kvpage.quant.QuantizedWeight`, no float copy); every other tensor, and every
 tensor with ``quantization="none"``, is dequantized once at load: with ``dtype="auto"``
 to float32 on CPU and bfloat16 on accelerators. ``"int8"`` requantizes the 2-D weights

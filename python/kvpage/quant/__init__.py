@@ -4,7 +4,7 @@
   owns them (``rust/kernels/quant/formats.rs``, through ``kvpage._core.quant_formats()``).
 * :mod:`kvpage.quant.weights`: :class:`QuantizedWeight`, the pytree node a quantized
   ``[out, in]`` weight is in the params tree, and its float view.
-* :mod:`kvpage.quant.gguf_blocks`: GGUF's block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)
+* :mod:`kvpage.quant.gguf_blocks`: GGUF's block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K)
   dequantized in JAX, bit-exact with the ``gguf`` package's reference.
 * :mod:`kvpage.quant.int8`: per-channel int8 of a float checkpoint, at load time.
 * :mod:`kvpage.quant.modes`: the ``--quantization`` modes and what each keeps quantized.

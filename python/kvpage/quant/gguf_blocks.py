@@ -1,7 +1,7 @@
 """GGUF's block formats dequantized in JAX, bit-exact with the ``gguf`` package.
 
 Owns :func:`dequantize_blocks`: stored rows ``uint8 [..., row_bytes]`` of Q8_0, Q4_0,
-Q4_1, Q4_K or Q6_K to float32 ``[..., in]``, in the same float32 operations, in the
+Q4_1, Q5_0, Q5_1, Q4_K or Q6_K to float32 ``[..., in]``, in the same float32 operations, in the
 same order, as ``gguf.quants`` (llama.cpp's reference), so an embedding row or a
 weight dequantized inside a step equals what the load-time path produced. Layouts:
 ``rust/kernels/quant/formats.rs`` (block sizes from its table, :mod:`kvpage.quant.formats`).
@@ -52,6 +52,17 @@ def dequantize_blocks(kind: str, rows: jax.Array, inner: int) -> jax.Array:
         q = _nibbles(b[..., start:], 16).reshape(*b.shape[:-1], 32)
         if kind == "q4_0":
             values = d * (q.astype(jnp.int8) - jnp.int8(8)).astype(jnp.float32)
+        else:
+            values = (d * q.astype(jnp.float32)) + _f16(b[..., 2:4])[..., None]
+    elif kind in ("q5_0", "q5_1"):
+        d = _f16(b[..., 0:2])[..., None]
+        start = 2 if kind == "q5_0" else 4
+        qh = lax.bitcast_convert_type(b[..., start : start + 4], jnp.uint32)
+        bits = (qh[..., None] >> jnp.arange(32, dtype=jnp.uint32)) & jnp.uint32(1)
+        low = _nibbles(b[..., start + 4 :], 16).reshape(*b.shape[:-1], 32)
+        q = low | (bits.astype(jnp.uint8) << jnp.uint8(4))
+        if kind == "q5_0":
+            values = d * (q.astype(jnp.int8) - jnp.int8(16)).astype(jnp.float32)
         else:
             values = (d * q.astype(jnp.float32)) + _f16(b[..., 2:4])[..., None]
     elif kind == "q4_k":

@@ -1,6 +1,6 @@
 """The ``--quantization`` modes: which weights stay quantized in memory.
 
-* ``"auto"`` (default): a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K tensors stay in
+* ``"auto"`` (default): a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q6_K tensors stay in
   their blocks when the model runs on CPU on one device (the Rust kernels read them);
   elsewhere they are dequantized at load (bfloat16 on accelerators), as with ``none``.
   A float checkpoint stays float.

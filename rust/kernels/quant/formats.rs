@@ -18,6 +18,12 @@
 //! - `Q4_0`, 32 in 18: `f16 d`, `u8 qs[16]`; weight `i < 16` is `qs[i] & 15`,
 //!   weight `16 + i` is `qs[i] >> 4`; `w = d * (q - 8)`.
 //! - `Q4_1`, 32 in 20: `f16 d`, `f16 m`, `qs[16]` as Q4_0; `w = d * q + m`.
+//! - `Q5_0`, 32 in 22: `f16 d`, `u32 qh` (little-endian; bit `i` is weight
+//!   `i`'s fifth bit), `qs[16]` as Q4_0 for the low four; `w = d * (q - 16)`.
+//!   llama.cpp writes it for rows a K-quant block does not divide (Qwen2.5's
+//!   896-wide layers in a Q4_K_M file).
+//! - `Q5_1`, 32 in 24: `f16 d`, `f16 m`, `u32 qh`, `qs[16]` as Q5_0;
+//!   `w = d * q + m`.
 //! - `Q4_K`, 256 in 144: `f16 d`, `f16 dmin`, 12 bytes of 6-bit scales and
 //!   mins for eight sub-blocks of 32, `qs[128]`: sub-block `2c` is the low
 //!   nibbles of `qs[32c..32c + 32]`, `2c + 1` their high nibbles;
@@ -41,6 +47,8 @@ pub enum QuantType {
     Q4K = 3,
     Q6K = 4,
     Int8 = 5,
+    Q5_0 = 6,
+    Q5_1 = 7,
 }
 
 /// One format's row of [`FORMATS`].
@@ -65,7 +73,7 @@ pub struct FormatInfo {
 /// kind` (checked at compile time). Int8 (kvpage's per-channel int8) is a block
 /// of 32 `i8` like the others' sub-blocks, so a row needs a multiple of 32
 /// weights.
-pub const FORMATS: [FormatInfo; 6] = [
+pub const FORMATS: [FormatInfo; 8] = [
     FormatInfo {
         kind: QuantType::Q8_0,
         name: "q8_0",
@@ -113,6 +121,22 @@ pub const FORMATS: [FormatInfo; 6] = [
         block_bytes: 32,
         row_scaled: true,
         gguf: None,
+    },
+    FormatInfo {
+        kind: QuantType::Q5_0,
+        name: "q5_0",
+        block_elems: 32,
+        block_bytes: 22,
+        row_scaled: false,
+        gguf: Some("Q5_0"),
+    },
+    FormatInfo {
+        kind: QuantType::Q5_1,
+        name: "q5_1",
+        block_elems: 32,
+        block_bytes: 24,
+        row_scaled: false,
+        gguf: Some("Q5_1"),
     },
 ];
 
@@ -256,6 +280,22 @@ pub fn unpack(kind: QuantType, block: &[u8], j: usize, row_scale: f32) -> SubBlo
             for (i, byte) in qs.iter().enumerate() {
                 out.q[i] = (byte & 15) as i8;
                 out.q[16 + i] = (byte >> 4) as i8;
+            }
+            out.scale = [d; 2];
+            out.min = [min; 2];
+        }
+        QuantType::Q5_0 | QuantType::Q5_1 => {
+            let d = f16_at(block, 0);
+            let (min, at) = if kind == QuantType::Q5_0 {
+                (-16.0 * d, 2)
+            } else {
+                (f16_at(block, 2), 4)
+            };
+            let qh = u32::from_le_bytes([block[at], block[at + 1], block[at + 2], block[at + 3]]);
+            for (i, byte) in block[at + 4..at + 20].iter().enumerate() {
+                let (high_low, high_high) = ((qh >> i) & 1, (qh >> (i + 16)) & 1);
+                out.q[i] = ((byte & 15) | (high_low << 4) as u8) as i8;
+                out.q[16 + i] = ((byte >> 4) | (high_high << 4) as u8) as i8;
             }
             out.scale = [d; 2];
             out.min = [min; 2];

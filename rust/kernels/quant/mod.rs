@@ -1,6 +1,7 @@
 //! Weight-only quantized linear layers on the host CPU: `y = x · dequant(w)ᵀ`
 //! read straight from the weights' quantized blocks (GGUF's Q8_0, Q4_0, Q4_1,
-//! Q4_K, Q6_K, and per-channel int8), never expanded to float in memory.
+//! Q5_0, Q5_1, Q4_K, Q6_K, and per-channel int8), never expanded to float in
+//! memory.
 //!
 //! A decode step of a small model streams every weight once per step, so the
 //! bytes per weight bound its speed: SmolLM2's Q4_1 file holds 0.625 bytes per

@@ -24,7 +24,8 @@ fn random_block(rng: &mut TestRng, kind: QuantType) -> Vec<u8> {
         .collect();
     let halves: &[usize] = match kind {
         QuantType::Q8_0 | QuantType::Q4_0 => &[0],
-        QuantType::Q4_1 | QuantType::Q4K => &[0, 2],
+        QuantType::Q4_1 | QuantType::Q4K | QuantType::Q5_1 => &[0, 2],
+        QuantType::Q5_0 => &[0],
         QuantType::Q6K => &[208],
         QuantType::Int8 => &[],
     };

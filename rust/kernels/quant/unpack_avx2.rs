@@ -80,6 +80,12 @@ macro_rules! by_format {
             $crate::kernels::quant::formats::QuantType::Q4K => {
                 $function::<$crate::kernels::quant::unpack_avx2::Q4K> $args
             }
+            $crate::kernels::quant::formats::QuantType::Q5_0 => {
+                $function::<$crate::kernels::quant::unpack_avx2::Q5_0> $args
+            }
+            $crate::kernels::quant::formats::QuantType::Q5_1 => {
+                $function::<$crate::kernels::quant::unpack_avx2::Q5_1> $args
+            }
             $crate::kernels::quant::formats::QuantType::Q6K => {
                 $function::<$crate::kernels::quant::unpack_avx2::Q6K> $args
             }
@@ -264,6 +270,58 @@ impl Format for Q4_1 {
         let dm = two_f16(block);
         WideSub {
             q: nibbles_wide(block.add(4)),
+            scale: [_mm_cvtss_f32(dm); 2],
+            min: [lane1(dm); 2],
+        }
+    }
+}
+
+/// Q5_0 / Q5_1's fifth bits: byte `i` of the result is `16` where bit `i` of
+/// the little-endian `u32` at `at` is set, else 0 (weights 0..16 in the low
+/// lane, 16..32 in the high one, as [`nibbles_16`] orders them).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn fifth_bits(at: *const u8) -> __m256i {
+    let qh = _mm256_set1_epi32(std::ptr::read_unaligned(at as *const i32));
+    // Byte i of each lane takes qh byte i / 8 (low lane) or 2 + i / 8 (high).
+    let spread = _mm256_shuffle_epi8(
+        qh,
+        _mm256_setr_epi8(
+            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3,
+            3, 3, 3, 3,
+        ),
+    );
+    let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201_u64 as i64);
+    let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    _mm256_and_si256(set, _mm256_set1_epi8(16))
+}
+
+pub(super) struct Q5_0;
+impl Format for Q5_0 {
+    const KIND: QuantType = QuantType::Q5_0;
+    const SIGNED: bool = false;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn sub(block: *const u8, _j: usize, _row_scale: f32) -> Sub {
+        let d = one_f16(block);
+        Sub {
+            q: _mm256_or_si256(nibbles_16(block.add(6)), fifth_bits(block.add(2))),
+            scale: [d; 2],
+            min: [-16.0 * d; 2],
+        }
+    }
+}
+
+pub(super) struct Q5_1;
+impl Format for Q5_1 {
+    const KIND: QuantType = QuantType::Q5_1;
+    const SIGNED: bool = false;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn sub(block: *const u8, _j: usize, _row_scale: f32) -> Sub {
+        let dm = two_f16(block);
+        Sub {
+            q: _mm256_or_si256(nibbles_16(block.add(8)), fifth_bits(block.add(4))),
             scale: [_mm_cvtss_f32(dm); 2],
             min: [lane1(dm); 2],
         }
