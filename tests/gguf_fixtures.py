@@ -128,9 +128,14 @@ def byte_tokens() -> list[str]:
     return [table[b] for b in range(256)]
 
 
-# Types gguf-py cannot quantize: written as random blocks whose float16 scales (at
-# these byte offsets of each block) are set small, so the values stay moderate.
-_RANDOM_BLOCK_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,)}
+# Random blocks: their float16 scales, at these byte offsets of each block, are set
+# small so the values stay moderate.
+_RANDOM_BLOCK_SCALES = {
+    "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "Q5_0": (0,),
+    "Q5_1": (0, 2),
+}
+# Types gguf-py cannot quantize: write_gguf writes random blocks for them.
+_RANDOM_ONLY = ("Q4_K", "Q5_K", "Q6_K", "IQ4_NL")
 
 
 def random_blocks(shape: tuple[int, ...], kind: str, seed: int = 0) -> np.ndarray:
@@ -218,7 +223,7 @@ def write_gguf(
             writer.add_tensor(name, value.astype(np.float32))
         elif kind == "F16":
             writer.add_tensor(name, value.astype(np.float16))
-        elif kind in _RANDOM_BLOCK_SCALES:
+        elif kind in _RANDOM_ONLY:
             writer.add_tensor(name, random_blocks(value.shape, kind), raw_dtype=qtype)
         else:
             writer.add_tensor(name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)

@@ -172,6 +172,7 @@ class Scheduler:
         prompt_lookup_min: int = ...,
         prompt_lookup_max: int = ...,
         speculative_max_running: int = ...,
+        speculative_method: str = ...,
     ) -> Self: ...
     def add_request(
         self,

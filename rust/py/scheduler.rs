@@ -12,7 +12,8 @@ use crate::py::step_plan::StepPlan;
 use crate::py::structured::Grammar;
 use crate::sched::request::{RequestParams, DEFAULT_MAX_TOKENS};
 use crate::sched::scheduler::{
-    defaults, Policy, Scheduler as CoreScheduler, SchedulerConfig, SpeculativeConfig, TokenEvent,
+    defaults, DraftMethod, Policy, Scheduler as CoreScheduler, SchedulerConfig, SpeculativeConfig,
+    TokenEvent,
 };
 
 /// The continuous-batching scheduler (see `rust/sched/scheduler/`). Sizes
@@ -34,7 +35,7 @@ impl Scheduler {
         long_prefill_token_threshold = 0,
         enable_prefix_caching = true, scheduling_policy = "fcfs", eos_token_ids = None,
         sliding_window = None, num_speculative_tokens = 0, prompt_lookup_min = 2,
-        prompt_lookup_max = 4, speculative_max_running = 8,
+        prompt_lookup_max = 4, speculative_max_running = 8, speculative_method = "ngram",
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -53,6 +54,7 @@ impl Scheduler {
         prompt_lookup_min: usize,
         prompt_lookup_max: usize,
         speculative_max_running: usize,
+        speculative_method: &str,
     ) -> PyResult<Self> {
         let config = SchedulerConfig {
             num_blocks,
@@ -67,10 +69,12 @@ impl Scheduler {
             eos_token_ids: eos_token_ids.unwrap_or_default(),
             sliding_window,
             speculative: SpeculativeConfig {
+                method: DraftMethod::parse(speculative_method)?,
                 num_speculative_tokens,
                 prompt_lookup_min,
                 prompt_lookup_max,
                 max_running: speculative_max_running,
+                ..SpeculativeConfig::default()
             },
         };
         Ok(Self {

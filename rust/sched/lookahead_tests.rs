@@ -227,6 +227,7 @@ fn continuation_plans_never_draft_though_schedule_does() {
         prompt_lookup_min: 1,
         prompt_lookup_max: 2,
         max_running: 4,
+        ..SpeculativeConfig::default()
     };
     let mut sched = Scheduler::new(c).unwrap();
     sched

@@ -9,6 +9,8 @@
 //!   and carries each constrained sequence's grammar matcher.
 //! - [`ngram_drafter`]: prompt-lookup drafts for speculative decoding
 //!   (the scheduler verifies them: `scheduler/speculation.rs`).
+//! - [`suffix_drafter`]: drafts from recent sequences' text (the `suffix`
+//!   method), an index the scheduler owns.
 //! - [`step_plan`]: everything the model runner needs to execute one step,
 //!   as flat arrays; the single place the format is documented.
 //!
@@ -28,3 +30,4 @@ mod scheduler_regression_tests;
 #[cfg(test)]
 mod scheduler_tests;
 pub mod step_plan;
+pub mod suffix_drafter;

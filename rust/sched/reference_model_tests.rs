@@ -31,7 +31,9 @@ use std::collections::HashMap;
 use crate::error::KvError;
 use crate::kv::prefix_cache::hash_block_tokens;
 use crate::sched::request::{FinishReason, RequestParams};
-use crate::sched::scheduler::{Policy, Scheduler, SchedulerConfig, SpeculativeConfig, TokenEvent};
+use crate::sched::scheduler::{
+    DraftMethod, Policy, Scheduler, SchedulerConfig, SpeculativeConfig, TokenEvent,
+};
 use crate::sched::step_plan::StepPlan;
 use crate::test_rng::SplitMix64;
 
@@ -163,10 +165,12 @@ fn speculative(seed: u64) -> SpeculativeConfig {
     }
     let prompt_lookup_min = 1 + rng.below(2);
     SpeculativeConfig {
+        method: [DraftMethod::Ngram, DraftMethod::Suffix][rng.below(2)],
         num_speculative_tokens: 1 + rng.below(4),
         prompt_lookup_min,
         prompt_lookup_max: prompt_lookup_min + rng.below(3),
         max_running: 1 + rng.below(6),
+        suffix_capacity: 8 + rng.below(200),
     }
 }
 

@@ -128,6 +128,8 @@ pub struct Sequence {
     /// for the step awaiting its update (else empty), and how many to draft.
     pub draft: Vec<u32>,
     pub spec_k: u32,
+    /// Its stream in the suffix drafter's index, once it drafted.
+    pub stream: Option<u64>,
 }
 
 impl Sequence {

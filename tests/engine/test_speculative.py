@@ -36,11 +36,13 @@ def make_llm(model: Path, spec: dict[str, Any] | None, steps: int = 1) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_model_dir: Path) -> tuple[LLM, LLM, LLM]:
-    """Without speculation; with it; with it and multi-step decode (the two take turns:
-    a step with drafts runs alone, one without may run several steps)."""
+def engines(tiny_model_dir: Path) -> tuple[LLM, ...]:
+    """Without speculation; with n-gram drafts; with them and multi-step decode (the two
+    take turns: a step with drafts runs alone, one without may run several steps); with
+    suffix drafts (across requests)."""
     return (make_llm(tiny_model_dir, None), make_llm(tiny_model_dir, SPEC),
-            make_llm(tiny_model_dir, SPEC, steps=4))
+            make_llm(tiny_model_dir, SPEC, steps=4),
+            make_llm(tiny_model_dir, {**SPEC, "method": "suffix"}))
 
 
 def run_all(llm: LLM) -> list[Any]:
@@ -74,9 +76,7 @@ def run_all(llm: LLM) -> list[Any]:
     return results
 
 
-def test_outputs_equal_the_engine_without_speculation(
-    engines: tuple[LLM, LLM, LLM],
-) -> None:
+def test_outputs_equal_the_engine_without_speculation(engines: tuple[LLM, ...]) -> None:
     plain, *speculating = engines
     want = run_all(plain)
     for spec in speculating:
@@ -116,6 +116,7 @@ def test_bad_speculative_configs_name_the_problem() -> None:
     assert config == SpeculativeConfig(num_speculative_tokens=3)
     for bad, words in [
         ({"method": "eagle"}, "not supported yet"),
+        ({"method": "draft_model"}, "not supported yet"),
         ({"method": "medusa2"}, "supported methods"),
         ({"num_speculative_tokens": 3}, "needs a method"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),

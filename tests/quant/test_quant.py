@@ -183,9 +183,9 @@ QUANT = {
     "attn_q.weight": "Q8_0",
     "attn_k.weight": "Q4_1",
     "attn_v.weight": "Q4_0",
-    "attn_output.weight": "Q4_1",
+    "attn_output.weight": "Q5_0",
     "ffn_gate.weight": "Q4_1",
-    "ffn_up.weight": "Q5_0",  # not kept: dequantized at load, as before
+    "ffn_up.weight": "F16",  # not kept: dequantized at load
     # Layers of different formats, as a K-quant mixture file (Q4_K_M) has them: ffn_down
     # is Q4_K, Q6_K, then float; with five layers the step runs groups (0, 1, 2) and
     # (3, 4), whose layers differ in structure (two compiled pieces, not one per length).
@@ -215,7 +215,8 @@ def test_gguf_blocks_stay_stored_and_match_the_dequantized_model(quantized_gguf:
         "embed": kept["embed_tokens"]["weight"].kind,
     }
     assert kinds == {"q": "q8_0", "k": "q4_1", "v": "q4_0", "down": "q6_k", "embed": "q8_0"}
-    assert not is_quantized(layer["mlp"]["up_proj"]["weight"])  # Q5_0: dequantized
+    assert layer["self_attn"]["o_proj"]["weight"].kind == "q5_0"
+    assert not is_quantized(layer["mlp"]["up_proj"]["weight"])  # F16: dequantized
     # Every kept tensor (q/k rows un-permuted as whole block rows) equals the float load.
     flat_kept = jax.tree_util.tree_leaves(kept, is_leaf=is_quantized)
     flat_dense = jax.tree_util.tree_leaves(dense)

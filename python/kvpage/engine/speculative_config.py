@@ -7,8 +7,10 @@ drafts and verifies (``rust/sched/scheduler/speculation.rs``); the device side i
 :mod:`kvpage.sampling.verification`.
 
 Methods: ``"ngram"`` (prompt lookup: the tokens that followed the latest earlier match of
-the sequence's last ``prompt_lookup_min..prompt_lookup_max`` tokens). vLLM's
-``"draft_model"`` and kvpage's ``"suffix"`` are named in the error until they land.
+the sequence's last ``prompt_lookup_min..prompt_lookup_max`` tokens), and ``"suffix"``
+(the same lookup over recent sequences' prompts and outputs too, its own included:
+GRPO's samples of one prompt, repeated tool output). vLLM's ``"draft_model"`` is named in
+the error until it lands.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram",)
-PLANNED_METHODS = ("draft_model", "suffix", "eagle", "eagle3", "medusa", "mtp")
+METHODS = ("ngram", "suffix")
+PLANNED_METHODS = ("draft_model", "eagle", "eagle3", "medusa", "mtp")
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +62,7 @@ class SpeculativeConfig:
     def scheduler_args(self) -> dict[str, int]:
         """The Rust ``Scheduler``'s keyword arguments for these settings."""
         return {
+            "speculative_method": self.method,
             "num_speculative_tokens": self.num_speculative_tokens,
             "prompt_lookup_min": self.prompt_lookup_min,
             "prompt_lookup_max": self.prompt_lookup_max,

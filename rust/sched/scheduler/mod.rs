@@ -73,7 +73,9 @@ mod requests;
 mod speculation;
 mod static_batching;
 
-pub use speculation::SpeculativeConfig;
+pub use speculation::{DraftMethod, SpeculativeConfig};
+
+use crate::sched::suffix_drafter::SuffixIndex;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Policy {
@@ -238,10 +240,13 @@ pub struct Scheduler {
     plan: StepPlan,
     pub stats: SchedulerStats,
     by_handle: FxHashMap<u64, u32>,
+    /// Recent sequences' token streams, with `DraftMethod::Suffix`.
+    suffix: Option<SuffixIndex>,
 }
 
 impl Scheduler {
     pub fn new(mut config: SchedulerConfig) -> KvResult<Self> {
+        let config_spec = config.speculative;
         let invalid = |msg: String| Err(KvError::InvalidArgument(msg));
         if config.max_num_seqs == 0 {
             return invalid("max_num_seqs must be >= 1".into());
@@ -307,6 +312,13 @@ impl Scheduler {
             plan: StepPlan::default(),
             stats: SchedulerStats::default(),
             by_handle: FxHashMap::default(),
+            suffix: (config_spec.method == DraftMethod::Suffix).then(|| {
+                SuffixIndex::new(
+                    config_spec.prompt_lookup_min,
+                    config_spec.prompt_lookup_max,
+                    config_spec.suffix_capacity,
+                )
+            }),
         })
     }
 

@@ -169,6 +169,7 @@ impl Scheduler {
             seat: None,
             draft: Vec::new(),
             spec_k: p.spec_k,
+            stream: None,
         };
         let child = self.new_seq(child);
         self.requests[request as usize]

@@ -52,6 +52,7 @@ impl Scheduler {
             seat: None,
             draft: Vec::new(),
             spec_k: self.config.speculative.num_speculative_tokens as u32,
+            stream: None,
         });
         self.requests[index as usize] = Some(Request {
             handle,

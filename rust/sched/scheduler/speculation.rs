@@ -2,7 +2,9 @@
 //! `k` drafted ones in one step, and keeps the drafts the model agrees with.
 //!
 //! Phase 2 (`budget.rs`) asks [`Scheduler::draft`] for a decoding sequence's
-//! drafts ([`super::super::ngram_drafter`]); the row then carries
+//! drafts (`DraftMethod::Ngram`: [`ngram_drafter`], its own text;
+//! `DraftMethod::Suffix`: [`SuffixIndex`], recent sequences' text, where a
+//! drafting sequence's stream is brought up to date first); the row then carries
 //! `1 + d` query tokens, its committed last token followed by the drafts, and
 //! `build_plan` emits one sampled row per position: sampled row `i` (offset
 //! `i`, logits index `first + i`, the same seat) gives the token after
@@ -40,13 +42,36 @@
 //! exactly `num_computed` tokens again and `num_computed == tokens.len() - 1`.
 
 use super::Scheduler;
-use crate::error::KvResult;
+use crate::error::{KvError, KvResult};
 use crate::sched::ngram_drafter;
 use crate::sched::request::SeqState;
+use crate::sched::suffix_drafter::SuffixIndex;
+
+/// Where drafts come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DraftMethod {
+    /// The sequence's own text ([`ngram_drafter`]).
+    Ngram,
+    /// Recent sequences' text, its own included ([`SuffixIndex`]).
+    Suffix,
+}
+
+impl DraftMethod {
+    pub fn parse(name: &str) -> KvResult<Self> {
+        match name {
+            "ngram" => Ok(Self::Ngram),
+            "suffix" => Ok(Self::Suffix),
+            _ => Err(KvError::InvalidArgument(format!(
+                "speculative method must be 'ngram' or 'suffix', got {name:?}"
+            ))),
+        }
+    }
+}
 
 /// Speculative decoding settings (vLLM's `--speculative-config` names).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SpeculativeConfig {
+    pub method: DraftMethod,
     /// Most drafted tokens per sequence and step; 0 turns speculation off.
     pub num_speculative_tokens: usize,
     /// Shortest and longest suffix the n-gram drafter matches.
@@ -54,15 +79,19 @@ pub struct SpeculativeConfig {
     pub prompt_lookup_max: usize,
     /// Sequences draft only while at most this many run.
     pub max_running: usize,
+    /// Tokens of recent streams the suffix drafter keeps.
+    pub suffix_capacity: usize,
 }
 
 impl Default for SpeculativeConfig {
     fn default() -> Self {
         Self {
+            method: DraftMethod::Ngram,
             num_speculative_tokens: 0,
             prompt_lookup_min: 2,
             prompt_lookup_max: 4,
             max_running: 8,
+            suffix_capacity: 1 << 18,
         }
     }
 }
@@ -104,14 +133,23 @@ impl Scheduler {
             return 0;
         }
         let mut draft = std::mem::take(&mut self.seq_mut(seq).draft);
-        let s = self.seq(seq);
-        ngram_drafter::propose(
-            &s.tokens,
-            spec.prompt_lookup_min,
-            spec.prompt_lookup_max,
-            k,
-            &mut draft,
-        );
+        if let Some(index) = self.suffix.as_mut() {
+            let s = self.seqs[seq as usize].as_mut().expect("live");
+            let stream = *s.stream.get_or_insert_with(|| index.open());
+            // Its text since it last drafted (all of it the first time).
+            let held = index.stream_len(stream).unwrap_or(s.tokens.len());
+            index.extend(stream, &s.tokens[held.min(s.tokens.len())..]);
+            index.propose(&s.tokens, k, &mut draft);
+        } else {
+            let s = self.seq(seq);
+            ngram_drafter::propose(
+                &s.tokens,
+                spec.prompt_lookup_min,
+                spec.prompt_lookup_max,
+                k,
+                &mut draft,
+            );
+        }
         let drafted = draft.len();
         self.seq_mut(seq).draft = draft;
         drafted

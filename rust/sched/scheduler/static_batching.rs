@@ -146,6 +146,7 @@ impl Scheduler {
             seat: None,
             draft: Vec::new(),
             spec_k: self.config.speculative.num_speculative_tokens as u32,
+            stream: None,
         });
         self.requests[request as usize]
             .as_mut()
