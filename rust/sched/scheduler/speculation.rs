@@ -3,7 +3,8 @@
 //!
 //! Phase 2 (`budget.rs`) asks [`Scheduler::draft`] for a decoding sequence's
 //! drafts (`DraftMethod::Ngram`: [`ngram_drafter`], its own text;
-//! `DraftMethod::Suffix`: [`SuffixIndex`], recent sequences' text, where a
+//! `DraftMethod::Suffix`: [`crate::sched::suffix_drafter::SuffixIndex`], recent
+//! sequences' text, where a
 //! drafting sequence's stream is brought up to date first); the row then carries
 //! `1 + d` query tokens, its committed last token followed by the drafts, and
 //! `build_plan` emits one sampled row per position: sampled row `i` (offset
@@ -45,14 +46,14 @@ use super::Scheduler;
 use crate::error::{KvError, KvResult};
 use crate::sched::ngram_drafter;
 use crate::sched::request::SeqState;
-use crate::sched::suffix_drafter::SuffixIndex;
 
 /// Where drafts come from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DraftMethod {
     /// The sequence's own text ([`ngram_drafter`]).
     Ngram,
-    /// Recent sequences' text, its own included ([`SuffixIndex`]).
+    /// Recent sequences' text, its own included
+    /// ([`crate::sched::suffix_drafter::SuffixIndex`]).
     Suffix,
 }
 
