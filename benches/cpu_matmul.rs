@@ -68,8 +68,8 @@ fn quantized_weights(kind: QuantType, outs: usize, inner: usize, seed: usize) ->
         .map(|i| ((i * 2654435761 + seed) >> 7) as u8)
         .collect();
     let scale_at: &[usize] = match kind {
-        QuantType::Q8_0 | QuantType::Q4_0 => &[0],
-        QuantType::Q4_1 | QuantType::Q4K => &[0, 2],
+        QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q5_0 => &[0],
+        QuantType::Q4_1 | QuantType::Q4K | QuantType::Q5_1 => &[0, 2],
         QuantType::Q6K => &[208],
         QuantType::Int8 => &[],
     };
