@@ -5,7 +5,8 @@ targets name Qwen2.5-Coder-0.5B Q4_K_M for code editing), each server in its own
 process on this machine, all up at once and taking turns workload by workload:
 
 * ``kvpage serve`` with its defaults (no speculation);
-* ``kvpage serve --speculative-config '{"method": "ngram", ...}'``;
+* ``kvpage serve --speculative-config '{"method": METHOD, ...}'`` for each of
+  ``--methods`` (``ngram``: the sequence's own text; ``suffix``: recent sequences' too);
 * llama.cpp's ``llama-server`` on the same file without speculation, and with each
   model-free ``--spec-type`` in ``--llama-spec-types`` (``--llama-server PATH``, else on
   PATH; skipped with a message when absent).
@@ -40,8 +41,8 @@ SPEC_COUNTERS = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_t
                  "spec_decode_num_accepted_tokens_total")
 
 
-def spec_config(tokens: int) -> str:
-    return json.dumps({"method": "ngram", "num_speculative_tokens": tokens,
+def spec_config(method: str, tokens: int) -> str:
+    return json.dumps({"method": method, "num_speculative_tokens": tokens,
                        "prompt_lookup_max": 4, "prompt_lookup_min": 2})
 
 
@@ -135,9 +136,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     top = max(args.mix_concurrency, 1)
     context = 2048
     plans: list[tuple[str, list[str]]] = []
-    for name, extra in (("kvpage", []),
-                        ("kvpage+ngram", ["--speculative-config",
-                                          spec_config(args.num_speculative_tokens)])):
+    kvpage_servers: list[tuple[str, list[str]]] = [("kvpage", [])] + [
+        (f"kvpage+{method}",
+         ["--speculative-config", spec_config(method, args.num_speculative_tokens)])
+        for method in args.methods
+    ]
+    for name, extra in kvpage_servers:
         port = free_port()
         plans.append((name, kvpage_serve_command(
             model, port, "--max-num-seqs", str(top), "--max-model-len", str(context),
@@ -190,7 +194,7 @@ def _baseline(name: str) -> str:
 
 def print_table(result: dict[str, Any]) -> None:
     print(f"model: {result['model']}; greedy; kvpage drafts up to "
-          f"{result['num_speculative_tokens']} tokens (ngram)")
+          f"{result['num_speculative_tokens']} tokens")
     rows = []
     for workload, by_server in result["workloads"].items():
         kvpage_off = by_server.get("kvpage", {}).get("output_tok_s")
@@ -232,6 +236,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--llama-server", default=None, help="llama-server binary (default: PATH)")
     p.add_argument("--llama-spec-types", nargs="*", default=["ngram-simple", "ngram-map-k"],
                    help="llama-server --spec-type values to run besides none")
+    p.add_argument("--methods", nargs="+", default=["ngram", "suffix"],
+                   choices=["ngram", "suffix"], help="kvpage drafters to run")
     p.add_argument("--num-speculative-tokens", type=int, default=5,
                    help="most drafted tokens per step (both engines)")
     p.add_argument("--mix-concurrency", type=int, default=8,
