@@ -168,6 +168,7 @@ class Scheduler:
         scheduling_policy: str = ...,
         eos_token_ids: list[int] | None = ...,
         sliding_window: int | None = ...,
+        group_shared_prefills: bool = ...,
         num_speculative_tokens: int = ...,
         prompt_lookup_min: int = ...,
         prompt_lookup_max: int = ...,

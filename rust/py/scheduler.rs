@@ -34,7 +34,7 @@ impl Scheduler {
         max_model_len = defaults::MAX_MODEL_LEN, enable_chunked_prefill = true,
         long_prefill_token_threshold = 0,
         enable_prefix_caching = true, scheduling_policy = "fcfs", eos_token_ids = None,
-        sliding_window = None, num_speculative_tokens = 0, prompt_lookup_min = 2,
+        sliding_window = None, group_shared_prefills = true, num_speculative_tokens = 0, prompt_lookup_min = 2,
         prompt_lookup_max = 4, speculative_max_running = 8, speculative_method = "ngram",
     ))]
     #[allow(clippy::too_many_arguments)]
@@ -50,6 +50,7 @@ impl Scheduler {
         scheduling_policy: &str,
         eos_token_ids: Option<Vec<u32>>,
         sliding_window: Option<u32>,
+        group_shared_prefills: bool,
         num_speculative_tokens: usize,
         prompt_lookup_min: usize,
         prompt_lookup_max: usize,
@@ -65,6 +66,7 @@ impl Scheduler {
             enable_chunked_prefill,
             long_prefill_token_threshold,
             enable_prefix_caching,
+            group_shared_prefills,
             policy: Policy::parse(scheduling_policy)?,
             eos_token_ids: eos_token_ids.unwrap_or_default(),
             sliding_window,
@@ -347,6 +349,7 @@ impl Scheduler {
         d.set_item("ghost_rows", s.ghost_rows)?;
         d.set_item("idle_seats_while_waiting", s.idle_seats_while_waiting)?;
         d.set_item("num_finished_requests", s.num_finished_requests)?;
+        d.set_item("prefill_waits", s.prefill_waits)?;
         d.set_item("num_aborted_requests", s.num_aborted_requests)?;
         d.set_item("spec_decode_num_drafts", s.num_drafts)?;
         d.set_item("spec_decode_num_draft_tokens", s.num_draft_tokens)?;

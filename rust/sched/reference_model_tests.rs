@@ -204,6 +204,7 @@ impl Harness {
             enable_chunked_prefill: chunked,
             long_prefill_token_threshold: [0, 0, 3, 7][rng.below(4)],
             enable_prefix_caching: rng.chance(4, 5),
+            group_shared_prefills: rng.chance(3, 4),
             policy,
             eos_token_ids: vec![EOS],
             sliding_window,

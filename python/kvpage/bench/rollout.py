@@ -12,6 +12,11 @@ early the samples happen to stop, and kvpage's steps shrink as rows finish while
 tunix's padded batch does not). Each engine is warmed up on the
 same batch first, then timed over ``--steps`` steps.
 
+``--long-prompts 1500`` swaps the questions for prompts of ~1,500 tokens (a ledger, then
+a question about it), the shape where prefill dominates; ``--compare-grouping`` also times
+kvpage with ``group_shared_prefills=False``, where each of a prompt's ``--samples`` copies
+prefills it (by default the first copy does and the others reuse its blocks).
+
 Printed: generated tokens/s and the ratio, compiles during the timed steps, the weight
 sync (``update_params`` from the trainer's state: time, compiles, arrays copied), peak
 RSS, each engine's KV memory, and the agreement of kvpage's sampled logprobs
@@ -35,24 +40,7 @@ from typing import Any
 
 import numpy as np
 
-PROMPTS = [
-    "Solve step by step: a farmer has 17 sheep and buys 3 times as many. How many now?",
-    "Write a haiku about the sea at night.",
-    "What is the capital of Australia, and why is it not Sydney?",
-    "Explain recursion to a ten year old in two sentences.",
-    "List three prime numbers greater than 50 and explain how you checked them.",
-    "Translate 'the cat sleeps on the warm roof' into French.",
-    "If a train leaves at 3 pm going 60 km/h, how far has it gone by 5:30 pm?",
-    "Give a short argument for and against remote work.",
-    "What does the Python expression sorted([3, 1, 2])[::-1] return?",
-    "Name two differences between a virus and a bacterium.",
-    "Summarise the plot of Romeo and Juliet in one sentence.",
-    "How many minutes are there in a week? Show the arithmetic.",
-    "Suggest a name for a bakery that only sells bread made with rye.",
-    "Why is the sky blue? Answer briefly.",
-    "Write a function signature in Rust that sums a slice of i64.",
-    "What is 12 squared minus 7 squared?",
-]
+from kvpage.bench.rollout_workloads import prompts as make_prompts
 
 
 def _peak_rss_gib() -> float:
@@ -83,6 +71,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--fixed-length", action="store_true",
                    help="every sample runs --max-tokens tokens (EOS set to an id the model "
                         "never samples in practice): equal work for both engines")
+    p.add_argument("--long-prompts", type=int, default=None, metavar="TOKENS",
+                   help="long prompts of about TOKENS tokens each (a ledger and a question) "
+                        "instead of the short questions; --max-prompt-length follows them")
+    p.add_argument("--compare-grouping", action="store_true",
+                   help="also time kvpage with --no-group-shared-prefills (every copy of a "
+                        "prompt prefills it)")
     p.add_argument("--skip-tunix", action="store_true", help="time kvpage only")
     p.add_argument("--json", default=None, help="write the figures to this JSON file")
     p.set_defaults(func=main)
@@ -113,42 +107,47 @@ def main(args: argparse.Namespace) -> int:
         print(f"kvpage bench rollout: {err}")
         return 2
     theta = config.rope.theta
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.prompts)]
+    prompts = make_prompts(tok, args.prompts, args.long_prompts)
     batch = [p for p in prompts for _ in range(args.samples)]
     rows = len(batch)
-    cache_size = args.max_prompt_length + args.max_tokens
+    longest = max(len(tok.encode(p)) for p in prompts)
+    max_prompt_length = max(args.max_prompt_length, -(-longest // 64) * 64)
+    cache_size = max_prompt_length + args.max_tokens
     rollout_config = base_rollout.RolloutConfig(
         max_tokens_to_generate=args.max_tokens, temperature=1.0, top_p=1.0,
-        max_prompt_length=args.max_prompt_length, kv_cache_size=cache_size,
+        max_prompt_length=max_prompt_length, kv_cache_size=cache_size,
         return_logprobs=True,
         eos_tokens=[config.vocab_size - 1] if args.fixed_length
         else list(config.eos_token_ids) or None,
     )
     figures: dict[str, Any] = {"rows": rows, "max_tokens": args.max_tokens,
-                               "model": str(path), "fixed_length": args.fixed_length}
+                               "model": str(path), "fixed_length": args.fixed_length,
+                               "prompt_tokens_max": longest}
 
     # ---- kvpage
     # enough KV for every row's prompt + completion (16-token blocks), not the 4 GiB default
     blocks = rows * (-(-cache_size // 16) + 1) + 64
+    engine_args = dict(rope_theta=theta, max_num_seqs=max(rows, 8), num_gpu_blocks=blocks,
+                       warmup="full")
+    # long prompts: warm up on one group (every bucket compiles at construction anyway)
+    warmup_batch = batch[: args.samples] if args.long_prompts else batch
+    if args.compare_grouping:
+        alone = KvpageRollout(model, tok, None, rollout_config, group_shared_prefills=False,
+                              **engine_args)
+        timed = _time_kvpage(alone, batch, warmup_batch, rollout_config, args.steps)
+        figures["kvpage_ungrouped_tok_s"] = timed["tok_s"]
+        figures["kvpage_ungrouped_prompt_tokens"] = timed["prompt_tokens"]
+        del alone
     start = time.perf_counter()
-    ours = KvpageRollout(model, tok, None, rollout_config, rope_theta=theta,
-                         max_num_seqs=max(rows, 8), num_gpu_blocks=blocks, warmup="full")
+    ours = KvpageRollout(model, tok, None, rollout_config, **engine_args)
     figures["kvpage_kv_gib"] = ours.llm.engine.runner.kv_cache_decision.total_bytes / 2**30
-    ours.generate(batch, rollout_config)  # warm-up (the engine compiled every bucket)
-    figures["kvpage_warmup_s"] = time.perf_counter() - start
-    ours.llm.reset_prefix_cache()
-    tokens, elapsed, compiles = 0, 0.0, 0
-    output = None
-    for _ in range(args.steps):
-        before = compile_counts()
-        t0 = time.perf_counter()
-        output = ours.generate(batch, rollout_config)
-        elapsed += time.perf_counter() - t0
-        compiles += (compile_counts() - before).compiled
-        tokens += _count_tokens(output)
-        ours.llm.reset_prefix_cache()
-    figures["kvpage_tok_s"] = tokens / elapsed
-    figures["kvpage_compiles_timed"] = compiles
+    timed = _time_kvpage(ours, batch, warmup_batch, rollout_config, args.steps, start)
+    figures["kvpage_warmup_s"] = timed["warmup_s"]
+    figures["kvpage_tok_s"] = timed["tok_s"]
+    figures["kvpage_compiles_timed"] = timed["compiles"]
+    figures["kvpage_prompt_tokens"] = timed["prompt_tokens"]
+    if args.compare_grouping:
+        figures["grouping_ratio"] = figures["kvpage_tok_s"] / figures["kvpage_ungrouped_tok_s"]
     figures["peak_rss_after_kvpage_gib"] = _peak_rss_gib()
 
     # weight sync from the trainer's state (the module's own Params)
@@ -165,11 +164,11 @@ def main(args: argparse.Namespace) -> int:
     temp = args.logprob_temperature
     check = base_rollout.RolloutConfig(
         max_tokens_to_generate=min(32, args.max_tokens), temperature=temp, top_p=1.0,
-        max_prompt_length=args.max_prompt_length, kv_cache_size=cache_size,
+        max_prompt_length=max_prompt_length, kv_cache_size=cache_size,
         # the model's own EOS: tunix's teacher-forced pass treats tokens after it as padding
         return_logprobs=True, eos_tokens=list(config.eos_token_ids) or None,
     )
-    sample = ours.generate(prompts[:4], check)
+    sample = ours.generate(prompts[: 2 if args.long_prompts else 4], check)
     width = max(len(t) for t in sample.tokens)
     completions = np.zeros((len(sample.tokens), width), np.int32)
     for r, t in enumerate(sample.tokens):
@@ -184,7 +183,7 @@ def main(args: argparse.Namespace) -> int:
              if len(lp)]
     figures["logprob_max_abs_diff"] = float(max(diffs))
     figures["logprob_temperature"] = temp
-    del ours, output
+    del ours
 
     # ---- tunix
     if not args.skip_tunix:
@@ -222,15 +221,46 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _time_kvpage(ours: Any, batch: list[str], warmup_batch: list[str], rollout_config: Any,
+                 steps: int, start: float | None = None) -> dict[str, float]:
+    """Warm ``ours`` up, then time ``steps`` rollout steps of ``batch`` (the prefix cache
+    reset before each): tok/s, compiles, and prompt tokens computed per step."""
+    from kvpage.system.compilation_cache import compile_counts
+
+    start = time.perf_counter() if start is None else start
+    ours.generate(warmup_batch, rollout_config)
+    figures = {"warmup_s": time.perf_counter() - start}
+    engine = ours.llm.engine
+    tokens, elapsed, compiles, prompt_tokens = 0, 0.0, 0, 0
+    for _ in range(steps):
+        ours.llm.reset_prefix_cache()
+        before = compile_counts()
+        scheduled = engine.get_stats()["prompt_tokens_scheduled"]
+        t0 = time.perf_counter()
+        output = ours.generate(batch, rollout_config)
+        elapsed += time.perf_counter() - t0
+        compiles += (compile_counts() - before).compiled
+        prompt_tokens += engine.get_stats()["prompt_tokens_scheduled"] - scheduled
+        tokens += _count_tokens(output)
+    ours.llm.reset_prefix_cache()
+    figures.update(tok_s=tokens / elapsed, compiles=compiles, prompt_tokens=prompt_tokens / steps)
+    return figures
+
+
 def _print(f: dict[str, Any]) -> None:
     length = "exactly" if f["fixed_length"] else "at most"
-    print(f"GRPO rollout: {f['rows']} samples x {length} {f['max_tokens']} tokens, "
-          f"temperature 1, {f['model']}")
+    print(f"GRPO rollout: {f['rows']} samples (prompts up to {f['prompt_tokens_max']} tokens) "
+          f"x {length} {f['max_tokens']} tokens, temperature 1, {f['model']}")
     line = f"  kvpage {f['kvpage_tok_s']:.1f} tok/s"
     if "tunix_tok_s" in f:
         line += (f" | tunix VanillaRollout {f['tunix_tok_s']:.1f} tok/s | "
                  f"ratio {f['ratio_tok_s']:.2f}x")
     print(line)
+    if "kvpage_ungrouped_tok_s" in f:
+        print(f"  prefill grouping: on {f['kvpage_tok_s']:.1f} tok/s, "
+              f"{f['kvpage_prompt_tokens']:.0f} prompt tokens computed | off "
+              f"{f['kvpage_ungrouped_tok_s']:.1f} tok/s, "
+              f"{f['kvpage_ungrouped_prompt_tokens']:.0f} | ratio {f['grouping_ratio']:.2f}x")
     print(f"  compiles during the timed steps: kvpage {f['kvpage_compiles_timed']}"
           + (f", tunix {f['tunix_compiles_timed']}" if "tunix_compiles_timed" in f else ""))
     print(f"  weight sync: kvpage {f['kvpage_sync_ms']:.2f} ms, "

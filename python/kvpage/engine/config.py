@@ -39,6 +39,11 @@ class EngineConfig:
     kv_cache_memory: int | None = None
     """Bytes for the KV cache; overrides the memory-based sizing."""
     enable_prefix_caching: bool = True
+    group_shared_prefills: bool = True
+    """A waiting request whose prompt shares whole KV blocks with one being prefilled waits
+    for those blocks and reuses them from the prefix cache instead of computing them again
+    (``rust/sched/scheduler/prefill_grouping.rs``): GRPO's n copies of a prompt, or a burst
+    behind one long system prompt, prefill it once. Needs the prefix cache."""
     enable_chunked_prefill: bool = True
     max_model_len: int | None = None
     dtype: str = "auto"
@@ -217,6 +222,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=d.enable_prefix_caching,
         help="reuse KV of shared prompt prefixes",
+    )
+    g.add_argument(
+        "--group-shared-prefills",
+        action=argparse.BooleanOptionalAction,
+        default=d.group_shared_prefills,
+        help="requests whose prompts share blocks with one being prefilled wait for it and "
+        "reuse its KV instead of computing the same prefix again",
     )
     g.add_argument(
         "--enable-chunked-prefill",

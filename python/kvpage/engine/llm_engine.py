@@ -122,6 +122,7 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             enable_prefix_caching=config.enable_prefix_caching,
+            group_shared_prefills=config.group_shared_prefills,
             scheduling_policy=config.scheduling_policy,
             eos_token_ids=self.eos_token_ids,
             # Every layer slides: blocks that leave the window go back to the pool (the

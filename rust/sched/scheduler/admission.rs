@@ -1,8 +1,12 @@
 //! Admission (phase 3 of a step): while the token budget and
 //! `max_num_seqs` allow, waiting sequences get a page table and their
-//! prefix-cache hit; only the uncached suffix is prefilled.
+//! prefix-cache hit; only the uncached suffix is prefilled. A sequence whose
+//! prompt another is prefilling right now waits for it
+//! (`prefill_grouping.rs`).
 
-use super::{Scheduled, Scheduler};
+use std::ops::Bound::{Excluded, Unbounded};
+
+use super::{Scheduled, Scheduler, WaitKey};
 use crate::error::{KvError, KvResult};
 use crate::sched::request::SeqState;
 
@@ -61,12 +65,27 @@ impl Scheduler {
         1 + self.seq(seq).forks_pending as usize
     }
 
+    /// Admit waiting sequences in queue order; one that waits for a shared
+    /// prefill (`prefill_grouping.rs`) is passed over, at most
+    /// `max_num_seqs` of them a step.
     pub(super) fn admit_waiting(&mut self, budget: &mut usize) -> KvResult<()> {
+        let mut passed: Option<WaitKey> = None;
+        let mut num_passed = 0;
         while *budget > 0 {
-            let Some(&key) = self.waiting.first() else {
+            let next = match passed {
+                Some(after) => self.waiting.range((Excluded(after), Unbounded)).next(),
+                None => self.waiting.first(),
+            };
+            let Some(&key) = next else {
                 break;
             };
             let seq = key.2;
+            if num_passed < self.config.max_num_seqs && self.waits_for_shared_prefill(seq) {
+                passed = Some(key);
+                num_passed += 1;
+                self.stats.prefill_waits += 1;
+                continue;
+            }
             if self.occupied_seats() + self.seats(seq) > self.config.max_num_seqs {
                 break;
             }

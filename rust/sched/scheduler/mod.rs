@@ -11,7 +11,8 @@
 //! 3. `admit_waiting` (`admission.rs`): while the token budget and
 //!    `max_num_seqs` allow, admit waiting sequences after matching the prefix
 //!    cache; only the uncached suffix is prefilled (the last prompt token
-//!    always is).
+//!    always is). A sequence whose prompt shares blocks with one being
+//!    prefilled now waits for them (`prefill_grouping.rs`).
 //! 4. `build_plan` (`plan.rs`): flatten the scheduled rows into the step
 //!    plan, fork n > 1 requests whose prompt completes, cache newly full
 //!    blocks. With a sliding window (`SchedulerConfig::sliding_window`), each
@@ -69,6 +70,7 @@ mod invariants;
 mod lookahead;
 mod plan;
 mod preemption;
+mod prefill_grouping;
 mod requests;
 mod speculation;
 mod static_batching;
@@ -122,6 +124,10 @@ pub struct SchedulerConfig {
     /// Most tokens one prompt may take in one step (0 = no cap).
     pub long_prefill_token_threshold: usize,
     pub enable_prefix_caching: bool,
+    /// A waiting sequence whose prompt shares whole blocks with one being
+    /// prefilled waits for those blocks instead of computing them again
+    /// (`prefill_grouping.rs`); needs the prefix cache.
+    pub group_shared_prefills: bool,
     pub policy: Policy,
     pub eos_token_ids: Vec<u32>,
     /// Sliding-window attention: `Some(W)` only when every attention layer
@@ -147,6 +153,7 @@ impl Default for SchedulerConfig {
             enable_chunked_prefill: true,
             long_prefill_token_threshold: 0,
             enable_prefix_caching: true,
+            group_shared_prefills: true,
             policy: Policy::Fcfs,
             eos_token_ids: Vec::new(),
             sliding_window: None,
@@ -170,6 +177,9 @@ pub struct SchedulerStats {
     /// Seats left empty in steps where sequences were waiting.
     pub idle_seats_while_waiting: u64,
     pub num_finished_requests: u64,
+    /// Steps a waiting sequence was held back for a prompt another one was
+    /// prefilling (`prefill_grouping.rs`), summed over sequences.
+    pub prefill_waits: u64,
     pub num_aborted_requests: u64,
     /// Speculative decoding: verified sequence rows, their drafted tokens,
     /// and the drafts the model accepted (`speculation.rs`).

@@ -68,6 +68,10 @@ fn randomized_workloads_keep_invariants_and_return_every_block() {
                 sched.stats.num_preemptions > 10,
                 "the workload must exercise preemption"
             );
+            assert!(
+                sched.stats.prefill_waits > 10,
+                "the workload must exercise prefill grouping"
+            );
         } else {
             assert!(
                 sched.stats.ghost_rows > 10,
