@@ -20,6 +20,7 @@ _LAZY = {
     "CompletionOutput": "kvpage.outputs",
     "StructuredOutputsParams": "kvpage.structured_outputs.params",
     "GuidedDecodingParams": "kvpage.structured_outputs.params",
+    "LoRARequest": "kvpage.lora.request",
 }
 
 __all__ = ["BlockPool", "KVCacheManager", "KVPageError", "Scheduler", *_LAZY]

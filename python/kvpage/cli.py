@@ -75,6 +75,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvpage.system.extras import SERVE_MODULES, require
 
     require("kvpage serve", SERVE_MODULES)  # before the model loads, not at the first request
+    from kvpage.lora.request import LoRARequest
     from kvpage.openai.run import run_server
 
     if args.warmup is None:
@@ -84,7 +85,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args, args.model)
     run_server(args.model, args.host, args.port, args.api_key, config,
                public_metrics=args.public_metrics or None,
-               served_model_name=args.served_model_name, metrics_prefix=args.metrics_prefix)
+               served_model_name=args.served_model_name, metrics_prefix=args.metrics_prefix,
+               lora_modules=LoRARequest.parse_modules(args.lora_modules or []))
     return 0
 
 
@@ -130,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="serve /metrics without the API key (it is protected by default)")
     serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                        help="the model name(s) clients use (default: the MODEL argument)")
+    serve.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                       help="LoRA adapters (PEFT directories) clients name in 'model'; "
+                       "needs --enable-lora")
     serve.add_argument("--metrics-prefix", default="kvpage", choices=("kvpage", "vllm"),
                        help="Prometheus name prefix; 'vllm' serves vllm:* series, so vLLM's "
                        "Grafana dashboard and alerts work unchanged")

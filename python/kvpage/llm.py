@@ -16,6 +16,7 @@ import numpy as np
 from kvpage.engine.config import EngineConfig
 from kvpage.engine.intake import PromptType
 from kvpage.engine.llm_engine import LLMEngine
+from kvpage.lora.request import LoRARequest
 from kvpage.model.config import ModelConfig
 from kvpage.outputs import RequestOutput
 from kvpage.outputs.rollout import (
@@ -86,15 +87,24 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
         A prompt is a string or ``{"prompt_token_ids": [...]}``;
-        ``sampling_params`` is one for all prompts or one per prompt.
+        ``sampling_params`` is one for all prompts or one per prompt; ``lora_request``
+        (with ``enable_lora``) one adapter for all, or one per prompt (None: the base
+        model), mixed within the same steps.
         """
         prompts, params_list = _pair_params(prompts, sampling_params)
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras: Sequence[LoRARequest | None] = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
         ids = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
@@ -105,6 +115,7 @@ class LLM:
                     params,
                     priority=priority[i] if priority else 0,
                     final_only=True,
+                    lora_request=loras[i],
                 )
                 ids.append(request_id)
             return self._run(ids, use_tqdm)

@@ -47,6 +47,7 @@ from kvpage.engine.request_stream import (
     put_all,
     settle_all,
 )
+from kvpage.lora.request import LoRARequest
 from kvpage.outputs import RequestOutput
 from kvpage.sampling.params import SamplingParams
 from kvpage.system.gc_heap import freeze_startup_heap, release_startup_heap
@@ -71,6 +72,7 @@ class _Add:
     arrival_time: float
     accepted: asyncio.Future[None]
     final_only: bool = False
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(slots=True)
@@ -181,8 +183,10 @@ class AsyncLLMEngine:
         cache_salt: str | None = None,
         *,
         final_only: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
-        """Queue a request; returns its stream of ``RequestOutput`` deltas
+        """Queue a request (under ``lora_request``'s adapter, if given); returns its
+        stream of ``RequestOutput`` deltas
         once the engine thread has accepted it. With ``final_only`` the stream
         yields one output, the finished request (whole texts and token ids,
         assembled by the engine's output streams).
@@ -200,7 +204,7 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         stream = RequestStream(self, request_id, loop)
         op = _Add(stream, prompt, params, priority, cache_salt, time.monotonic(),
-                  loop.create_future(), final_only)
+                  loop.create_future(), final_only, lora_request)
         with self._cond:
             if not self.accepting:
                 raise EngineClosedError("the engine is shutting down; no new requests")
@@ -344,7 +348,7 @@ class AsyncLLMEngine:
             self.engine.add_request(
                 stream.request_id, op.prompt, op.params, op.priority, op.cache_salt,
                 delta=not op.final_only, final_only=op.final_only,
-                arrival_time=op.arrival_time,
+                arrival_time=op.arrival_time, lora_request=op.lora_request,
             )
         except Exception as exc:
             return exc

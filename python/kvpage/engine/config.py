@@ -81,6 +81,13 @@ class EngineConfig:
     ``$XDG_CACHE_HOME/kvpage/xla`` (``~/.cache/kvpage/xla``), a path uses that directory,
     None turns it off. A cache the process already configured is left alone."""
 
+    enable_lora: bool = False
+    """Serve LoRA adapters (:mod:`kvpage.lora`): requests name one with a
+    :class:`~kvpage.lora.LoRARequest`; up to ``max_loras`` are resident at once, mixed
+    within a step, of rank up to ``max_lora_rank``."""
+    max_loras: int = 1
+    max_lora_rank: int = 16
+
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     """Speculative decoding (vLLM's ``--speculative-config``, :mod:`kvpage.engine.\
 speculative_config`): e.g. ``{"method": "ngram", "num_speculative_tokens": 5}``; a dict or
@@ -98,6 +105,8 @@ speculative_config`): e.g. ``{"method": "ngram", "num_speculative_tokens": 5}``;
         positive("max_num_batched_tokens")
         positive("block_size", 1024)
         positive("tensor_parallel_size", 4096)
+        positive("max_loras", 1024)
+        positive("max_lora_rank", 1024)
         if self.num_gpu_blocks is not None:
             positive("num_gpu_blocks", (1 << 31) - 2)
         if self.max_model_len is not None:
@@ -223,6 +232,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=d.enable_prefix_caching,
         help="reuse KV of shared prompt prefixes",
     )
+    g.add_argument(
+        "--enable-lora",
+        action=argparse.BooleanOptionalAction,
+        default=d.enable_lora,
+        help="serve LoRA adapters (requests name one; see --lora-modules)",
+    )
+    g.add_argument("--max-loras", type=int, default=d.max_loras,
+                   help="LoRA adapters resident at once (mixed within a step)")
+    g.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
+                   help="largest LoRA rank an adapter may have")
     g.add_argument(
         "--group-shared-prefills",
         action=argparse.BooleanOptionalAction,

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvpage.engine.requests import Request
+from kvpage.lora.request import LoRARequest
 from kvpage.outputs import RequestMetrics
 from kvpage.sampling.params import SamplingParams
 
@@ -66,12 +67,20 @@ class RequestIntake:
         self, request_id: str, prompt: PromptType, params: SamplingParams | None,
         priority: int, cache_salt: str | None, *, delta: bool, final_only: bool,
         arrival_time: float | None, score_from: int | None, logprobs_as_arrays: bool,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """See ``LLMEngine.add_request``."""
         params = params or SamplingParams()
         self._check_room(request_id, priority)
         text, ids = prompt_ids(prompt, self._ctx.tokenizer)
         grammar = self._check(ids, params, score_from, logprobs_as_arrays)
+        lora = self._requests.lora
+        if lora_request is not None:
+            if lora is None:
+                raise ValueError("a LoRA request needs an engine built with enable_lora=True")
+            lora.add_adapter(lora_request)  # loads and checks it; nothing queued yet
+            # An adapter's KV differs from the base model's: its own prefix-cache space.
+            cache_salt = lora_request.cache_salt + (f"/{cache_salt}" if cache_salt else "")
         handle = self._ctx.scheduler.add_request(
             np.asarray(ids, np.int64),
             n=params.n,
@@ -84,6 +93,13 @@ class RequestIntake:
             # With score_from, position score_from - 1 is computed (it scores score_from).
             max_cached_tokens=None if score_from is None else score_from - 1,
         )
+        if lora_request is not None:
+            assert lora is not None
+            try:
+                lora.acquire(handle, lora_request)
+            except ValueError:
+                self._ctx.scheduler.abort_request(handle)
+                raise
         if grammar is not None:
             self._structured.constrain(handle, grammar)
         if params.uses_penalties:

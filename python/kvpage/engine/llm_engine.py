@@ -62,6 +62,8 @@ from kvpage.engine.scoring import PromptScoring
 from kvpage.engine.structured import StructuredOutputs
 from kvpage.engine.timing import DeviceWait, StepTiming
 from kvpage.engine.update import StepUpdate
+from kvpage.lora.request import LoRARequest
+from kvpage.lora.slots import LoRASlots
 from kvpage.model.config import ModelConfig
 from kvpage.model.tokenizer_cache import TOKENIZER_DIR_NAME
 from kvpage.outputs import RequestOutput
@@ -140,6 +142,9 @@ class LLMEngine:
         )
         self.counters = ctx.counters
         requests = self._requests = RequestTable()
+        self.lora: LoRASlots | None = LoRASlots(runner) if config.enable_lora else None
+        """Which LoRA adapter sits in which slot (``enable_lora``)."""
+        requests.lora = self.lora
         logprobs = SampledLogprobs(requests)
         self._outputs = EngineOutputs(ctx, requests, logprobs)
         self._structured = StructuredOutputs(ctx, requests)
@@ -260,6 +265,7 @@ class LLMEngine:
         arrival_time: float | None = None,
         score_from: int | None = None,
         logprobs_as_arrays: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request. Raises ValueError naming what is wrong with it,
         or QueueFullError when the waiting queue is at its bound.
@@ -268,11 +274,12 @@ class LLMEngine:
         from that index on; the prefix cache may still supply the positions before it
         (a shared prompt is computed once for all the completions scored after it).
         ``logprobs_as_arrays`` (with ``params.logprobs == 0``): each sample's sampled
-        logprobs come back as one float32 array, ``CompletionOutput.logprob_array``."""
+        logprobs come back as one float32 array, ``CompletionOutput.logprob_array``.
+        ``lora_request``: run under that LoRA adapter (needs ``enable_lora``)."""
         self._intake.add(
             request_id, prompt, params, priority, cache_salt, delta=delta,
             final_only=final_only, arrival_time=arrival_time, score_from=score_from,
-            logprobs_as_arrays=logprobs_as_arrays,
+            logprobs_as_arrays=logprobs_as_arrays, lora_request=lora_request,
         )
 
     def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:

@@ -118,4 +118,7 @@ def build_model_runner(
         kv_cache_memory=config.kv_cache_memory,
         kv_cache_dtype=config.kv_cache_dtype,
         num_scheduler_steps=config.num_scheduler_steps,
+        enable_lora=config.enable_lora,
+        max_loras=config.max_loras,
+        max_lora_rank=config.max_lora_rank,
     )

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvpage._core import OutputStreams
+    from kvpage.lora.slots import LoRASlots
     from kvpage.outputs import Logprob, RequestMetrics
     from kvpage.outputs.output_streams import PythonOutputStreams
     from kvpage.outputs.prompt_logprobs import PromptLogprobsRecord
@@ -52,7 +53,7 @@ class Request:
 class RequestTable:
     """The live requests, by ``request_id`` and by scheduler ``handle``."""
 
-    __slots__ = ("_by_id", "by_handle", "constrained", "logprobs", "scoring")
+    __slots__ = ("_by_id", "by_handle", "constrained", "logprobs", "lora", "scoring")
 
     def __init__(self) -> None:
         self._by_id: dict[str, Request] = {}
@@ -63,6 +64,8 @@ class RequestTable:
         """The requests whose prompt still has tokens to score, by handle."""
         self.constrained: set[int] = set()
         """Handles of the requests that follow a grammar."""
+        self.lora: LoRASlots | None = None
+        """The engine's LoRA slots (``enable_lora``): a removed request unpins its slot."""
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -93,3 +96,5 @@ class RequestTable:
         self.constrained.discard(request.handle)
         self.scoring.pop(request.handle, None)
         self.logprobs.discard(request.handle)
+        if self.lora is not None:
+            self.lora.release(request.handle)

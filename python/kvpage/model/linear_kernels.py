@@ -41,6 +41,9 @@ from kvpage.model.transposed_weight import TransposedWeight
 from kvpage.quant.weights import QuantizedWeight
 
 _HOST_MATMULS = contextvars.ContextVar("kvpage_host_matmuls", default=False)
+_LORA_SLOTS: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar(
+    "kvpage_lora_slots", default=None
+)
 _LIVE_ROWS: contextvars.ContextVar[tuple[int, jax.Array] | None] = contextvars.ContextVar(
     "kvpage_live_rows", default=None
 )
@@ -72,6 +75,18 @@ def live_rows_of(rows: int) -> jax.Array | None:
     """The live row count of a product of ``rows`` rows inside :func:`live_rows`, or None."""
     scope = _LIVE_ROWS.get()
     return scope[1] if scope is not None and scope[0] == rows else None
+
+
+@contextlib.contextmanager
+def lora_slots(slots: jax.Array | None) -> Iterator[None]:
+    """Within the block, :func:`linear` adds each row's LoRA adapter: row ``t`` uses the
+    layer's adapter stack entry ``slots[t]`` (int32 ``[T]``; entry 0 holds zeros, for
+    rows without an adapter). Outside it, or with None, adapters are ignored."""
+    token = _LORA_SLOTS.set(slots)
+    try:
+        yield
+    finally:
+        _LORA_SLOTS.reset(token)
 
 
 def host_kernels_enabled() -> bool:
@@ -151,7 +166,23 @@ def linear(x: jax.Array, layer: dict[str, Any]) -> jax.Array:
     y = matmul_nt(x, layer["weight"])
     if "bias" in layer:
         y = y + layer["bias"]
+    slots = _LORA_SLOTS.get()
+    if "lora_a" in layer and slots is not None:
+        y = y + lora_delta(x, layer["lora_a"], layer["lora_b"], slots)
     return y.astype(x.dtype)
+
+
+def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array) -> jax.Array:
+    """float32 ``x[t] . A[slots[t]]^T . B[slots[t]]^T``: each row through its own adapter
+    (``a [L, r, in]``, ``b [L, out, r]``, the scale folded into ``b``), as two
+    expert-indexed products (:func:`kvpage.model.moe.expert_matmul_nt`: on CPU the Rust
+    kernel reads each adapter in use once per call; on a GPU the Pallas grouped matmul)."""
+    from kvpage.model.moe import expert_matmul_nt  # moe imports this module
+
+    flat = x.reshape(-1, x.shape[-1])
+    shrunk = expert_matmul_nt(flat, a, slots)
+    out = expert_matmul_nt(shrunk.astype(b.dtype), b, slots)
+    return out.reshape(*x.shape[:-1], b.shape[1])
 
 
 def embedding_rows(weight: jax.Array | QuantizedWeight, token_ids: jax.Array) -> jax.Array:

@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from kvpage.engine.async_engine import AsyncLLMEngine
+from kvpage.lora.request import LoRARequest
 from kvpage.openai import chat, completions, tokenization
 from kvpage.openai.errors import add_error_handlers, error_response
 from kvpage.openai.guard import DEFAULT_MAX_BODY_BYTES, OPEN_PATHS, Guard
@@ -37,6 +38,7 @@ def build_app(
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     public_metrics: bool = False,
+    lora_modules: Sequence[LoRARequest] = (),
 ) -> FastAPI:
     """The OpenAI-compatible app over a running ``AsyncLLMEngine``.
 
@@ -44,7 +46,9 @@ def build_app(
     first is reported in responses when a request names none). With
     ``api_key``, every route but ``/health`` (and ``/metrics`` when
     ``public_metrics``) needs ``Authorization: Bearer <api_key>``. Bodies over
-    ``max_body_bytes`` get 413. The app does not shut the engine down.
+    ``max_body_bytes`` get 413. ``lora_modules``: adapters clients may name in ``model``
+    (listed by ``/v1/models`` with the base model as parent). The app does not shut the
+    engine down.
     """
     names = [served_model_name] if isinstance(served_model_name, str) \
         else list(served_model_name)
@@ -54,7 +58,7 @@ def build_app(
     # closure: FastAPI caches endpoint functions process-wide, and a closure over the
     # engine would pin its compiled executables after the app is gone.
     app = FastAPI(title="kvpage", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.kvpage = ServerState(async_engine, names)
+    app.state.kvpage = ServerState(async_engine, names, list(lora_modules))
     open_paths = OPEN_PATHS | {"/metrics"} if public_metrics else OPEN_PATHS
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes,
                        open_paths=open_paths)

@@ -23,6 +23,7 @@ from typing import Any
 
 from kvpage.engine.async_engine import AsyncLLMEngine
 from kvpage.engine.config import EngineConfig
+from kvpage.lora.request import LoRARequest
 from kvpage.model.tokenizer_cache import CachedTokenizer
 from kvpage.openai.app import build_app
 from kvpage.openai.guard import DEFAULT_MAX_BODY_BYTES
@@ -93,6 +94,7 @@ def run_server(
     log_level: str = "info",
     public_metrics: bool | None = None,
     metrics_prefix: str = "kvpage",
+    lora_modules: Sequence[LoRARequest] = (),
 ) -> None:
     """Serve the model in ``model_dir`` until SIGTERM/SIGINT; then stop
     accepting, let running requests finish for up to ``grace_seconds``, abort
@@ -106,7 +108,8 @@ def run_server(
     ``public_metrics`` (default: the ``KVPAGE_PUBLIC_METRICS`` environment
     variable is 1) serves ``/metrics`` without the key. ``served_model_name``
     defaults to ``model_dir`` as given. ``metrics_prefix`` "vllm" names the
-    Prometheus series ``vllm:*`` (vLLM's dashboards work unchanged).
+    Prometheus series ``vllm:*`` (vLLM's dashboards work unchanged). ``lora_modules``
+    (needs ``enable_lora``): adapters served under their names, loaded at startup.
     """
     import uvicorn
 
@@ -125,10 +128,15 @@ def run_server(
         public_metrics = os.environ.get("KVPAGE_PUBLIC_METRICS", "") == "1"
     if api_key is None:
         api_key = os.environ.get("KVPAGE_API_KEY") or None
+    if lora_modules and not config.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     names = served_model_name or str(model_dir)
     first = names if isinstance(names, str) else names[0]
     logger.info("loading %s", model_dir)
     engine = AsyncLLMEngine.from_config(config, model_name=first, metrics_prefix=metrics_prefix)
+    for lora in lora_modules:  # a bad adapter stops the start, naming the problem
+        assert engine.engine.lora is not None
+        engine.engine.lora.add_adapter(lora)
     tokenizer = engine.tokenizer
     if isinstance(tokenizer, CachedTokenizer):  # chat templates need the HF tokenizer:
         # built once the warm-up is done (its import holds the GIL for ~1.5 s, which the
@@ -147,7 +155,8 @@ def run_server(
 
     try:
         app = build_app(engine, served_model_name=names, api_key=api_key,
-                        max_body_bytes=max_body_bytes, public_metrics=public_metrics)
+                        max_body_bytes=max_body_bytes, public_metrics=public_metrics,
+                        lora_modules=lora_modules)
         # uvicorn's own bound only matters if aborted streams fail to close
         uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                    timeout_graceful_shutdown=math.ceil(grace_seconds) + 5,

@@ -19,6 +19,7 @@ from typing import Any
 from fastapi import Request
 
 from kvpage.engine.async_engine import AsyncLLMEngine, RequestStream
+from kvpage.lora.request import LoRARequest
 from kvpage.openai.errors import engine_error
 from kvpage.openai.generation import Echo, Generation, Usage
 from kvpage.openai.protocol import (
@@ -39,9 +40,13 @@ def server_state(request: Request) -> ServerState:
 class ServerState:
     """The state behind the routes."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_names: list[str]) -> None:
+    def __init__(self, engine: AsyncLLMEngine, model_names: list[str],
+                 lora_modules: list[LoRARequest] | None = None) -> None:
         self.engine = engine
-        self.model_names = model_names
+        self.base_model_names = model_names
+        self.lora_modules = {r.lora_name: r for r in lora_modules or []}
+        """Adapters clients name in ``model`` (``--lora-modules``)."""
+        self.model_names = model_names + list(self.lora_modules)
         self.created = int(time.time())
         self._token_text: dict[int, str] = {}
 
@@ -55,9 +60,11 @@ class ServerState:
                        param="model", code="model_not_found")
 
     def model_card(self, name: str) -> dict[str, Any]:
+        lora = self.lora_modules.get(name)
+        root, parent = (self.model_names[0], None) if lora is None else \
+            (lora.lora_path, self.model_names[0])
         return {"id": name, "object": "model", "created": self.created, "owned_by": "kvpage",
-                "root": self.model_names[0], "parent": None,
-                "max_model_len": self.engine.max_model_len}
+                "root": root, "parent": parent, "max_model_len": self.engine.max_model_len}
 
     @property
     def tokenizer(self) -> Any:
@@ -153,7 +160,8 @@ class ServerState:
             # A non-streaming request takes only its final output: the engine's
             # output streams assemble the whole texts and token ids.
             *(self.engine.add_request(rid, prompt, params, body.priority, body.cache_salt,
-                                      final_only=not body.stream)
+                                      final_only=not body.stream,
+                                      lora_request=self.lora_modules.get(model))
               for rid, prompt in zip(ids, prompts, strict=True)),
             return_exceptions=True,
         )

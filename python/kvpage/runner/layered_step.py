@@ -49,7 +49,7 @@ import jax.numpy as jnp
 from kvpage.model.attention import AttentionBackend
 from kvpage.model.config import ModelConfig
 from kvpage.model.decoder import KVPool, decoder_layer, embed_tokens
-from kvpage.model.linear_kernels import live_rows
+from kvpage.model.linear_kernels import live_rows, lora_slots
 from kvpage.model.params import Params
 from kvpage.runner.kv_cache import KVPools
 from kvpage.runner.prompt_scoring import score_prompt_tokens
@@ -239,10 +239,11 @@ def make_layers(
         for layer, pool, layer_type in zip(layers, pools, layer_types, strict=True):
             if layout.num_copies:
                 pool = copy_blocks([pool], a.copy_src, a.copy_dst)[0]
-            hidden, pool = decoder_layer(
-                config, layer, hidden, a.positions, pool, a.meta, backend, decode_only,
-                layer_type,
-            )
+            with lora_slots(a.lora_slots):
+                hidden, pool = decoder_layer(
+                    config, layer, hidden, a.positions, pool, a.meta, backend, decode_only,
+                    layer_type,
+                )
             out.append(pool)
         return hidden, out
 

@@ -41,6 +41,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from kvpage.lora.adapter import LoRAAdapter
+from kvpage.lora.stacks import LoRAStacks, stacks_dtype
 from kvpage.model.attention import get_attention_backend
 from kvpage.model.config import ModelConfig
 from kvpage.model.params import Params, check_same_layout, validate_params
@@ -111,6 +113,9 @@ class ModelRunner:
         num_scheduler_steps: most decode steps one device call may run
             (:mod:`kvpage.runner.multi_step`); 1 runs every step on its own; None:
             :func:`default_scheduler_steps`.
+        enable_lora: give every adaptable projection LoRA stacks of ``max_loras`` slots
+            of rank up to ``max_lora_rank`` (:mod:`kvpage.lora.stacks`), filled by
+            :meth:`load_lora`; each step's rows use their request's slot.
     """
 
     def __init__(
@@ -139,6 +144,9 @@ class ModelRunner:
         tensor_parallel_size: int = 1,
         mesh: Mesh | None = None,
         num_scheduler_steps: int | None = None,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
     ) -> None:
         if max_model_len <= 0 or block_size <= 0:
             raise ValueError("max_model_len and block_size must be positive")
@@ -160,6 +168,13 @@ class ModelRunner:
         )
         self.backend = get_attention_backend(attention_backend)
         validate_params(config, params)
+        self.lora: LoRAStacks | None = None
+        """The adapter stacks (:mod:`kvpage.lora.stacks`) with ``enable_lora``."""
+        if enable_lora:
+            if mesh is not None:
+                raise ValueError("LoRA adapters are not supported with tensor parallelism yet")
+            self.lora = LoRAStacks(max_loras, max_lora_rank)
+            params = self.lora.attach(params, stacks_dtype(params))
         if mesh is not None:
             self.backend = shard_attention_backend(self.backend, mesh)
         self.placement = Placement(config, params, mesh, self.device)
@@ -301,9 +316,22 @@ class ModelRunner:
         number of leaves that had to be transferred (0: nothing was copied).
         """
         validate_params(self.config, params)
+        if self.lora is not None:  # the resident adapters stay
+            params = self.lora.attach(params, None, like=self.params)
         check_same_layout(self.params, params)
         self.params, self.last_update_copies = place(params, self.placement.param_shardings)
         return self.last_update_copies
+
+    def load_lora(self, slot: int, adapter: LoRAAdapter | None) -> None:
+        """Write ``adapter`` (None: zeros) into adapter slot ``slot`` of every stack (new
+        arrays swapped in by reference; nothing recompiles). Needs ``enable_lora``."""
+        if self.lora is None:
+            raise ValueError("this runner was built without enable_lora")
+        self.params = self.lora.write(self.params, slot, adapter)
+
+    def base_params(self) -> Params:
+        """The params tree without the LoRA stacks (the tree :meth:`update_params` takes)."""
+        return self.params if self.lora is None else self.lora.detach(self.params)
 
     def recover_device_state(self) -> bool:
         """After a failed step: if the donated KV pools or sampling table were

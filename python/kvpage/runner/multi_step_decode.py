@@ -144,8 +144,10 @@ class MultiStepDecode:
         _, s_pad = self._exec.padded_sizes(rows, rows)
         layout, template = self._exec.layout((s_pad, s_pad))
         want_top = self._r.seats.want_top(plan.sample_rows)
+        lora = self._r.lora
         packed_host = layout.pack(
-            plan, template, self._r.block_size, self._r.step_counter, want_top, True
+            plan, template, self._r.block_size, self._r.step_counter, want_top, True,
+            None if lora is None else lora.row_slots(plan.row_request, rows),
         )
         try:
             outs, self._r.kv_pools, self._r.sampling_table = self.multi_step_fn(s_pad)(

@@ -75,7 +75,8 @@ class StepDispatch:
         layout, template = ex.layout((t_pad, s_pad))
         want_top = r.seats.want_top(plan.sample_rows)
         packed_host = layout.pack(
-            plan, template, r.block_size, r.step_counter, want_top, fuse_copies
+            plan, template, r.block_size, r.step_counter, want_top, fuse_copies,
+            None if r.lora is None else r.lora.row_slots(plan.row_request, num_seqs),
         )
         targets = None
         if prompt_targets is not None:

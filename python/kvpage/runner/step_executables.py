@@ -148,7 +148,8 @@ class StepExecutables:
         entry = self._layouts.get(key)
         if entry is None:
             layout = PackedLayout(
-                key[0], key[1], self._r.max_fused_copies, self._r.max_blocks_per_seq
+                key[0], key[1], self._r.max_fused_copies, self._r.max_blocks_per_seq,
+                lora=self._r.lora is not None,
             )
             entry = self._layouts.setdefault(key, (layout, layout.template(self._r.padding)))
         return entry

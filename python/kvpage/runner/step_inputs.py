@@ -12,7 +12,8 @@ Padding conventions (they never change a real output):
 * padded sequences: ``cu_q_lens`` repeats the last real value (q_len 0), ``kv_len`` 0,
   block-table rows all scratch;
 * padded sampled rows: logits index 0, sample row = the sampling table's dummy row;
-* padded copies: scratch block -> an out-of-range block id (dropped).
+* padded copies: scratch block -> an out-of-range block id (dropped);
+* LoRA slots (layouts with ``lora``): 0, the adapter stacks' zero entry.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class StepArrays(NamedTuple):
     num_sampled: jax.Array  # scalar
     step_counter: jax.Array  # scalar
     want_top_logprobs: jax.Array  # scalar bool
+    lora_slots: jax.Array | None  # [T] each token's LoRA adapter slot (layouts with lora)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,14 +65,16 @@ class PackedLayout:
     num_seqs: int
     num_copies: int
     max_blocks: int
+    lora: bool = False
+    """Whether the buffer carries each token's LoRA adapter slot (after the scalars)."""
 
     # Offsets, in the order the buffer stores them.
     @property
     def _sizes(self) -> tuple[int, ...]:
         t, s, c, m = self.num_tokens, self.num_seqs, self.num_copies, self.max_blocks
         # token_ids, positions, slot_mapping, cu_q_lens, kv_lens, block_tables,
-        # logits_indices, sample_rows, copy_src, copy_dst, scalars
-        return (t, t, t, s + 1, s, s * m, s, s, c, c, _NUM_SCALARS)
+        # logits_indices, sample_rows, copy_src, copy_dst, scalars, lora_slots
+        return (t, t, t, s + 1, s, s * m, s, s, c, c, _NUM_SCALARS, t if self.lora else 0)
 
     @property
     def offsets(self) -> tuple[int, ...]:
@@ -109,8 +113,11 @@ class PackedLayout:
         step_counter: int,
         want_top_logprobs: bool,
         include_copies: bool,
+        lora_row_slots: np.ndarray | None = None,
     ) -> np.ndarray:
-        """Fill a copy of ``template`` with ``plan`` (sizes already checked by the caller)."""
+        """Fill a copy of ``template`` with ``plan`` (sizes already checked by the caller);
+        with ``lora``, ``lora_row_slots`` (int32 ``[S]``, each row's adapter slot, 0 for
+        none) is spread over the rows' tokens."""
         o = self.offsets
         buf = template.copy()
         t, s = int(plan.num_tokens), int(plan.num_seqs)
@@ -143,6 +150,8 @@ class PackedLayout:
         scalars[_NUM_SAMPLED] = n
         scalars[_STEP_COUNTER] = step_counter & 0x7FFFFFFF
         scalars[_WANT_TOP] = int(want_top_logprobs)
+        if self.lora and lora_row_slots is not None:
+            buf[o[11] : o[11] + t] = np.repeat(lora_row_slots[:s], np.diff(cu[: s + 1]))
         return buf
 
     def unpack(self, buf: jax.Array) -> StepArrays:
@@ -171,4 +180,5 @@ class PackedLayout:
             num_sampled=scalars[_NUM_SAMPLED],
             step_counter=scalars[_STEP_COUNTER],
             want_top_logprobs=scalars[_WANT_TOP] != 0,
+            lora_slots=part(11) if self.lora else None,
         )

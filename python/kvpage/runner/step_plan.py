@@ -28,6 +28,7 @@ class StepPlanLike(Protocol):
     sample_rows: np.ndarray
     copy_src: np.ndarray
     copy_dst: np.ndarray
+    row_request: np.ndarray
     num_seqs: int
     num_tokens: int
     decode_only: bool
@@ -53,6 +54,8 @@ class StepPlan:
     sample_rows: np.ndarray
     copy_src: np.ndarray = field(default_factory=_empty)
     copy_dst: np.ndarray = field(default_factory=_empty)
+    row_request: np.ndarray = field(default_factory=_empty)
+    """Request handle of each row (read only with LoRA, for the rows' adapters)."""
     num_seqs: int = -1
     num_tokens: int = -1
     token_bitmask: np.ndarray | None = None

@@ -1,0 +1,162 @@
+"""The runner's LoRA adapter stacks: where adapters live in the params tree, and which
+adapter each token of a step uses.
+
+Owns :class:`LoRAStacks`. With LoRA enabled, every adaptable projection of every layer
+(:data:`~kvpage.lora.adapter.MODULES` present in the layer) gains two leaves beside its
+``weight``: ``lora_a [slots, R, in]`` and ``lora_b [slots, out, R]`` (``slots =
+max_loras + 1``, ``R = max_lora_rank``). Entry 0 is all zeros: rows without an adapter
+use it. An adapter of rank ``r <= R`` sits in entry ``s`` zero-padded to ``R``, so the
+layer's output for a row of slot ``s`` is exactly ``W x + B_s (A_s x)``
+(:func:`kvpage.model.linear_kernels.linear`). The stacks are ordinary params leaves:
+loading an adapter writes one entry of each (new arrays, swapped in by reference like any
+weight update), and nothing recompiles.
+
+Each step, :meth:`row_slots` maps the plan's rows (``row_request``: request handles) to
+their slots; the packed step buffer spreads them over the rows' tokens
+(:class:`~kvpage.runner.step_inputs.PackedLayout` with ``lora``).
+
+Invariants: entry 0 stays zero; a slot's entries in every stack belong to one adapter
+(written together by :meth:`write`); a request handle maps to a slot only while its
+adapter is written there (the engine's :mod:`~kvpage.lora.slots` pins it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from kvpage.lora.adapter import MODULES, LoRAAdapter
+from kvpage.model.params import Params
+
+
+def _projections(layer: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    for block in ("self_attn", "mlp"):
+        for module in MODULES:
+            node = layer.get(block, {}).get(module)
+            if isinstance(node, dict) and "weight" in node:
+                yield module, node
+
+
+class LoRAStacks:
+    """Adapter stacks of ``max_loras`` slots of rank up to ``max_lora_rank``."""
+
+    def __init__(self, max_loras: int, max_lora_rank: int) -> None:
+        if max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1; got {max_loras}")
+        if max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1; got {max_lora_rank}")
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank
+        self.slot_of_request: dict[int, int] = {}
+        """Request handle -> slot, for requests running under an adapter."""
+
+    @staticmethod
+    def _layers(params: Params) -> list[dict[str, Any]]:
+        layers = params["layers"]
+        if not isinstance(layers, list | tuple):
+            raise ValueError("LoRA needs the per-layer params layout (a list of layers), "
+                             "not the stacked one")
+        return list(layers)
+
+    def shapes(self, params: Params) -> dict[tuple[int, str], tuple[int, int]]:
+        """``(layer, module) -> (out, in)`` of every adaptable projection."""
+        return {
+            (i, module): tuple(int(d) for d in node["weight"].shape)
+            for i, layer in enumerate(self._layers(params))
+            for module, node in _projections(layer)
+        }
+
+    def attach(self, params: Params, dtype: Any, like: Params | None = None) -> Params:
+        """``params`` with stacks beside each adaptable weight: ``like``'s (a params tree
+        that has them: a weight update keeps the resident adapters), else zeros."""
+        slots, rank = self.max_loras + 1, self.max_lora_rank
+        old = self._layers(like) if like is not None else None
+        layers = []
+        for i, layer in enumerate(self._layers(params)):
+            layer = {k: dict(v) if isinstance(v, dict) else v for k, v in layer.items()}
+            for block in ("self_attn", "mlp"):
+                if block not in layer:
+                    continue
+                for module in MODULES:
+                    node = layer[block].get(module)
+                    if not (isinstance(node, dict) and "weight" in node):
+                        continue
+                    node = dict(node)
+                    if old is not None:
+                        node["lora_a"] = old[i][block][module]["lora_a"]
+                        node["lora_b"] = old[i][block][module]["lora_b"]
+                    else:
+                        out, inner = (int(d) for d in node["weight"].shape)
+                        node["lora_a"] = jnp.zeros((slots, rank, inner), dtype)
+                        node["lora_b"] = jnp.zeros((slots, out, rank), dtype)
+                    layer[block][module] = node
+            layers.append(layer)
+        return {**params, "layers": layers}
+
+    @staticmethod
+    def detach(params: Params) -> Params:
+        """``params`` without the stacks (the base model's tree)."""
+        layers = []
+        for layer in params["layers"]:
+            layer = {k: dict(v) if isinstance(v, dict) else v for k, v in layer.items()}
+            for block in ("self_attn", "mlp"):
+                for module in MODULES:
+                    node = layer.get(block, {}).get(module)
+                    if isinstance(node, dict) and "lora_a" in node:
+                        layer[block][module] = {
+                            k: v for k, v in node.items() if k not in ("lora_a", "lora_b")
+                        }
+            layers.append(layer)
+        return {**params, "layers": layers}
+
+    def write(self, params: Params, slot: int, adapter: LoRAAdapter | None) -> Params:
+        """``params`` with entry ``slot`` (1..max_loras) of every stack holding
+        ``adapter`` (None: zeros); new arrays, the old ones untouched."""
+        if not 1 <= slot <= self.max_loras:
+            raise ValueError(f"LoRA slot must be in 1..{self.max_loras}; got {slot}")
+        rank = self.max_lora_rank
+        layers = []
+        for i, layer in enumerate(self._layers(params)):
+            layer = {k: dict(v) if isinstance(v, dict) else v for k, v in layer.items()}
+            for block in ("self_attn", "mlp"):
+                for module in MODULES:
+                    node = layer.get(block, {}).get(module)
+                    if not (isinstance(node, dict) and "lora_a" in node):
+                        continue
+                    a_stack, b_stack = node["lora_a"], node["lora_b"]
+                    a = np.zeros(a_stack.shape[1:], np.float32)
+                    b = np.zeros(b_stack.shape[1:], np.float32)
+                    pair = None if adapter is None else adapter.weights.get((i, module))
+                    if pair is not None:
+                        r = pair[0].shape[0]
+                        assert r <= rank, "checked at load"
+                        a[:r], b[:, :r] = pair
+                    layer[block][module] = {
+                        **node,
+                        "lora_a": a_stack.at[slot].set(jnp.asarray(a, a_stack.dtype)),
+                        "lora_b": b_stack.at[slot].set(jnp.asarray(b, b_stack.dtype)),
+                    }
+            layers.append(layer)
+        return {**params, "layers": layers}
+
+    def row_slots(self, row_request: Any, num_rows: int) -> np.ndarray:
+        """int32 ``[num_rows]``: the slot of each plan row's request (0: no adapter)."""
+        get = self.slot_of_request.get
+        if not self.slot_of_request:
+            return np.zeros(num_rows, np.int32)
+        return np.fromiter((get(int(h), 0) for h in row_request[:num_rows]), np.int32,
+                           count=num_rows)
+
+
+def stacks_dtype(params: Params) -> Any:
+    """The float dtype the adapters compute in: the embeddings' (float32 for quantized
+    models, whose activations are float32)."""
+    weight = params["embed_tokens"]["weight"]
+    dtype = jnp.dtype(getattr(weight, "dtype", jnp.float32))
+    return dtype if jnp.issubdtype(dtype, jnp.floating) else jnp.float32
+
+
+
