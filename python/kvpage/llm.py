@@ -99,12 +99,7 @@ class LLM:
         prompts, params_list = _pair_params(prompts, sampling_params)
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
-        if lora_request is None or isinstance(lora_request, LoRARequest):
-            loras: Sequence[LoRARequest | None] = [lora_request] * len(prompts)
-        else:
-            loras = list(lora_request)
-            if len(loras) != len(prompts):
-                raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
+        loras = _per_prompt_loras(lora_request, len(prompts))
         ids = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
@@ -154,21 +149,24 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
         pad_id: int | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> RolloutBatch:
         """Sample like :meth:`generate` (one ``sampling_params`` or one per prompt),
         returning arrays for an RL loop: per sample (``n`` per prompt, rows in input
         order) the token ids without the stop token, each token's logprob in
         ``logprobs_mode`` and the lengths, as one :class:`~kvpage.outputs.rollout.RolloutBatch`.
         No Python object is made per token. Padding is ``pad_id`` (default: the
-        tokenizer's pad token, else the first EOS id, else 0)."""
+        tokenizer's pad token, else the first EOS id, else 0). ``lora_request``: as in
+        :meth:`generate` (a LoRA policy)."""
         prompts, params_list = _pair_params(prompts, sampling_params)
+        loras = _per_prompt_loras(lora_request, len(prompts))
         ids = []
         try:
-            for prompt, params in zip(prompts, params_list, strict=True):
+            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
                 request_id = f"rollout-{next(self._ids)}"
                 self.engine.add_request(
                     request_id, prompt, rollout_sampling_params(params), final_only=True,
-                    logprobs_as_arrays=True,
+                    logprobs_as_arrays=True, lora_request=loras[i],
                 )
                 ids.append(request_id)
             version = self.engine.params_version
@@ -190,12 +188,14 @@ class LLM:
         prompt_token_ids: Sequence[Sequence[int]],
         completion_token_ids: Sequence[Sequence[int]],
         use_tqdm: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> list[np.ndarray]:
         """``log p(completion[j] | prompt + completion[:j])`` for every token of each
         ``(prompt, completion)`` pair: one float32 array per pair, from the raw logits
         of the current weights (a teacher-forced pass on the engine's compiled prefill).
         A prompt shared by several completions is computed once (with prefix caching
-        on), and only completion positions are scored."""
+        on), and only completion positions are scored. ``lora_request``: score under
+        that adapter."""
         if len(prompt_token_ids) != len(completion_token_ids):
             raise ValueError(
                 f"score: got {len(prompt_token_ids)} prompts and "
@@ -216,7 +216,7 @@ class LLM:
                 request_id = f"score-{next(self._ids)}"
                 self.engine.add_request(
                     request_id, {"prompt_token_ids": prompt + completion}, SCORE_PARAMS,
-                    final_only=True, score_from=len(prompt),
+                    final_only=True, score_from=len(prompt), lora_request=lora_request,
                 )
                 ids.append(request_id)
                 rows.append(i)
@@ -263,3 +263,14 @@ def _pair_params(
     if len(params_list) != len(prompts):
         raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts")
     return prompts, params_list
+
+
+def _per_prompt_loras(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                      count: int) -> Sequence[LoRARequest | None]:
+    """One adapter (or None) per prompt, from one for all or a list."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    loras = list(lora_request)
+    if len(loras) != count:
+        raise ValueError(f"got {len(loras)} LoRA requests for {count} prompts")
+    return loras

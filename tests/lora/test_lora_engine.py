@@ -114,3 +114,17 @@ def test_bad_adapters_and_requests_are_refused_with_the_reason(
     assert sum(lora_llm.engine.lora.pins) == 0
     ok = lora_llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=loras[2])
     assert len(ok[0].outputs[0].token_ids) == 8
+
+
+def test_rollouts_and_scores_run_under_the_adapter(lora_llm: LLM, adapters: list[Path]
+                                                  ) -> None:
+    request = LoRARequest("all", 1, str(adapters[0]))
+    sampled = lora_llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=request)
+    batch = lora_llm.rollout(PROMPTS, GREEDY, lora_request=request)
+    assert [list(t[:n]) for t, n in zip(batch.token_ids, batch.lengths, strict=True)] == \
+        _tokens(sampled)
+    scores = lora_llm.score([p["prompt_token_ids"] for p in PROMPTS], _tokens(sampled),
+                            lora_request=request)
+    np.testing.assert_allclose(np.stack(scores), _logprobs(sampled), atol=1e-4)
+    base = lora_llm.score([p["prompt_token_ids"] for p in PROMPTS], _tokens(sampled))
+    assert not np.allclose(np.stack(base), _logprobs(sampled), atol=1e-3)

@@ -10,6 +10,7 @@
     kvpage bench roofline                                           predicted H100/H200 tok/s
     kvpage bench startup [MODEL]                                    time to ready, cold and warm
     kvpage bench vs-llama-cpp [MODEL.gguf]                          vs llama.cpp's server, same file
+    kvpage bench lora [MODEL]                                       LoRA: base vs adapters
     kvpage bench rollout [MODEL]                                    vs tunix's rollout (GRPO)
     kvpage bench moe                                                MoE: routed / dense / llama.cpp
     kvpage bench spec [MODEL.gguf]                                  speculative decoding off / on
@@ -30,6 +31,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     from kvpage.bench import (
         compare,
         host,
+        lora,
         moe,
         rollout,
         roofline,
@@ -60,6 +62,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     roofline.add_parser(sub)
     startup.add_parser(sub)
     vs_llama_cpp.add_parser(sub)
+    lora.add_parser(sub)
     rollout.add_parser(sub)
     moe.add_parser(sub)
     spec.add_parser(sub)

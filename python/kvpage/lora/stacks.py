@@ -22,9 +22,11 @@ adapter is written there (the engine's :mod:`~kvpage.lora.slots` pins it).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -114,32 +116,28 @@ class LoRAStacks:
 
     def write(self, params: Params, slot: int, adapter: LoRAAdapter | None) -> Params:
         """``params`` with entry ``slot`` (1..max_loras) of every stack holding
-        ``adapter`` (None: zeros); new arrays, the old ones untouched."""
+        ``adapter`` (None: zeros). One device call updates every stack in place (the
+        old stacks are donated: only the adapter's bytes are written), compiled once
+        per adapter rank and set of modules."""
         if not 1 <= slot <= self.max_loras:
             raise ValueError(f"LoRA slot must be in 1..{self.max_loras}; got {slot}")
-        rank = self.max_lora_rank
-        layers = []
-        for i, layer in enumerate(self._layers(params)):
-            layer = {k: dict(v) if isinstance(v, dict) else v for k, v in layer.items()}
+        layers = [
+            {k: dict(v) if isinstance(v, dict) else v for k, v in layer.items()}
+            for layer in self._layers(params)
+        ]
+        where, stacks, entries = [], [], []
+        for i, layer in enumerate(layers):
             for block in ("self_attn", "mlp"):
                 for module in MODULES:
                     node = layer.get(block, {}).get(module)
-                    if not (isinstance(node, dict) and "lora_a" in node):
-                        continue
-                    a_stack, b_stack = node["lora_a"], node["lora_b"]
-                    a = np.zeros(a_stack.shape[1:], np.float32)
-                    b = np.zeros(b_stack.shape[1:], np.float32)
-                    pair = None if adapter is None else adapter.weights.get((i, module))
-                    if pair is not None:
-                        r = pair[0].shape[0]
-                        assert r <= rank, "checked at load"
-                        a[:r], b[:, :r] = pair
-                    layer[block][module] = {
-                        **node,
-                        "lora_a": a_stack.at[slot].set(jnp.asarray(a, a_stack.dtype)),
-                        "lora_b": b_stack.at[slot].set(jnp.asarray(b, b_stack.dtype)),
-                    }
-            layers.append(layer)
+                    if isinstance(node, dict) and "lora_a" in node:
+                        where.append((i, block, module))
+                        stacks.append((node["lora_a"], node["lora_b"]))
+                        pair = None if adapter is None else adapter.weights.get((i, module))
+                        entries.append(pair)
+        updated = _write_slot(stacks, jnp.int32(slot), entries)
+        for (i, block, module), (a, b) in zip(where, updated, strict=True):
+            layers[i][block][module] = {**layers[i][block][module], "lora_a": a, "lora_b": b}
         return {**params, "layers": layers}
 
     def row_slots(self, row_request: Any, num_rows: int) -> np.ndarray:
@@ -149,6 +147,23 @@ class LoRAStacks:
             return np.zeros(num_rows, np.int32)
         return np.fromiter((get(int(h), 0) for h in row_request[:num_rows]), np.int32,
                            count=num_rows)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_slot(stacks: list[tuple[jax.Array, jax.Array]], slot: jax.Array,
+                entries: list[tuple[Any, Any] | None]) -> list[tuple[jax.Array, jax.Array]]:
+    """Entry ``slot`` of each ``(a [S, R, in], b [S, out, R])`` stack pair set to its
+    ``(A [r, in], B [out, r])`` zero-padded to ``R`` (None: zeros)."""
+    out = []
+    for (a, b), pair in zip(stacks, entries, strict=True):
+        new_a = jnp.zeros(a.shape[1:], a.dtype)
+        new_b = jnp.zeros(b.shape[1:], b.dtype)
+        if pair is not None:
+            r = pair[0].shape[0]
+            new_a = new_a.at[:r].set(jnp.asarray(pair[0], a.dtype))
+            new_b = new_b.at[:, :r].set(jnp.asarray(pair[1], b.dtype))
+        out.append((a.at[slot].set(new_a), b.at[slot].set(new_b)))
+    return out
 
 
 def stacks_dtype(params: Params) -> Any:
