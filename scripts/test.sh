@@ -23,5 +23,5 @@ fi
 if [ -x .venv-tunix/bin/python ]; then
     echo "== pytest (tunix adapter, in .venv-tunix)"
     .venv-tunix/bin/python -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
-        tests/integrations/test_tunix_rollout.py
+        tests/integrations/test_tunix_rollout.py tests/integrations/test_tunix_lora.py
 fi

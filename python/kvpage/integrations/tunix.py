@@ -20,7 +20,9 @@ arguments). It implements tunix 0.1.7's ``BaseRollout``:
 tunix's dense Llama 3 / Qwen 2 / Qwen 3 modules and its Gemma / Gemma 2 / Gemma 3
 (text-only) modules are mapped. A rollout mesh of several devices is used as it is (it
 needs a ``"tp"`` axis; Llama / Qwen only: Gemma's head-first kernels have no sharding
-rule yet). LoRA syncs are refused with a message. Requires ``pip install kvpage[tunix]``.
+rule yet). A qwix-LoRA actor (tunix's LoRA GRPO recipes) runs as the frozen base plus
+its adapter (:mod:`kvpage.lora`); LoRA-only syncs rewrite the adapter (Llama / Qwen).
+Requires ``pip install kvpage[tunix]``.
 """
 
 from __future__ import annotations
@@ -43,8 +45,11 @@ from kvpage.integrations.tunix_layout import (
     config_from_tunix,
     params_from_tunix,
     tunix_architecture,
+    tunix_lora,
 )
 from kvpage.llm import LLM
+from kvpage.lora.adapter import LoRAAdapter
+from kvpage.lora.request import LoRARequest
 from kvpage.sampling.params import SamplingParams
 
 
@@ -71,11 +76,14 @@ class KvpageRollout(base_rollout.BaseRollout):
         rollout_config: base_rollout.RolloutConfig | None = None,
         *,
         rope_theta: float | None = None,
+        lora_scaling: float | None = None,
         **engine_args: Any,
     ) -> None:
         """``rope_theta`` overrides the RoPE base the tunix module applies (see
         :data:`~kvpage.integrations.tunix_layout.TUNIX_FIXED_ROPE_THETA`);
-        ``engine_args`` go to :class:`kvpage.LLM` (``max_num_seqs``, ...)."""
+        ``lora_scaling``: qwix's ``alpha / rank`` when the actor has LoRA params (else
+        ``rollout_config.rollout_sglang_jax_lora_scaling``); ``engine_args`` go to
+        :class:`kvpage.LLM` (``max_num_seqs``, ...)."""
         self._actor = rollout_actor
         self._tokenizer = tokenizer
         self.mesh = None
@@ -93,6 +101,23 @@ class KvpageRollout(base_rollout.BaseRollout):
         )
         self._actor_leaves = self._leaf_ids(state)
         params = params_from_tunix(state, self.model_config)
+        # A qwix-LoRA actor: the engine serves its adapter beside the frozen base.
+        self._policy: LoRARequest | None = None
+        self._lora_scale = lora_scaling if lora_scaling is not None else getattr(
+            self._config, "rollout_sglang_jax_lora_scaling", None)
+        lora_state = nnx.state(rollout_actor, nnx.LoRAParam)
+        has_lora = bool(jax.tree.leaves(lora_state))
+        if has_lora:
+            if self._lora_scale is None:
+                raise ValueError(
+                    "the actor has LoRA params: pass KvpageRollout(lora_scaling=alpha / "
+                    "rank) as qwix's LoraProvider applies it (or set "
+                    "rollout_sglang_jax_lora_scaling)"
+                )
+            ranks = [leaf.shape[-1] for path, leaf in jax.tree_util.tree_leaves_with_path(
+                params_leaves(lora_state)) if jax.tree_util.keystr(path).endswith("lora_a']")]
+            engine_args.setdefault("enable_lora", True)
+            engine_args.setdefault("max_lora_rank", max(ranks))
         engine_args.setdefault("max_model_len", self._max_len(self._config))
         # tunix's rollout mesh as it is (weights split over its "tp" axis), or one device
         use_mesh = mesh if mesh is not None and mesh.devices.size > 1 else None
@@ -102,6 +127,9 @@ class KvpageRollout(base_rollout.BaseRollout):
                 "head-first q/kv kernels have no tensor-parallel sharding rule yet"
             )
         self.llm = LLM.from_params(self.model_config, params, mesh=use_mesh, **engine_args)
+        if has_lora:
+            self._policy = LoRARequest("policy", 1)
+            self._load_policy(lora_state)
 
     # ---- BaseRollout
     def generate(
@@ -136,7 +164,8 @@ class KvpageRollout(base_rollout.BaseRollout):
             for i in range(len(ids))
         ]
         batch = self.llm.rollout(
-            [{"prompt_token_ids": x.tolist()} for x in ids], params, pad_id=pad
+            [{"prompt_token_ids": x.tolist()} for x in ids], params, pad_id=pad,
+            lora_request=self._policy,
         )
         tokens = batch.completions()
         return base_rollout.RolloutOutput(
@@ -166,6 +195,7 @@ class KvpageRollout(base_rollout.BaseRollout):
         scores = self.llm.score(
             [p.tolist() for p in prompt_rows],
             [row[:n].tolist() for row, n in zip(completions, lengths, strict=True)],
+            lora_request=self._policy,
         )
         out = np.zeros(completions.shape, np.float32)
         for r, s in enumerate(scores):
@@ -174,16 +204,18 @@ class KvpageRollout(base_rollout.BaseRollout):
 
     def update_params(self, params: Any, filter_types: tuple[Any, ...] | None = None) -> None:
         """Generate with the trainer's weights ``params`` (an NNX state of the actor's
-        ``nnx.Param``s) from now on: kvpage reads them where they are."""
-        lora = getattr(nnx, "LoRAParam", None)
-        if filter_types and lora is not None and any(
-            isinstance(f, type) and issubclass(f, lora) for f in filter_types
-        ):
-            raise NotImplementedError(
-                "KvpageRollout cannot apply a LoRA-only sync yet: merge the adapters "
-                "and sync nnx.Param state"
-            )
-        self.llm.update_params(params_from_tunix(params, self.model_config))
+        ``nnx.Param``s) from now on: kvpage reads them where they are. A LoRA-only sync
+        (``filter_types=(nnx.LoRAParam,)``, as tunix sends for a LoRA policy) rewrites the
+        policy's adapter slot in one device call; the base stays, nothing recompiles."""
+        lora_only = bool(filter_types) and all(
+            isinstance(f, type) and issubclass(f, nnx.LoRAParam) for f in filter_types)
+        if lora_only or self._policy is not None:
+            if self._policy is None:
+                raise ValueError("a LoRA-only sync, but the actor KvpageRollout was built "
+                                 "on has no LoRA params")
+            self._load_policy(params)
+        if not lora_only:
+            self.llm.update_params(params_from_tunix(params, self.model_config))
 
     def pad_id(self) -> int:
         return int(self._tokenizer_call("pad_id"))
@@ -199,6 +231,17 @@ class KvpageRollout(base_rollout.BaseRollout):
     def _leaf_ids(state: Any) -> list[int]:
         return [id(x) for x in jax.tree.leaves(params_leaves(state))]
 
+    def _load_policy(self, state: Any) -> None:
+        """Write the LoRA params in ``state`` into the policy's adapter slot."""
+        assert self._policy is not None and self._lora_scale is not None
+        pairs = tunix_lora(state, self.model_config, self._lora_scale)
+        if not pairs:
+            return
+        rank = max(a.shape[0] for a, _ in pairs.values())
+        lora = self.llm.engine.lora
+        assert lora is not None
+        lora.add_adapter(self._policy, LoRAAdapter(rank, pairs))
+
     def _follow_actor(self) -> None:
         """When the trainer updated the actor module itself (tunix then skips
         ``update_params``: the rollout's ``model()`` *is* the actor, so it counts as
@@ -208,6 +251,8 @@ class KvpageRollout(base_rollout.BaseRollout):
         if leaves != self._actor_leaves:
             self._actor_leaves = leaves
             self.llm.update_params(params_from_tunix(state, self.model_config))
+            if self._policy is not None:
+                self._load_policy(state)
 
     def _tokenizer_call(self, name: str) -> Any:
         attr = getattr(self._tokenizer, name, None)

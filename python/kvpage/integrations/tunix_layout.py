@@ -373,14 +373,16 @@ def _dtype_name(dtype: Any) -> str:
 def tunix_architecture(model: Any) -> str:
     """``llama3``, ``qwen2``, ``qwen3``, ``gemma``, ``gemma2`` or ``gemma3`` from a tunix
     model object's module path (tunix's one ``gemma`` module serves Gemma 1 and 2: its
-    config's ``use_post_attn_norm`` tells them apart)."""
-    module = f".{type(model).__module__}."
-    for arch in ("llama3", "qwen2", "qwen3", "gemma3"):
-        if f".{arch}." in module:
-            return arch
-    if ".gemma." in module:
-        config = getattr(model, "config", None)
-        return "gemma2" if getattr(config, "use_post_attn_norm", False) else "gemma"
+    config's ``use_post_attn_norm`` tells them apart). A class qwix derived from one
+    (LoRA applied) maps as its base."""
+    for cls in type(model).__mro__:
+        module = f".{cls.__module__}."
+        for arch in ("llama3", "qwen2", "qwen3", "gemma3"):
+            if f".{arch}." in module:
+                return arch
+        if ".gemma." in module:
+            config = getattr(model, "config", None)
+            return "gemma2" if getattr(config, "use_post_attn_norm", False) else "gemma"
     raise ValueError(f"no kvpage mapping for tunix model class {type(model).__qualname__} "
                      f"({type(model).__module__}); known: {', '.join(KNOWN)}")
 
@@ -435,3 +437,50 @@ def tunix_arrays_from_params(config: ModelConfig, params: Params) -> dict[str, A
     if not config.tie_word_embeddings:
         state["lm_head"] = {"w": kernel(params["lm_head"]["weight"], (h, config.vocab_size))}
     return state
+
+
+def tunix_lora(state: Any, config: ModelConfig, scale: float = 1.0
+               ) -> dict[tuple[int, str], tuple[Any, Any]]:
+    """The LoRA pairs of a qwix-LoRA tunix Llama / Qwen ``state`` (``nnx.state(model,
+    nnx.LoRAParam)``) in kvpage's layout: ``(layer, module) -> (A [r, in], B [out, r] *
+    scale)`` (qwix multiplies by ``alpha / rank``, which the state does not hold). qwix
+    names them after the kernel (``w_lora_a [in..., r]``, ``w_lora_b [r, out...]``;
+    ``kernel_lora_*`` for the MLP). One device call reshapes them all; empty when the
+    state has none."""
+    if config.architecture in GEMMA_ARCHITECTURES:
+        raise NotImplementedError("LoRA on tunix's Gemma modules is not mapped yet")
+    raw: dict[tuple[int, str], tuple[Any, Any]] = {}
+    layers = state["layers"] if "layers" in state else {}
+    for i in range(config.num_layers if layers else 0):
+        for dst, (path, _) in LAYER_MAP.items():
+            try:
+                node = _get(layers[i], path[:-1], f"layers.{i}.")
+                a, b = node[path[-1] + "_lora_a"], node[path[-1] + "_lora_b"]
+            except (KeyError, IndexError, TypeError):
+                continue
+            raw[(i, dst[1])] = (_array(a), _array(b))
+    return _lora_to_kvpage(raw, scale) if raw else {}
+
+
+def jax_jit_once(fn: Any) -> Any:
+    """``jax.jit(fn)``, imported when first called (this module imports no JAX)."""
+    jitted: list[Any] = []
+
+    def call(*args: Any) -> Any:
+        if not jitted:
+            import jax
+
+            jitted.append(jax.jit(fn))
+        return jitted[0](*args)
+
+    return call
+
+
+@jax_jit_once
+def _lora_to_kvpage(raw: dict[tuple[int, str], tuple[Any, Any]], scale: Any
+                    ) -> dict[tuple[int, str], tuple[Any, Any]]:
+    out = {}
+    for key, (a, b) in raw.items():
+        rank = a.shape[-1]
+        out[key] = (a.reshape(-1, rank).T, b.reshape(rank, -1).T * scale)
+    return out
