@@ -23,6 +23,8 @@ the trainer and the rollout engine both run the model as trained.
     pip install -e .[tunix]          # or: bash scripts/tunix_env.sh
     python examples/grpo_tunix.py                 # tiny model, 10 steps
     python examples/grpo_tunix.py --smollm2 --steps 2
+    python examples/grpo_tunix.py --lora 8         # a LoRA policy: LoRA-only syncs
+    python examples/grpo_tunix.py --rollout vanilla  # tunix's own sampler, to compare
 
 Prints, per step, the mean reward of the step's samples and the time tunix spent in
 kvpage's rollouts.
@@ -112,16 +114,34 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--generations", type=int, default=8, help="samples per prompt")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--lora", type=int, default=0, metavar="RANK",
+                        help="train a qwix LoRA adapter of this rank on a frozen base "
+                        "(tunix's LoRA recipes); kvpage gets LoRA-only syncs")
+    parser.add_argument("--rollout", choices=("kvpage", "vanilla"), default="kvpage",
+                        help="rollout engine (vanilla: tunix's own, for comparison)")
     args = parser.parse_args()
 
     model, tokenizer, theta = smollm2_policy() if args.smollm2 else tiny_policy()
+    reference = nnx.clone(model)
+    engine: Any = functools.partial(KvpageRollout, rope_theta=theta, max_num_seqs=64)
+    if args.lora:
+        import qwix
+
+        alpha = 2.0 * args.lora
+        provider = qwix.LoraProvider(
+            module_path=".*(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)",
+            rank=args.lora, alpha=alpha)
+        model = qwix.apply_lora_to_model(model, provider, rngs=nnx.Rngs(1),
+                                         **model.get_model_input())
+        engine = functools.partial(engine, lora_scaling=alpha / args.lora)
+    if args.rollout == "vanilla":
+        engine = "vanilla"
     reward = short_digit_reward if args.smollm2 else letter_e_reward
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
     rollout_config = base_rollout.RolloutConfig(
         max_tokens_to_generate=args.max_tokens, temperature=1.0, top_p=1.0,
         max_prompt_length=32, kv_cache_size=32 + args.max_tokens,
     )
-    reference = nnx.clone(model)
     cluster = rl_cluster_lib.RLCluster(
         actor=model,
         reference=reference,
@@ -130,29 +150,33 @@ def main() -> None:
             role_to_mesh={role: mesh for role in (rl_cluster_lib.Role.ACTOR,
                                                   rl_cluster_lib.Role.REFERENCE,
                                                   rl_cluster_lib.Role.ROLLOUT)},
-            rollout_engine=functools.partial(KvpageRollout, rope_theta=theta,
-                                             max_num_seqs=64),
+            rollout_engine=engine,
             offload_to_cpu=False,
             training_config=rl_cluster_lib.RLTrainingConfig(
-                actor_optimizer=optax.adamw(3e-2 if not args.smollm2 else 1e-5),
+                actor_optimizer=optax.adamw(
+                    (3e-2 if not args.smollm2 else 1e-5) * (10 if args.lora else 1)),
                 eval_every_n_steps=10_000,
                 max_steps=args.steps,
             ),
             rollout_config=rollout_config,
         ),
     )
-    rollout: KvpageRollout = cluster.rollout  # type: ignore[assignment]
+    rollout: Any = cluster.rollout
     timings: list[float] = []
     original_generate = rollout.generate
 
+    starts: list[float] = []
+
     def timed_generate(*a: Any, **k: Any) -> Any:
         start = time.perf_counter()
+        starts.append(start)
         out = original_generate(*a, **k)
         timings.append(time.perf_counter() - start)
         rewards = reward([], out.text)
         print(f"step {len(timings)}: mean reward {statistics.fmean(rewards):.3f} over "
-              f"{len(rewards)} samples, rollout {timings[-1]:.2f} s "
-              f"(params version {rollout.llm.engine.params_version})", flush=True)
+              f"{len(rewards)} samples, rollout {timings[-1]:.2f} s"
+              + (f" (params version {rollout.llm.engine.params_version})"
+                 if hasattr(rollout, "llm") else ""), flush=True)
         return out
 
     rollout.generate = timed_generate  # type: ignore[method-assign]
@@ -166,8 +190,12 @@ def main() -> None:
     dataset = [{"prompts": np.array(PROMPTS)} for _ in range(args.steps)]
     start = time.perf_counter()
     learner.train(dataset)
-    print(f"{args.steps} GRPO steps in {time.perf_counter() - start:.1f} s; "
-          f"rollouts {sum(timings):.1f} s of it")
+    elapsed = time.perf_counter() - start
+    # the first step compiles (trainer and sampler): steady steps/s are the steps after it
+    steady = (args.steps - 1) / (time.perf_counter() - starts[1]) if len(starts) > 1 else 0.0
+    print(f"{args.steps} GRPO steps in {elapsed:.1f} s; rollouts {sum(timings):.1f} s of it; "
+          f"{steady:.3f} steps/s after the first; {args.rollout} rollouts"
+          f"{' + LoRA' if args.lora else ''}")
 
 
 if __name__ == "__main__":

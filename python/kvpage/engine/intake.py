@@ -80,7 +80,7 @@ class RequestIntake:
                 raise ValueError("a LoRA request needs an engine built with enable_lora=True")
             lora.add_adapter(lora_request)  # loads and checks it; nothing queued yet
             # An adapter's KV differs from the base model's: its own prefix-cache space.
-            cache_salt = lora_request.cache_salt + (f"/{cache_salt}" if cache_salt else "")
+            cache_salt = lora.cache_salt(lora_request) + (f"/{cache_salt}" if cache_salt else "")
         handle = self._ctx.scheduler.add_request(
             np.asarray(ids, np.int64),
             n=params.n,

@@ -62,6 +62,7 @@ from kvpage.engine.scoring import PromptScoring
 from kvpage.engine.structured import StructuredOutputs
 from kvpage.engine.timing import DeviceWait, StepTiming
 from kvpage.engine.update import StepUpdate
+from kvpage.lora.adapter import LoRAAdapter
 from kvpage.lora.request import LoRARequest
 from kvpage.lora.slots import LoRASlots
 from kvpage.model.config import ModelConfig
@@ -362,6 +363,17 @@ class LLMEngine:
         now on carry the new version in ``CompletionOutput.params_versions``."""
         self.runner.update_params(params)
         self.scheduler.reset_prefix_cache()
+        self._ctx.params_version += 1
+        return self._ctx.params_version
+
+    def update_lora(self, lora_request: LoRARequest, adapter: LoRAAdapter) -> int:
+        """New weights for adapter ``lora_request`` (an RL policy's adapter) between steps;
+        returns the new params version, as :meth:`update_params` (the base stays).
+        Prompts cached under the adapter's old weights are not reused. Raises ValueError
+        while requests run under the adapter."""
+        if self.lora is None:
+            raise ValueError("update_lora needs an engine built with enable_lora=True")
+        self.lora.add_adapter(lora_request, adapter)
         self._ctx.params_version += 1
         return self._ctx.params_version
 

@@ -35,6 +35,7 @@ import numpy as np
 
 try:
     from flax import nnx
+    from flax.nnx import filterlib
     from tunix.rl.rollout import base_rollout
 except ImportError as e:  # pragma: no cover - exercised without the extra
     raise ImportError(
@@ -51,6 +52,9 @@ from kvpage.llm import LLM
 from kvpage.lora.adapter import LoRAAdapter
 from kvpage.lora.request import LoRARequest
 from kvpage.sampling.params import SamplingParams
+
+_BASE = filterlib.All(nnx.Param, filterlib.Not(nnx.LoRAParam))
+"""The frozen base of a LoRA actor (every ``nnx.Param`` but its ``nnx.LoRAParam``s)."""
 
 
 def params_leaves(state: Any) -> Any:
@@ -100,6 +104,8 @@ class KvpageRollout(base_rollout.BaseRollout):
             dtype=params_leaves(state)["embedder"]["input_embedding"].dtype,
         )
         self._actor_leaves = self._leaf_ids(state)
+        self._base_leaves = self._leaf_ids(
+            nnx.state(rollout_actor, _BASE))
         params = params_from_tunix(state, self.model_config)
         # A qwix-LoRA actor: the engine serves its adapter beside the frozen base.
         self._policy: LoRARequest | None = None
@@ -129,7 +135,7 @@ class KvpageRollout(base_rollout.BaseRollout):
         self.llm = LLM.from_params(self.model_config, params, mesh=use_mesh, **engine_args)
         if has_lora:
             self._policy = LoRARequest("policy", 1)
-            self._load_policy(lora_state)
+            self._load_policy(lora_state, new_version=False)
 
     # ---- BaseRollout
     def generate(
@@ -216,6 +222,10 @@ class KvpageRollout(base_rollout.BaseRollout):
             self._load_policy(params)
         if not lora_only:
             self.llm.update_params(params_from_tunix(params, self.model_config))
+        # In step with the actor as it is now (tunix syncs even when the rollout's actor
+        # is the trainer's own module: _follow_actor must not take the same arrays twice).
+        self._actor_leaves = self._leaf_ids(nnx.state(self._actor, nnx.Param))
+        self._base_leaves = self._leaf_ids(nnx.state(self._actor, _BASE))
 
     def pad_id(self) -> int:
         return int(self._tokenizer_call("pad_id"))
@@ -231,16 +241,20 @@ class KvpageRollout(base_rollout.BaseRollout):
     def _leaf_ids(state: Any) -> list[int]:
         return [id(x) for x in jax.tree.leaves(params_leaves(state))]
 
-    def _load_policy(self, state: Any) -> None:
-        """Write the LoRA params in ``state`` into the policy's adapter slot."""
+    def _load_policy(self, state: Any, new_version: bool = True) -> None:
+        """Write the LoRA params in ``state`` into the policy's adapter slot (a new
+        params version, unless it is the first)."""
         assert self._policy is not None and self._lora_scale is not None
         pairs = tunix_lora(state, self.model_config, self._lora_scale)
         if not pairs:
             return
         rank = max(a.shape[0] for a, _ in pairs.values())
-        lora = self.llm.engine.lora
-        assert lora is not None
-        lora.add_adapter(self._policy, LoRAAdapter(rank, pairs))
+        adapter = LoRAAdapter(rank, pairs)
+        if new_version:
+            self.llm.engine.update_lora(self._policy, adapter)
+        else:
+            assert self.llm.engine.lora is not None
+            self.llm.engine.lora.add_adapter(self._policy, adapter)
 
     def _follow_actor(self) -> None:
         """When the trainer updated the actor module itself (tunix then skips
@@ -250,7 +264,10 @@ class KvpageRollout(base_rollout.BaseRollout):
         leaves = self._leaf_ids(state)
         if leaves != self._actor_leaves:
             self._actor_leaves = leaves
-            self.llm.update_params(params_from_tunix(state, self.model_config))
+            base = nnx.state(self._actor, _BASE)
+            if self._leaf_ids(base) != self._base_leaves:  # a LoRA policy's base is frozen
+                self._base_leaves = self._leaf_ids(base)
+                self.llm.update_params(params_from_tunix(state, self.model_config))
             if self._policy is not None:
                 self._load_policy(state)
 

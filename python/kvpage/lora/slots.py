@@ -37,6 +37,7 @@ class LoRASlots:
         self.pins = [0] * (stacks.max_loras + 1)
         self._adapters: dict[int, LoRAAdapter] = {}
         self._names: dict[int, str] = {}
+        self._versions: dict[int, int] = {}
 
     def add_adapter(self, request: LoRARequest, adapter: LoRAAdapter | None = None) -> None:
         """Make ``request``'s adapter known (loaded from its path now, or ``adapter``);
@@ -52,8 +53,11 @@ class LoRASlots:
                 raise ValueError(f"LoRA adapter {request.lora_name!r} has no lora_path")
             adapter = load_peft_adapter(request.lora_path, self._shapes,
                                         self._stacks.max_lora_rank)
+        replaced = request.lora_int_id in self._adapters
         self._adapters[request.lora_int_id] = adapter
         self._names[request.lora_int_id] = request.lora_name
+        self._versions[request.lora_int_id] = self._versions.get(request.lora_int_id, -1) + 1
+        assert replaced or self._versions[request.lora_int_id] == 0
         slot = self.resident.get(request.lora_int_id)
         if slot is not None:  # new weights for a resident adapter: rewrite when unpinned
             if self.pins[slot]:
@@ -96,6 +100,11 @@ class LoRASlots:
             f"{len(self.pins) - 1} adapter slots are in use by live requests of other "
             "adapters; raise max_loras or wait for them to finish"
         )
+
+    def cache_salt(self, request: LoRARequest) -> str:
+        """The prefix-cache salt of ``request``'s adapter as it is now: KV computed
+        under earlier weights of the same adapter is never reused."""
+        return f"{request.cache_salt}.{self._versions.get(request.lora_int_id, 0)}"
 
     def names(self) -> dict[int, str]:
         """Known adapter ids and their names."""
