@@ -87,17 +87,15 @@ def main(args: argparse.Namespace) -> int:
         from flax import nnx
         from tunix.models.llama3 import model as tunix_llama
         from tunix.rl import common
-        from tunix.rl.rollout import base_rollout, vanilla_rollout
+        from tunix.rl.rollout import base_rollout
     except ImportError:
         print("kvpage bench rollout needs tunix: pip install 'kvpage[tunix]' "
               "(or bash scripts/tunix_env.sh), then run it with that environment's python")
         return 2
-    import jax
     import jax.numpy as jnp
 
     from kvpage.integrations.tunix import KvpageRollout, tunix_llama_from_checkpoint
     from kvpage.model.real_models import model_or_smollm2
-    from kvpage.system.compilation_cache import compile_counts
 
     path = model_or_smollm2(args.model)
     original_rope = tunix_llama.apply_rope
@@ -187,30 +185,12 @@ def main(args: argparse.Namespace) -> int:
 
     # ---- tunix
     if not args.skip_tunix:
-        cache = base_rollout.CacheConfig(cache_size=cache_size, num_layers=config.num_layers,
-                                         num_kv_heads=config.num_kv_heads,
-                                         head_dim=config.head_dim)
-        theirs = vanilla_rollout.VanillaRollout(model, tok, cache)
-        t0 = time.perf_counter()
-        theirs.generate(batch, rollout_config)
-        figures["tunix_warmup_s"] = time.perf_counter() - t0
-        tokens, elapsed, compiles = 0, 0.0, 0
-        for _ in range(args.steps):
-            before = compile_counts()
-            t0 = time.perf_counter()
-            out = theirs.generate(batch, rollout_config)
-            jax.block_until_ready(out.tokens)
-            elapsed += time.perf_counter() - t0
-            compiles += (compile_counts() - before).compiled
-            tokens += _count_tokens(out)
-        figures["tunix_tok_s"] = tokens / elapsed
-        figures["tunix_compiles_timed"] = compiles
-        t0 = time.perf_counter()
-        theirs.update_params(state)
-        figures["tunix_sync_ms"] = (time.perf_counter() - t0) * 1e3
-        figures["tunix_kv_gib"] = (2 * config.num_layers * rows * cache_size
-                                   * config.num_kv_heads * config.head_dim * 4 / 2**30)
-        figures["ratio_tok_s"] = figures["kvpage_tok_s"] / figures["tunix_tok_s"]
+        try:
+            figures.update(_time_tunix(model, tok, config, batch, rollout_config, state,
+                                       cache_size, args.steps))
+            figures["ratio_tok_s"] = figures["kvpage_tok_s"] / figures["tunix_tok_s"]
+        except Exception as e:  # e.g. out of memory on long prompts: say so, keep ours
+            figures["tunix_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
     figures["peak_rss_gib"] = _peak_rss_gib()
     tunix_llama.apply_rope = original_rope
 
@@ -219,6 +199,41 @@ def main(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2)
     return 0
+
+
+def _time_tunix(model: Any, tok: Any, config: Any, batch: list[str], rollout_config: Any,
+                state: Any, cache_size: int, steps: int) -> dict[str, Any]:
+    """tunix's ``VanillaRollout`` on the same batch: warm-up, then ``steps`` timed."""
+    import jax
+    from tunix.rl.rollout import base_rollout, vanilla_rollout
+
+    from kvpage.system.compilation_cache import compile_counts
+
+    rows = len(batch)
+    cache = base_rollout.CacheConfig(cache_size=cache_size, num_layers=config.num_layers,
+                                     num_kv_heads=config.num_kv_heads, head_dim=config.head_dim)
+    theirs = vanilla_rollout.VanillaRollout(model, tok, cache)
+    figures: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    theirs.generate(batch, rollout_config)
+    figures["tunix_warmup_s"] = time.perf_counter() - t0
+    tokens, elapsed, compiles = 0, 0.0, 0
+    for _ in range(steps):
+        before = compile_counts()
+        t0 = time.perf_counter()
+        out = theirs.generate(batch, rollout_config)
+        jax.block_until_ready(out.tokens)
+        elapsed += time.perf_counter() - t0
+        compiles += (compile_counts() - before).compiled
+        tokens += _count_tokens(out)
+    figures["tunix_tok_s"] = tokens / elapsed
+    figures["tunix_compiles_timed"] = compiles
+    t0 = time.perf_counter()
+    theirs.update_params(state)
+    figures["tunix_sync_ms"] = (time.perf_counter() - t0) * 1e3
+    figures["tunix_kv_gib"] = (2 * config.num_layers * rows * cache_size
+                               * config.num_kv_heads * config.head_dim * 4 / 2**30)
+    return figures
 
 
 def _time_kvpage(ours: Any, batch: list[str], warmup_batch: list[str], rollout_config: Any,
@@ -252,6 +267,8 @@ def _print(f: dict[str, Any]) -> None:
     print(f"GRPO rollout: {f['rows']} samples (prompts up to {f['prompt_tokens_max']} tokens) "
           f"x {length} {f['max_tokens']} tokens, temperature 1, {f['model']}")
     line = f"  kvpage {f['kvpage_tok_s']:.1f} tok/s"
+    if "tunix_error" in f:
+        line += f" | tunix VanillaRollout failed: {f['tunix_error']}"
     if "tunix_tok_s" in f:
         line += (f" | tunix VanillaRollout {f['tunix_tok_s']:.1f} tok/s | "
                  f"ratio {f['ratio_tok_s']:.2f}x")
