@@ -133,12 +133,12 @@ class AsyncRollouts:
 
     def collect(self, count: int | None = None, timeout: float | None = None
                 ) -> list[RolloutSample]:
-        """Finished samples: at least ``count`` of them (waiting up to ``timeout``
-        seconds; None waits for as many as asked), or all finished so far without
-        ``count``. A request that failed raises its error here."""
+        """Finished samples in the order they finished: ``count`` of them (waiting up to
+        ``timeout`` seconds, fewer if it passes; None waits as long as it takes), or all
+        finished so far without ``count``. A request that failed raises its error here."""
         out: list[RolloutSample] = []
-        while True:
-            block = count is not None and len(out) < count
+        while count is None or len(out) < count:
+            block = count is not None
             try:
                 item = self._done.get(block=block, timeout=timeout if block else None)
             except queue.Empty:
@@ -146,6 +146,7 @@ class AsyncRollouts:
             if isinstance(item, BaseException):
                 raise item
             out.append(item)
+        return out
 
     @property
     def num_live(self) -> int:
