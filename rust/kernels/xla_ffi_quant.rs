@@ -10,6 +10,10 @@
 //! thread (quantized for a single row, [`crate::kernels::quant::qmatmul`]),
 //! then tiles of weight rows run on XLA's intra-op pool.
 //!
+//! `kvpage_qmatmul_invariant_<name>` is the same call with every row count on the
+//! float path (batch-invariant inference: a row's result never depends on the
+//! call's other rows).
+//!
 //! `kvpage_dequantize_<name>` takes `w` (and `row_scales`) and returns the float
 //! weights `[N, K]`, for products of many rows, which XLA's GEMM runs.
 //!
@@ -44,7 +48,7 @@ pub(super) unsafe fn live_rows(view: &View, rows: usize) -> Result<usize, String
     }
 }
 
-unsafe fn run_qmatmul(frame: &CallFrame, kind: QuantType) -> Result<(), String> {
+unsafe fn run_qmatmul(frame: &CallFrame, kind: QuantType, invariant: bool) -> Result<(), String> {
     let want = if kind.row_scaled() { 4 } else { 3 };
     let args = buffers(&frame.args, "arguments", want)?;
     let mut rets = buffers(&frame.rets, "results", 1)?;
@@ -105,7 +109,11 @@ unsafe fn run_qmatmul(frame: &CallFrame, kind: QuantType) -> Result<(), String> 
         ..shape
     };
     let x_s = &x_s[..live * shape.inner];
-    let inputs = Inputs::prepare(&shape, x_s);
+    let inputs = if invariant {
+        Inputs::float_path(x_s)
+    } else {
+        Inputs::prepare(&shape, x_s)
+    };
     let out = OutPtr::new(y_s);
     // SAFETY: validated; each tile is claimed by exactly one thread.
     let tile =
@@ -157,7 +165,7 @@ unsafe fn run_dequantize(frame: &CallFrame, kind: QuantType) -> Result<(), Strin
 }
 
 macro_rules! handlers {
-    ($($kind:expr => $qmatmul:ident, $dequantize:ident;)*) => {$(
+    ($($kind:expr => $qmatmul:ident, $invariant:ident, $dequantize:ident;)*) => {$(
         /// XLA FFI handler: `y = x · dequant(w)ᵀ` for one weight format (module docs).
         ///
         /// # Safety
@@ -165,9 +173,23 @@ macro_rules! handlers {
         #[no_mangle]
         pub unsafe extern "C" fn $qmatmul(frame: *mut c_void) -> *mut c_void {
             unsafe fn body(frame: &CallFrame) -> Result<(), String> {
-                run_qmatmul(frame, $kind)
+                run_qmatmul(frame, $kind, false)
             }
             handle(frame.cast(), stringify!($qmatmul), body)
+        }
+
+        /// XLA FFI handler: as the one above, every row count on the float path,
+        /// so a row's result does not depend on the other rows (batch-invariant
+        /// inference).
+        ///
+        /// # Safety
+        /// Called by XLA with a valid call frame.
+        #[no_mangle]
+        pub unsafe extern "C" fn $invariant(frame: *mut c_void) -> *mut c_void {
+            unsafe fn body(frame: &CallFrame) -> Result<(), String> {
+                run_qmatmul(frame, $kind, true)
+            }
+            handle(frame.cast(), stringify!($invariant), body)
         }
 
         /// XLA FFI handler: the float weights `[N, K]` of one format's blocks
@@ -186,14 +208,14 @@ macro_rules! handlers {
 }
 
 handlers! {
-    QuantType::Q8_0 => kvpage_qmatmul_q8_0, kvpage_dequantize_q8_0;
-    QuantType::Q4_0 => kvpage_qmatmul_q4_0, kvpage_dequantize_q4_0;
-    QuantType::Q4_1 => kvpage_qmatmul_q4_1, kvpage_dequantize_q4_1;
-    QuantType::Q4K => kvpage_qmatmul_q4_k, kvpage_dequantize_q4_k;
-    QuantType::Q6K => kvpage_qmatmul_q6_k, kvpage_dequantize_q6_k;
-    QuantType::Int8 => kvpage_qmatmul_int8, kvpage_dequantize_int8;
-    QuantType::Q5_0 => kvpage_qmatmul_q5_0, kvpage_dequantize_q5_0;
-    QuantType::Q5_1 => kvpage_qmatmul_q5_1, kvpage_dequantize_q5_1;
+    QuantType::Q8_0 => kvpage_qmatmul_q8_0, kvpage_qmatmul_invariant_q8_0, kvpage_dequantize_q8_0;
+    QuantType::Q4_0 => kvpage_qmatmul_q4_0, kvpage_qmatmul_invariant_q4_0, kvpage_dequantize_q4_0;
+    QuantType::Q4_1 => kvpage_qmatmul_q4_1, kvpage_qmatmul_invariant_q4_1, kvpage_dequantize_q4_1;
+    QuantType::Q4K => kvpage_qmatmul_q4_k, kvpage_qmatmul_invariant_q4_k, kvpage_dequantize_q4_k;
+    QuantType::Q6K => kvpage_qmatmul_q6_k, kvpage_qmatmul_invariant_q6_k, kvpage_dequantize_q6_k;
+    QuantType::Int8 => kvpage_qmatmul_int8, kvpage_qmatmul_invariant_int8, kvpage_dequantize_int8;
+    QuantType::Q5_0 => kvpage_qmatmul_q5_0, kvpage_qmatmul_invariant_q5_0, kvpage_dequantize_q5_0;
+    QuantType::Q5_1 => kvpage_qmatmul_q5_1, kvpage_qmatmul_invariant_q5_1, kvpage_dequantize_q5_1;
 }
 
 /// 1 when the quantized kernels run vectorized (AVX2 + FMA + F16C) here, 0 for

@@ -87,6 +87,11 @@ class EngineConfig:
     within a step, of rank up to ``max_lora_rank``."""
     max_loras: int = 1
     max_lora_rank: int = 16
+    batch_invariant: bool = False
+    """A sample's tokens and logprobs are bitwise identical whatever else shares its
+    steps, and equal to ``LLM.score`` of the same tokens (CPU, one device, float32 or
+    GGUF-quantized weights): every product and the attention run kernels whose result
+    for a token depends on that token's inputs only. Costs speed (docs/rollouts.md)."""
 
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     """Speculative decoding (vLLM's ``--speculative-config``, :mod:`kvpage.engine.\
@@ -237,6 +242,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=d.enable_lora,
         help="serve LoRA adapters (requests name one; see --lora-modules)",
+    )
+    g.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=d.batch_invariant,
+        help="bitwise-identical outputs whatever else shares a step (CPU; slower)",
     )
     g.add_argument("--max-loras", type=int, default=d.max_loras,
                    help="LoRA adapters resident at once (mixed within a step)")

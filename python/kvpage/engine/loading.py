@@ -121,4 +121,5 @@ def build_model_runner(
         enable_lora=config.enable_lora,
         max_loras=config.max_loras,
         max_lora_rank=config.max_lora_rank,
+        batch_invariant=config.batch_invariant,
     )

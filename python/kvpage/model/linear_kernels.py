@@ -44,6 +44,7 @@ _HOST_MATMULS = contextvars.ContextVar("kvpage_host_matmuls", default=False)
 _LORA_SLOTS: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar(
     "kvpage_lora_slots", default=None
 )
+_BATCH_INVARIANT = contextvars.ContextVar("kvpage_batch_invariant", default=False)
 _LIVE_ROWS: contextvars.ContextVar[tuple[int, jax.Array] | None] = contextvars.ContextVar(
     "kvpage_live_rows", default=None
 )
@@ -89,6 +90,25 @@ def lora_slots(slots: jax.Array | None) -> Iterator[None]:
         _LORA_SLOTS.reset(token)
 
 
+@contextlib.contextmanager
+def batch_invariant(enabled: bool = True) -> Iterator[None]:
+    """Within the block (with :func:`host_matmuls` on), every product and the attention
+    run kernels whose result for a row does not depend on the other rows of the step:
+    float32 and quantized weights through the Rust kernels at every row count (the
+    quantized ones on their float path), attention per query token
+    (:mod:`kvpage.model.self_attention`). Other weight layouts raise."""
+    token = _BATCH_INVARIANT.set(enabled)
+    try:
+        yield
+    finally:
+        _BATCH_INVARIANT.reset(token)
+
+
+def batch_invariant_enabled() -> bool:
+    """Whether a function traced now must be batch-invariant (:func:`batch_invariant`)."""
+    return _BATCH_INVARIANT.get() and _HOST_MATMULS.get()
+
+
 def host_kernels_enabled() -> bool:
     """Whether a function traced now may use the host kernels (see :func:`host_matmuls`)."""
     return _HOST_MATMULS.get()
@@ -103,6 +123,12 @@ def matmul_nt(
     with ``w``'s axis 1; a transposed weight's kernel ``[in, out]`` on its axis 0)."""
     if isinstance(w, QuantizedWeight):
         return _quantized_matmul_nt(x, w, preferred_element_type)
+    invariant = batch_invariant_enabled()
+    if invariant and (isinstance(w, TransposedWeight) or w.dtype != jnp.float32):
+        raise NotImplementedError(
+            "batch_invariant runs float32 [out, in] and GGUF-quantized weights; this "
+            f"model has a {type(w).__name__} of dtype {w.dtype}"
+        )
     if isinstance(w, TransposedWeight):
         dims = (((x.ndim - 1,), (0,)), ((), ()))
         return lax.dot_general(
@@ -115,6 +141,11 @@ def matmul_nt(
 
     if not _HOST_MATMULS.get():
         return xla()
+    if invariant:
+        flat = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+        y = cpu_matmul_nt(flat, w, otherwise=lambda: xla().reshape(flat.shape[0], -1),
+                          every_row_count=True)
+        return y.reshape(*x.shape[:-1], w.shape[0]).astype(preferred_element_type or x.dtype)
     return cpu_matmul_nt(x, w, otherwise=xla)
 
 
@@ -138,6 +169,9 @@ def _quantized_matmul_nt(
         return xla().reshape(rows, -1).astype(jnp.float32)
 
     def on_cpu() -> jax.Array:
+        if batch_invariant_enabled():
+            return cpu_qmatmul.qmatmul_call(flat, w.blocks, w.row_scales, w.kind,
+                                            live_rows_of(rows), invariant=True)
         if rows < cpu_qmatmul.DEQUANTIZE_ROWS:
             return cpu_qmatmul.qmatmul_call(
                 flat, w.blocks, w.row_scales, w.kind, live_rows_of(rows)

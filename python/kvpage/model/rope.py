@@ -256,6 +256,23 @@ def config_rope_cos_sin(
     return rope_cos_sin(positions, inv_freq, scale)
 
 
+def table_rope_cos_sin(
+    config: ModelConfig, positions: jax.Array, length: int, rope: RopeConfig | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`config_rope_cos_sin` read from a table of positions ``0..length`` computed
+    when the step is traced (a constant of the executable), for batch-invariant steps:
+    XLA:CPU evaluates ``cos`` / ``sin`` with code that depends on the array's shape (a
+    decode step of one row and one of four gave different last bits), a gather does
+    not. The length-dependent types (``dynamic``, ``longrope``) are refused."""
+    rope = rope or config.rope
+    if rope.rope_type in LENGTH_DEPENDENT_ROPE_TYPES:
+        raise NotImplementedError(f"batch_invariant does not support RoPE type "
+                                  f"{rope.rope_type!r} yet")
+    with jax.ensure_compile_time_eval():
+        cos, sin = config_rope_cos_sin(config, jnp.arange(length, dtype=jnp.int32), rope=rope)
+    return jnp.take(cos, positions, axis=0), jnp.take(sin, positions, axis=0)
+
+
 def rope_cos_sin(
     positions: jax.Array, inv_freq: np.ndarray | jax.Array, attention_factor: float = 1.0
 ) -> tuple[jax.Array, jax.Array]:

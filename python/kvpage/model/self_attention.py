@@ -20,11 +20,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from kvpage.kernels.host.cpu_decode_attention import cpu_paged_decode_attention
 from kvpage.model.attention import AttentionBackend
 from kvpage.model.config import SLIDING_ATTENTION, ModelConfig
-from kvpage.model.linear_kernels import linear
+from kvpage.model.linear_kernels import batch_invariant_enabled, linear
 from kvpage.model.norms import rms_norm
-from kvpage.model.rope import apply_rope, config_rope_cos_sin
+from kvpage.model.rope import apply_rope, config_rope_cos_sin, table_rope_cos_sin
 
 KVPool = tuple[jax.Array, jax.Array]
 """One layer's ``(k_pages, v_pages)``, each ``[num_kv_heads, num_blocks + 1, block_size,
@@ -67,6 +68,26 @@ def qk_norms(config: ModelConfig, attn: dict[str, Any], q: jax.Array, k: jax.Arr
             rms_norm(k, attn["k_norm"]["weight"], eps, offset))
 
 
+def per_token_attention(
+    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, positions: jax.Array,
+    meta: AttentionMetadata, sm_scale: float, otherwise: Any, options: dict[str, Any],
+) -> jax.Array:
+    """Batch-invariant attention (CPU): every query token is its own row of the host
+    decode kernel, reading its sequence's blocks up to its own position, so its result
+    depends only on its query and its context, never on the step's other rows or on
+    how many tokens its own row has (a prompt scored in one chunk, a decode step, a
+    speculative verify row). ``otherwise()`` on other platforms."""
+    num_tokens = q.shape[0]
+    tokens = jnp.arange(num_tokens, dtype=jnp.int32)
+    rows = jnp.clip(jnp.searchsorted(meta.cu_q_lens, tokens, side="right") - 1, 0,
+                    meta.block_tables.shape[0] - 1)
+    live = tokens < meta.cu_q_lens[meta.num_seqs[0]]
+    kv_lens = jnp.where(live, positions + 1, 0).astype(jnp.int32)
+    return cpu_paged_decode_attention(
+        q, k_pages, v_pages, kv_lens, meta.block_tables[rows], sm_scale=sm_scale,
+        otherwise=otherwise, **options)
+
+
 def self_attention(
     config: ModelConfig,
     attn: dict[str, Any],
@@ -88,22 +109,26 @@ def self_attention(
         q, k = qk_norms(config, attn, q, k)
     rope = config.rope_local if layer_type == SLIDING_ATTENTION else None
     # Attention scaling included; longrope / dynamic pick per sequence by its KV length.
-    cos, sin = config_rope_cos_sin(config, positions, meta.cu_q_lens, meta.kv_lens, rope)
+    if batch_invariant_enabled():  # every position a key of its sequence can have
+        length = meta.block_tables.shape[1] * pool[0].shape[2]
+        cos, sin = table_rope_cos_sin(config, positions, length, rope)
+    else:
+        cos, sin = config_rope_cos_sin(config, positions, meta.cu_q_lens, meta.kv_lens, rope)
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
     k_pages, v_pages = backend.write_kv(pool[0], pool[1], k, v, meta.slot_mapping)
     scale = config.query_scale if config.query_scale is not None else d**-0.5
-    out = backend.attend(
-        q,
-        k_pages,
-        v_pages,
-        meta.kv_lens,
-        meta.block_tables,
-        meta.cu_q_lens,
-        meta.num_seqs,
-        sm_scale=scale,
-        decode_only=decode_only,
-        **kernel_options(config, layer_type, attn),
-    )
+    options = kernel_options(config, layer_type, attn)
+
+    def attend() -> jax.Array:
+        return backend.attend(q, k_pages, v_pages, meta.kv_lens, meta.block_tables,
+                              meta.cu_q_lens, meta.num_seqs, sm_scale=scale,
+                              decode_only=decode_only, **options)
+
+    if batch_invariant_enabled():
+        out = per_token_attention(q, k_pages, v_pages, positions, meta, scale, attend,
+                                  options).astype(q.dtype)
+    else:
+        out = attend()
     out = linear(out.reshape(num_tokens, config.q_size).astype(hidden.dtype), attn["o_proj"])
     return out, (k_pages, v_pages)

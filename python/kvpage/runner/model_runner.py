@@ -116,6 +116,9 @@ class ModelRunner:
         enable_lora: give every adaptable projection LoRA stacks of ``max_loras`` slots
             of rank up to ``max_lora_rank`` (:mod:`kvpage.lora.stacks`), filled by
             :meth:`load_lora`; each step's rows use their request's slot.
+        batch_invariant: trace every step with kernels whose result for a token does
+            not depend on the step's other rows (``linear_kernels.batch_invariant``):
+            CPU, one device, float32 or GGUF-quantized weights.
     """
 
     def __init__(
@@ -147,6 +150,7 @@ class ModelRunner:
         enable_lora: bool = False,
         max_loras: int = 1,
         max_lora_rank: int = 16,
+        batch_invariant: bool = False,
     ) -> None:
         if max_model_len <= 0 or block_size <= 0:
             raise ValueError("max_model_len and block_size must be positive")
@@ -168,6 +172,10 @@ class ModelRunner:
         )
         self.backend = get_attention_backend(attention_backend)
         validate_params(config, params)
+        if batch_invariant and (mesh is not None or self.device.platform != "cpu"):
+            raise ValueError("batch_invariant runs on one CPU device only (its kernels are "
+                             "the Rust host kernels)")
+        self.batch_invariant = batch_invariant
         self.lora: LoRAStacks | None = None
         """The adapter stacks (:mod:`kvpage.lora.stacks`) with ``enable_lora``."""
         if enable_lora:

@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvpage.model.row_reductions import log_softmax
+
 SCORE_CHUNK_ROWS = 128
 """Rows of hidden states projected through the lm_head at once."""
 
@@ -67,7 +69,7 @@ def score_prompt_tokens(
         targets = jnp.pad(targets, (0, padded - num_rows), constant_values=-1)
 
     def project(rows: jax.Array, wanted: jax.Array) -> tuple[jax.Array, ...]:
-        logprobs = jax.nn.log_softmax(logits_fn(rows).astype(jnp.float32), axis=-1)
+        logprobs = log_softmax(logits_fn(rows).astype(jnp.float32))
         safe = jnp.maximum(wanted, 0)
         chosen = jnp.take_along_axis(logprobs, safe[:, None], axis=-1)[:, 0]
         ranks = 1 + jnp.sum(logprobs > chosen[:, None], axis=-1).astype(jnp.int32)

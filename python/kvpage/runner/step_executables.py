@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvpage.model.linear_kernels import host_matmuls
+from kvpage.model.linear_kernels import batch_invariant, host_matmuls
 from kvpage.runner.background_compiler import BackgroundCompiler
 from kvpage.runner.buckets import background_order, pick_bucket, pick_fallback
 from kvpage.runner.executable_cache import ExecutableCache
@@ -165,7 +165,7 @@ class StepExecutables:
         """Lower ``fn`` with explicit shardings on a mesh; plain ``jax.jit`` without one
         (and then small linear layers may run on the host kernel: ``linear_kernels``)."""
         if self._r.mesh is None:
-            with host_matmuls():
+            with host_matmuls(), batch_invariant(self._r.batch_invariant):
                 return jax.jit(fn, donate_argnums=donate).lower(*args)
         jitted = jax.jit(
             fn, donate_argnums=donate, in_shardings=in_shardings, out_shardings=out_shardings
@@ -208,6 +208,7 @@ class StepExecutables:
             "layer_plan": self._r.layer_plan,
             "sampling_table": store_signature(self._r.sampling_table),
             "padding": self._r.padding,
+            "batch_invariant": self._r.batch_invariant,
             "device": (self._r.device.platform, self._r.device.id),
         }
 

@@ -32,6 +32,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from kvpage.model.row_reductions import log_softmax
 from kvpage.sampling.categorical import draw_categorical
 from kvpage.sampling.device_params import GREEDY_EPSILON
 from kvpage.sampling.token_bitmask import apply_token_bitmask
@@ -218,7 +219,7 @@ def _logprobs_in_mode(
 ) -> jax.Array:
     """Per row, the values its ``logprobs_mode`` reports (codes of ``LOGPROBS_MODES``)."""
     mode = mode[:, None]
-    processed_values = jnp.where(mode == 3, processed, jax.nn.log_softmax(processed, axis=-1))
+    processed_values = jnp.where(mode == 3, processed, log_softmax(processed))
     raw_values = jnp.where(mode == 1, raw_logits, raw_logprobs)
     return jnp.where(mode >= 2, processed_values, raw_values)
 
@@ -240,7 +241,7 @@ def sample(
     """
     logits = logits.astype(jnp.float32)
     raw_logits = logits
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    raw_logprobs = log_softmax(logits)
     if inputs.output_counts is not None and inputs.prompt_mask is not None:
         active = (
             jnp.any(inputs.presence_penalty != 0.0)

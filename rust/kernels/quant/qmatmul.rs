@@ -33,7 +33,8 @@
 //!
 //! A row's result therefore depends on whether it is alone in its call (as
 //! XLA's own dot differs between shapes); within a path it does not depend on
-//! the other rows.
+//! the other rows. [`Inputs::float_path`] takes the float path for any row
+//! count, so a row's result never depends on the call (batch-invariant mode).
 //!
 //! Layout (row-major): `x [rows, inner]` f32, `w [outs, row_bytes(inner)]`
 //! bytes (each row its blocks, as GGUF stores a `[out, in]` weight),
@@ -62,6 +63,12 @@ impl<'a> Inputs<'a> {
         let integer =
             (shape.rows <= INTEGER_ROWS).then(|| Q16Rows::quantize(x, shape.rows, shape.inner));
         Inputs { x, integer }
+    }
+
+    /// `x` for the float path whatever its row count: each row's result is then
+    /// the same whichever rows share the call (batch-invariant inference).
+    pub fn float_path(x: &'a [f32]) -> Self {
+        Inputs { x, integer: None }
     }
 }
 

@@ -63,9 +63,8 @@ impl Scheduler {
                 .count()
                 / bs
                 * bs;
-            let cached = *cached.get_or_insert_with(|| {
-                self.kv.peek_prefix(request.salt.as_deref(), reusable).0
-            });
+            let cached = *cached
+                .get_or_insert_with(|| self.kv.peek_prefix(request.salt.as_deref(), reusable).0);
             if shared > cached {
                 return true;
             }

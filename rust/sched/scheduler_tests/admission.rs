@@ -91,13 +91,24 @@ fn copies_of_a_prompt_queued_together_prefill_it_once() {
     let copies: Vec<_> = (0..8).map(|_| (prompt(40, 0), None)).collect();
     let (alone, out_alone) = prefill_with_grouping(false, &copies);
     let (grouped, out_grouped) = prefill_with_grouping(true, &copies);
-    assert_eq!(alone, 8 * 40, "without grouping every copy prefills its prompt");
+    assert_eq!(
+        alone,
+        8 * 40,
+        "without grouping every copy prefills its prompt"
+    );
     // The leader computes 40 tokens; each follower matches 36 and computes the last 4.
     assert_eq!(grouped, 40 + 7 * 4);
     assert_eq!(out_grouped.finish.len(), 8);
-    assert!(out_grouped.steps > out_alone.steps, "followers wait one step");
+    assert!(
+        out_grouped.steps > out_alone.steps,
+        "followers wait one step"
+    );
     for ((request, _), tokens) in &out_grouped.tokens {
-        assert_eq!(tokens.len(), 6, "request {request} generated all its tokens");
+        assert_eq!(
+            tokens.len(),
+            6,
+            "request {request} generated all its tokens"
+        );
     }
 }
 
@@ -111,12 +122,7 @@ fn grouping_shares_only_whole_blocks_of_the_same_salt() {
     // b shares 5 whole blocks (20 tokens) with a; c differs in its first block;
     // d is a's prompt under another salt (its blocks hash differently).
     let c = prompt(24, 100);
-    let prompts = vec![
-        (a.clone(), None),
-        (b, None),
-        (c, None),
-        (a, Some("tenant")),
-    ];
+    let prompts = vec![(a.clone(), None), (b, None), (c, None), (a, Some("tenant"))];
     let (grouped, _) = prefill_with_grouping(true, &prompts);
     assert_eq!(grouped, 24 + (25 - 20) + 24 + 24);
 }
@@ -132,7 +138,9 @@ fn a_follower_is_admitted_when_its_leader_is_preempted() {
     })
     .unwrap();
     for _ in 0..3 {
-        sched.add_request(&prompt(40, 0), params(20), 0, None).unwrap();
+        sched
+            .add_request(&prompt(40, 0), params(20), 0, None)
+            .unwrap();
     }
     let out = run(&mut sched, |_, _| 5);
     assert_eq!(out.finish.len(), 3);

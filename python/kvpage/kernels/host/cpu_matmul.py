@@ -82,10 +82,17 @@ def serves(x: jax.Array, w: jax.Array) -> bool:
     )
 
 
-def cpu_matmul_nt(x: jax.Array, w: jax.Array, *, otherwise: Callable[[], jax.Array]) -> jax.Array:
+def cpu_matmul_nt(x: jax.Array, w: jax.Array, *, otherwise: Callable[[], jax.Array],
+                  every_row_count: bool = False) -> jax.Array:
     """``x [T, K] . w [N, K]^T`` float32 ``[T, N]``: the Rust kernel when lowered for CPU
-    and :func:`serves` says so, ``otherwise()`` (same product) everywhere else."""
-    if not serves(x, w):
+    and :func:`serves` says so, ``otherwise()`` (same product) everywhere else. With
+    ``every_row_count`` the kernel takes any number of float32 rows (batch-invariant
+    inference: a row's sum order depends only on ``K``)."""
+    shapes_fit = (x.ndim == 2 and w.ndim == 2 and x.shape[1] == w.shape[1]
+                  and x.dtype == jnp.float32 and w.dtype == jnp.float32)
+    if every_row_count and shapes_fit and register(TARGET):
+        pass
+    elif not serves(x, w):
         return otherwise()
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))
     return lax.platform_dependent(cpu=lambda: call(x, w), default=otherwise)

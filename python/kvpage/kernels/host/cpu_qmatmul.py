@@ -55,15 +55,19 @@ def qmatmul_call(
     row_scales: jax.Array | None,
     kind: str,
     live_rows: jax.Array | int | None = None,
+    invariant: bool = False,
 ) -> jax.Array:
     """float32 ``x [T, K] . dequant(w)^T`` by the core (lower for ``cpu`` only); with
     ``live_rows`` (an int32 scalar, ``0 <= live_rows <= T``) only ``x``'s first rows are
-    multiplied and the result's other rows are zeros."""
+    multiplied and the result's other rows are zeros. ``invariant``: every row on the
+    float path, so a row's result does not depend on the other rows (batch-invariant
+    inference; ``kvpage_qmatmul_invariant_<kind>``)."""
     rows = x.shape[0]
     live = jnp.asarray(rows if live_rows is None else live_rows, jnp.int32).reshape(1)
-    call = jax.ffi.ffi_call(
-        target(kind), jax.ShapeDtypeStruct((rows, blocks.shape[0]), jnp.float32)
-    )
+    name = f"kvpage_qmatmul_invariant_{kind}" if invariant else target(kind)
+    if invariant and not register(name):
+        raise RuntimeError(f"this kvpage core has no {name} (rebuild it)")
+    call = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((rows, blocks.shape[0]), jnp.float32))
     scales = () if row_scales is None else (row_scales,)
     return call(x.astype(jnp.float32), blocks, *scales, live)
 
