@@ -77,6 +77,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--compare-grouping", action="store_true",
                    help="also time kvpage with --no-group-shared-prefills (every copy of a "
                         "prompt prefills it)")
+    p.add_argument("--compare-batch-invariant", action="store_true",
+                   help="also time kvpage with batch_invariant=True (bitwise-stable "
+                        "logprobs) and report its cost")
     p.add_argument("--skip-tunix", action="store_true", help="time kvpage only")
     p.add_argument("--json", default=None, help="write the figures to this JSON file")
     p.set_defaults(func=main)
@@ -136,6 +139,12 @@ def main(args: argparse.Namespace) -> int:
         figures["kvpage_ungrouped_tok_s"] = timed["tok_s"]
         figures["kvpage_ungrouped_prompt_tokens"] = timed["prompt_tokens"]
         del alone
+    if args.compare_batch_invariant:
+        invariant = KvpageRollout(model, tok, None, rollout_config, batch_invariant=True,
+                                  **engine_args)
+        timed = _time_kvpage(invariant, batch, warmup_batch, rollout_config, args.steps)
+        figures["kvpage_invariant_tok_s"] = timed["tok_s"]
+        del invariant
     start = time.perf_counter()
     ours = KvpageRollout(model, tok, None, rollout_config, **engine_args)
     figures["kvpage_kv_gib"] = ours.llm.engine.runner.kv_cache_decision.total_bytes / 2**30
@@ -144,6 +153,8 @@ def main(args: argparse.Namespace) -> int:
     figures["kvpage_tok_s"] = timed["tok_s"]
     figures["kvpage_compiles_timed"] = timed["compiles"]
     figures["kvpage_prompt_tokens"] = timed["prompt_tokens"]
+    if args.compare_batch_invariant:
+        figures["invariant_ratio"] = figures["kvpage_invariant_tok_s"] / figures["kvpage_tok_s"]
     if args.compare_grouping:
         figures["grouping_ratio"] = figures["kvpage_tok_s"] / figures["kvpage_ungrouped_tok_s"]
     figures["peak_rss_after_kvpage_gib"] = _peak_rss_gib()
@@ -278,6 +289,9 @@ def _print(f: dict[str, Any]) -> None:
               f"{f['kvpage_prompt_tokens']:.0f} prompt tokens computed | off "
               f"{f['kvpage_ungrouped_tok_s']:.1f} tok/s, "
               f"{f['kvpage_ungrouped_prompt_tokens']:.0f} | ratio {f['grouping_ratio']:.2f}x")
+    if "kvpage_invariant_tok_s" in f:
+        print(f"  batch_invariant: {f['kvpage_invariant_tok_s']:.1f} tok/s, "
+              f"{f['invariant_ratio']:.2f}x the default engine")
     print(f"  compiles during the timed steps: kvpage {f['kvpage_compiles_timed']}"
           + (f", tunix {f['tunix_compiles_timed']}" if "tunix_compiles_timed" in f else ""))
     print(f"  weight sync: kvpage {f['kvpage_sync_ms']:.2f} ms, "
