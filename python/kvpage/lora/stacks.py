@@ -7,7 +7,7 @@ Owns :class:`LoRAStacks`. With LoRA enabled, every adaptable projection of every
 max_loras + 1``, ``R = max_lora_rank``). Entry 0 is all zeros: rows without an adapter
 use it. An adapter of rank ``r <= R`` sits in entry ``s`` zero-padded to ``R``, so the
 layer's output for a row of slot ``s`` is exactly ``W x + B_s (A_s x)``
-(:func:`kvpage.model.linear_kernels.linear`). The stacks are ordinary params leaves:
+(:func:`kvpage.model.linear.linear`). The stacks are ordinary params leaves:
 loading an adapter writes one entry of each (new arrays, swapped in by reference like any
 weight update), and nothing recompiles.
 

@@ -38,7 +38,8 @@ import jax.numpy as jnp
 
 from kvpage.model.attention import AttentionBackend
 from kvpage.model.config import FULL_ATTENTION, ModelConfig
-from kvpage.model.linear_kernels import embedding_rows, linear, live_rows, matmul_nt
+from kvpage.model.linear import linear
+from kvpage.model.linear_kernels import embedding_rows, live_rows, matmul_nt
 from kvpage.model.mlp import gated_mlp
 from kvpage.model.moe import moe_block
 from kvpage.model.norms import rms_norm

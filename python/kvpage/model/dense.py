@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from kvpage.model.config import SLIDING_ATTENTION, ModelConfig
 from kvpage.model.decoder import compute_logits, embed_tokens, feed_forward, layer_params
-from kvpage.model.linear_kernels import linear
+from kvpage.model.linear import linear
 from kvpage.model.norms import rms_norm
 from kvpage.model.params import Params
 from kvpage.model.rope import apply_rope, config_rope_cos_sin

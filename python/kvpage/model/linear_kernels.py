@@ -2,7 +2,8 @@
 
 Owns :func:`matmul_nt` (``x . w^T`` with an HF-oriented ``[out, in]`` weight, the
 product behind every linear layer and the vocab projection), :func:`embedding_rows`
-and the switch :func:`host_matmuls`. A weight may be a
+and the switches a step is traced under: :func:`host_matmuls`, :func:`live_rows`,
+:func:`lora_slots` (each row's adapter) and :func:`batch_invariant`. A weight may be a
 :class:`~kvpage.quant.QuantizedWeight`: with the switch on, its products run in the Rust
 core from its blocks (``kernels/host/cpu_qmatmul.py``: the kernel for up to 127 rows, the
 core's dequantization + XLA's GEMM for more), and an int8
@@ -80,9 +81,10 @@ def live_rows_of(rows: int) -> jax.Array | None:
 
 @contextlib.contextmanager
 def lora_slots(slots: jax.Array | None) -> Iterator[None]:
-    """Within the block, :func:`linear` adds each row's LoRA adapter: row ``t`` uses the
-    layer's adapter stack entry ``slots[t]`` (int32 ``[T]``; entry 0 holds zeros, for
-    rows without an adapter). Outside it, or with None, adapters are ignored."""
+    """Within the block, :func:`kvpage.model.linear.linear` adds each row's LoRA
+    adapter: row ``t`` uses the layer's adapter stack entry ``slots[t]`` (int32 ``[T]``;
+    entry 0 holds zeros, for rows without an adapter). Outside it, or with None, adapters
+    are ignored."""
     token = _LORA_SLOTS.set(slots)
     try:
         yield
@@ -102,6 +104,11 @@ def batch_invariant(enabled: bool = True) -> Iterator[None]:
         yield
     finally:
         _BATCH_INVARIANT.reset(token)
+
+
+def lora_slots_of() -> jax.Array | None:
+    """The LoRA slots of the rows of a function traced now (:func:`lora_slots`), or None."""
+    return _LORA_SLOTS.get()
 
 
 def batch_invariant_enabled() -> bool:
@@ -192,31 +199,6 @@ def _quantized_matmul_nt(
         branches["cuda"] = on_cuda
     y = lax.platform_dependent(**branches, default=dequantized) if branches else dequantized()
     return y.reshape(*x.shape[:-1], w.shape[0]).astype(out_dtype)
-
-
-def linear(x: jax.Array, layer: dict[str, Any]) -> jax.Array:
-    """A linear layer: ``x @ weight.T (+ bias)`` with an HF-oriented ``[out, in]`` weight,
-    in ``x``'s dtype."""
-    y = matmul_nt(x, layer["weight"])
-    if "bias" in layer:
-        y = y + layer["bias"]
-    slots = _LORA_SLOTS.get()
-    if "lora_a" in layer and slots is not None:
-        y = y + lora_delta(x, layer["lora_a"], layer["lora_b"], slots)
-    return y.astype(x.dtype)
-
-
-def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array) -> jax.Array:
-    """float32 ``x[t] . A[slots[t]]^T . B[slots[t]]^T``: each row through its own adapter
-    (``a [L, r, in]``, ``b [L, out, r]``, the scale folded into ``b``), as two
-    expert-indexed products (:func:`kvpage.model.moe.expert_matmul_nt`: on CPU the Rust
-    kernel reads each adapter in use once per call; on a GPU the Pallas grouped matmul)."""
-    from kvpage.model.moe import expert_matmul_nt  # moe imports this module
-
-    flat = x.reshape(-1, x.shape[-1])
-    shrunk = expert_matmul_nt(flat, a, slots)
-    out = expert_matmul_nt(shrunk.astype(b.dtype), b, slots)
-    return out.reshape(*x.shape[:-1], b.shape[1])
 
 
 def embedding_rows(weight: jax.Array | QuantizedWeight, token_ids: jax.Array) -> jax.Array:

@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 
-from kvpage.model.linear_kernels import linear
+from kvpage.model.linear import linear
 
 _ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "silu": jax.nn.silu,

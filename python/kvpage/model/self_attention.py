@@ -23,7 +23,8 @@ import jax.numpy as jnp
 from kvpage.kernels.host.cpu_decode_attention import cpu_paged_decode_attention
 from kvpage.model.attention import AttentionBackend
 from kvpage.model.config import SLIDING_ATTENTION, ModelConfig
-from kvpage.model.linear_kernels import batch_invariant_enabled, linear
+from kvpage.model.linear import linear
+from kvpage.model.linear_kernels import batch_invariant_enabled
 from kvpage.model.norms import rms_norm
 from kvpage.model.rope import apply_rope, config_rope_cos_sin, table_rope_cos_sin
 
