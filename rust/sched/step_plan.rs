@@ -44,9 +44,9 @@
 //!
 //! The runner reads `token_ids`, `positions`, `slot_mapping`, `cu_q_lens`,
 //! `kv_lens`, `block_tables`, `logits_indices`, `sample_rows`, `copy_src`,
-//! `copy_dst`, `num_seqs`, `num_tokens` and `decode_only` (`StepPlanLike` in
-//! `python/kvpage/runner/step_plan.py`) and, when present, `token_bitmask`;
-//! the other fields are the engine's.
+//! `copy_dst`, `num_seqs`, `num_tokens`, `decode_only` and, with LoRA adapters,
+//! `row_request` (`StepPlanLike` in `python/kvpage/runner/step_plan.py`) and,
+//! when present, `token_bitmask`; the other fields are the engine's.
 //!
 //! Invariants: a seat appears at most once in `sample_rows`; a seat in
 //! `sample_rows` is held by that row's sample until `update` or an abort

@@ -30,6 +30,7 @@ FORMAT: dict[str, tuple[type, tuple[str, ...]]] = {
     "slot_mapping": (np.int32, ("T",)),
     "cu_q_lens": (np.int32, ("S+1",)),
     "kv_lens": (np.int32, ("S",)),
+    "row_request": (np.uint64, ("S",)),
     "block_tables": (np.int32, ("S", "W")),
     "logits_indices": (np.int32, ("R",)),
     "sample_rows": (np.int32, ("R",)),

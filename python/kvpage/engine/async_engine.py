@@ -348,7 +348,9 @@ class AsyncLLMEngine:
             self.engine.add_request(
                 stream.request_id, op.prompt, op.params, op.priority, op.cache_salt,
                 delta=not op.final_only, final_only=op.final_only,
-                arrival_time=op.arrival_time, lora_request=op.lora_request,
+                arrival_time=op.arrival_time,
+                # only when set: engines without LoRA (test doubles) take no such argument
+                **({"lora_request": op.lora_request} if op.lora_request is not None else {}),
             )
         except Exception as exc:
             return exc

@@ -55,7 +55,8 @@ class StepPlan:
     copy_src: np.ndarray = field(default_factory=_empty)
     copy_dst: np.ndarray = field(default_factory=_empty)
     row_request: np.ndarray = field(default_factory=_empty)
-    """Request handle of each row (read only with LoRA, for the rows' adapters)."""
+    """Request handle of each row (uint64; read only with LoRA, for the rows' adapters);
+    left empty, every row's is 0."""
     num_seqs: int = -1
     num_tokens: int = -1
     token_bitmask: np.ndarray | None = None
@@ -66,6 +67,8 @@ class StepPlan:
             self.num_seqs = len(self.kv_lens)
         if self.num_tokens < 0:
             self.num_tokens = len(self.token_ids)
+        if len(self.row_request) == 0:
+            self.row_request = np.zeros(self.num_seqs, np.uint64)
         if self.decode_only is None:
             s = self.num_seqs
             self.decode_only = self.num_tokens == s and bool(
