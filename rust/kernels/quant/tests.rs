@@ -192,6 +192,24 @@ fn a_row_does_not_depend_on_the_other_rows_of_a_multi_row_call() {
             let want = &all[first * shape.outs..][..count * shape.outs];
             assert_eq!(y, want, "{kind:?} rows {first}..");
         }
+        // One row on the float path (the batch-invariant targets) equals that row of
+        // the multi-row call, bit for bit.
+        for row in [0, 7, 19] {
+            let one = QuantShape { rows: 1, ..shape };
+            let xs = &x[row * shape.inner..][..shape.inner];
+            let inputs = Inputs::float_path(xs);
+            let mut y = vec![0.0; shape.outs];
+            let out = OutPtr::new(&mut y);
+            for index in 0..call::tiles(&one) {
+                // SAFETY: shapes as validated by the multi-row call; one thread.
+                unsafe { qmatmul::tile(&one, &inputs, &w, &s, out, index) };
+            }
+            assert_eq!(
+                y,
+                &all[row * shape.outs..][..shape.outs],
+                "{kind:?} row {row}"
+            );
+        }
     }
 }
 
