@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from kvpage import LLM, LoRARequest, SamplingParams
 from kvpage.lora.random_adapter import merged_tensors, write_random_adapter
+from kvpage.lora.slots import LoRASlotsFullError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
 PROMPTS = [{"prompt_token_ids": [5, 17, 99, 3, 42, 7, 250, 11, 64]},
@@ -108,7 +109,7 @@ def test_bad_adapters_and_requests_are_refused_with_the_reason(
     third = write_random_adapter(tmp_path / "third", shapes, rank=2, seed=3)
     loras = [LoRARequest("all", 1, str(adapters[0])), LoRARequest("attn", 2, str(adapters[1])),
              LoRARequest("third", 3, str(third))]
-    with pytest.raises(ValueError, match="max_loras=2"):
+    with pytest.raises(LoRASlotsFullError, match="max_loras=2"):
         lora_llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras)
     assert not lora_llm.engine.has_unfinished_requests()
     assert sum(lora_llm.engine.lora.pins) == 0

@@ -66,3 +66,11 @@ def test_bad_lora_modules_are_refused() -> None:
         LoRARequest.parse_modules(["justaname"])
     with pytest.raises(ValueError, match="given twice"):
         LoRARequest.parse_modules(["a=x", "a=y"])
+
+
+def test_all_slots_pinned_is_a_503_to_retry() -> None:
+    from kvpage.lora.slots import LoRASlotsFullError
+    from kvpage.openai.errors import engine_error
+
+    error = engine_error(LoRASlotsFullError("all max_loras=2 adapter slots are in use"))
+    assert error.status == 503 and "max_loras" in str(error.body())

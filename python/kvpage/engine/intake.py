@@ -12,6 +12,7 @@ import numpy as np
 
 from kvpage.engine.requests import Request
 from kvpage.lora.request import LoRARequest
+from kvpage.lora.slots import LoRASlotsFullError
 from kvpage.outputs import RequestMetrics
 from kvpage.sampling.params import SamplingParams
 
@@ -97,7 +98,7 @@ class RequestIntake:
             assert lora is not None
             try:
                 lora.acquire(handle, lora_request)
-            except ValueError:
+            except (ValueError, LoRASlotsFullError):
                 self._ctx.scheduler.abort_request(handle)
                 raise
         if grammar is not None:

@@ -5,8 +5,9 @@ pins its adapter's slot from ``add_request`` until its last output (waiting, run
 preempted alike), so a step never runs a row whose slot was rewritten under it. An
 adapter not resident is loaded (from disk once; kept in host memory by id) into a free
 slot: one never written, else the least recently used slot no live request pins. When
-every slot is pinned by live requests of other adapters, the request is refused with a
-message naming ``max_loras`` (vLLM queues it instead; kvpage does not yet).
+every slot is pinned by live requests of other adapters, the request is refused with
+:class:`LoRASlotsFullError` naming ``max_loras`` (the server answers 503, retry later;
+vLLM queues it instead, kvpage does not yet).
 
 Invariants: ``pins[slot]`` is the number of live requests mapped to ``slot`` in the
 runner's ``slot_of_request``; a slot with pins holds the adapter ``resident`` names.
@@ -20,6 +21,11 @@ from typing import Any
 from kvpage.lora.adapter import LoRAAdapter, load_peft_adapter
 from kvpage.lora.request import LoRARequest
 from kvpage.lora.stacks import LoRAStacks
+
+
+class LoRASlotsFullError(RuntimeError):
+    """Every adapter slot is pinned by live requests of other adapters: the request was
+    not queued; it may be sent again once one of them finishes (the server answers 503)."""
 
 
 class LoRASlots:
@@ -95,10 +101,10 @@ class LoRASlots:
             if not self.pins[slot]:
                 del self.resident[adapter_id]
                 return slot
-        raise ValueError(
-            f"cannot run LoRA adapter {request.lora_name!r}: all max_loras="
+        raise LoRASlotsFullError(
+            f"cannot run LoRA adapter {request.lora_name!r} now: all max_loras="
             f"{len(self.pins) - 1} adapter slots are in use by live requests of other "
-            "adapters; raise max_loras or wait for them to finish"
+            "adapters; retry when one finishes, or raise max_loras"
         )
 
     def cache_salt(self, request: LoRARequest) -> str:

@@ -17,6 +17,7 @@ from starlette.types import Send
 
 from kvpage.engine.async_engine import EngineClosedError
 from kvpage.engine.llm_engine import QueueFullError
+from kvpage.lora.slots import LoRASlotsFullError
 from kvpage.openai.protocol import APIError, value_error
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,8 @@ def engine_error(exc: BaseException) -> APIError:
     if isinstance(exc, QueueFullError):
         return APIError(503, f"the server is overloaded: {exc}", "service_unavailable_error",
                         code="queue_full")
+    if isinstance(exc, LoRASlotsFullError):
+        return APIError(503, str(exc), "service_unavailable_error", code="lora_slots_full")
     if isinstance(exc, EngineClosedError):
         return APIError(503, str(exc), "service_unavailable_error", code="shutting_down")
     if isinstance(exc, ValueError | OverflowError):  # an int out of the core's range
