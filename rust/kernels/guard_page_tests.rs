@@ -55,6 +55,17 @@ fn portable(shape: &QuantShape, x: &[f32], w: &[u8], s: &[f32], y: &mut [f32]) {
     unsafe { qmatmul::portable_for_tests(shape, &inputs, w, s, OutPtr::new(y)) };
 }
 
+/// The batch-invariant targets' product: every row count on the float path.
+fn float_path(shape: &QuantShape, x: &[f32], w: &[u8], s: &[f32], y: &mut [f32]) {
+    call::validate(shape, x, w, s, y).unwrap();
+    let inputs = Inputs::float_path(x);
+    let out = OutPtr::new(y);
+    for index in 0..call::tiles(shape) {
+        // SAFETY: validated; one thread.
+        unsafe { qmatmul::tile(shape, &inputs, w, s, out, index) };
+    }
+}
+
 #[test]
 fn quantized_products_read_nothing_past_their_buffers() {
     let mut rng = TestRng::new(46);
@@ -73,6 +84,7 @@ fn quantized_products_read_nothing_past_their_buffers() {
             for (name, kernel) in [
                 ("dispatched", dispatched as QuantKernel),
                 ("portable", portable),
+                ("float path", float_path),
             ] {
                 let mut want = vec![0.0; rows * shape.outs];
                 kernel(&shape, &x, &w, &scales, &mut want);
