@@ -120,10 +120,9 @@ class KvpageRollout(base_rollout.BaseRollout):
                     "rank) as qwix's LoraProvider applies it (or set "
                     "rollout_sglang_jax_lora_scaling)"
                 )
-            ranks = [leaf.shape[-1] for path, leaf in jax.tree_util.tree_leaves_with_path(
-                params_leaves(lora_state)) if jax.tree_util.keystr(path).endswith("lora_a']")]
+            adapter = self._adapter(lora_state)
             engine_args.setdefault("enable_lora", True)
-            engine_args.setdefault("max_lora_rank", max(ranks))
+            engine_args.setdefault("max_lora_rank", adapter.rank)
         engine_args.setdefault("max_model_len", self._max_len(self._config))
         # tunix's rollout mesh as it is (weights split over its "tp" axis), or one device
         use_mesh = mesh if mesh is not None and mesh.devices.size > 1 else None
@@ -135,7 +134,8 @@ class KvpageRollout(base_rollout.BaseRollout):
         self.llm = LLM.from_params(self.model_config, params, mesh=use_mesh, **engine_args)
         if has_lora:
             self._policy = LoRARequest("policy", 1)
-            self._load_policy(lora_state, new_version=False)
+            assert self.llm.engine.lora is not None
+            self.llm.engine.lora.add_adapter(self._policy, adapter)
 
     # ---- BaseRollout
     def generate(
@@ -241,20 +241,18 @@ class KvpageRollout(base_rollout.BaseRollout):
     def _leaf_ids(state: Any) -> list[int]:
         return [id(x) for x in jax.tree.leaves(params_leaves(state))]
 
-    def _load_policy(self, state: Any, new_version: bool = True) -> None:
-        """Write the LoRA params in ``state`` into the policy's adapter slot (a new
-        params version, unless it is the first)."""
-        assert self._policy is not None and self._lora_scale is not None
+    def _adapter(self, state: Any) -> LoRAAdapter:
+        """The LoRA params in ``state`` as an adapter in kvpage's layout, scaled."""
+        assert self._lora_scale is not None
         pairs = tunix_lora(state, self.model_config, self._lora_scale)
-        if not pairs:
-            return
-        rank = max(a.shape[0] for a, _ in pairs.values())
-        adapter = LoRAAdapter(rank, pairs)
-        if new_version:
+        return LoRAAdapter(max((a.shape[0] for a, _ in pairs.values()), default=0), pairs)
+
+    def _load_policy(self, state: Any) -> None:
+        """The LoRA params in ``state`` as the policy's new version (its slot rewritten)."""
+        assert self._policy is not None
+        adapter = self._adapter(state)
+        if adapter.weights:
             self.llm.engine.update_lora(self._policy, adapter)
-        else:
-            assert self.llm.engine.lora is not None
-            self.llm.engine.lora.add_adapter(self._policy, adapter)
 
     def _follow_actor(self) -> None:
         """When the trainer updated the actor module itself (tunix then skips

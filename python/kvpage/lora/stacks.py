@@ -33,13 +33,28 @@ import numpy as np
 from kvpage.lora.adapter import MODULES, LoRAAdapter
 from kvpage.model.params import Params
 
+Key = tuple[int, str, str]
+"""An adaptable projection: (layer, block, module)."""
 
-def _projections(layer: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
-    for block in ("self_attn", "mlp"):
-        for module in MODULES:
-            node = layer.get(block, {}).get(module)
-            if isinstance(node, dict) and "weight" in node:
-                yield module, node
+
+def _adaptable(layers: list[dict[str, Any]]) -> Iterator[tuple[Key, dict[str, Any]]]:
+    """Every adaptable projection node (one with a ``weight``) of ``layers``."""
+    for i, layer in enumerate(layers):
+        for block in ("self_attn", "mlp"):
+            for module in MODULES:
+                node = layer.get(block, {}).get(module)
+                if isinstance(node, dict) and "weight" in node:
+                    yield (i, block, module), node
+
+
+def _replaced(params: Params, nodes: dict[Key, dict[str, Any]]) -> Params:
+    """``params`` with those projection nodes replaced (the layers copied shallowly: the
+    caller's tree is never changed)."""
+    layers = [{k: dict(v) if isinstance(v, dict) else v for k, v in layer.items()}
+              for layer in params["layers"]]
+    for (i, block, module), node in nodes.items():
+        layers[i][block][module] = node
+    return {**params, "layers": layers}
 
 
 class LoRAStacks:
@@ -65,54 +80,31 @@ class LoRAStacks:
 
     def shapes(self, params: Params) -> dict[tuple[int, str], tuple[int, int]]:
         """``(layer, module) -> (out, in)`` of every adaptable projection."""
-        return {
-            (i, module): tuple(int(d) for d in node["weight"].shape)
-            for i, layer in enumerate(self._layers(params))
-            for module, node in _projections(layer)
-        }
+        return {(i, module): tuple(int(d) for d in node["weight"].shape)
+                for (i, _, module), node in _adaptable(self._layers(params))}
 
     def attach(self, params: Params, dtype: Any, like: Params | None = None) -> Params:
         """``params`` with stacks beside each adaptable weight: ``like``'s (a params tree
         that has them: a weight update keeps the resident adapters), else zeros."""
         slots, rank = self.max_loras + 1, self.max_lora_rank
-        old = self._layers(like) if like is not None else None
-        layers = []
-        for i, layer in enumerate(self._layers(params)):
-            layer = {k: dict(v) if isinstance(v, dict) else v for k, v in layer.items()}
-            for block in ("self_attn", "mlp"):
-                if block not in layer:
-                    continue
-                for module in MODULES:
-                    node = layer[block].get(module)
-                    if not (isinstance(node, dict) and "weight" in node):
-                        continue
-                    node = dict(node)
-                    if old is not None:
-                        node["lora_a"] = old[i][block][module]["lora_a"]
-                        node["lora_b"] = old[i][block][module]["lora_b"]
-                    else:
-                        out, inner = (int(d) for d in node["weight"].shape)
-                        node["lora_a"] = jnp.zeros((slots, rank, inner), dtype)
-                        node["lora_b"] = jnp.zeros((slots, out, rank), dtype)
-                    layer[block][module] = node
-            layers.append(layer)
-        return {**params, "layers": layers}
+        old = dict(_adaptable(self._layers(like))) if like is not None else None
+        nodes = {}
+        for key, node in _adaptable(self._layers(params)):
+            if old is not None:
+                stacks = {"lora_a": old[key]["lora_a"], "lora_b": old[key]["lora_b"]}
+            else:
+                out, inner = (int(d) for d in node["weight"].shape)
+                stacks = {"lora_a": jnp.zeros((slots, rank, inner), dtype),
+                          "lora_b": jnp.zeros((slots, out, rank), dtype)}
+            nodes[key] = {**node, **stacks}
+        return _replaced(params, nodes)
 
-    @staticmethod
-    def detach(params: Params) -> Params:
+    def detach(self, params: Params) -> Params:
         """``params`` without the stacks (the base model's tree)."""
-        layers = []
-        for layer in params["layers"]:
-            layer = {k: dict(v) if isinstance(v, dict) else v for k, v in layer.items()}
-            for block in ("self_attn", "mlp"):
-                for module in MODULES:
-                    node = layer.get(block, {}).get(module)
-                    if isinstance(node, dict) and "lora_a" in node:
-                        layer[block][module] = {
-                            k: v for k, v in node.items() if k not in ("lora_a", "lora_b")
-                        }
-            layers.append(layer)
-        return {**params, "layers": layers}
+        return _replaced(params, {
+            key: {k: v for k, v in node.items() if k not in ("lora_a", "lora_b")}
+            for key, node in _adaptable(self._layers(params)) if "lora_a" in node
+        })
 
     def write(self, params: Params, slot: int, adapter: LoRAAdapter | None) -> Params:
         """``params`` with entry ``slot`` (1..max_loras) of every stack holding
@@ -121,24 +113,15 @@ class LoRAStacks:
         per adapter rank and set of modules."""
         if not 1 <= slot <= self.max_loras:
             raise ValueError(f"LoRA slot must be in 1..{self.max_loras}; got {slot}")
-        layers = [
-            {k: dict(v) if isinstance(v, dict) else v for k, v in layer.items()}
-            for layer in self._layers(params)
-        ]
-        where, stacks, entries = [], [], []
-        for i, layer in enumerate(layers):
-            for block in ("self_attn", "mlp"):
-                for module in MODULES:
-                    node = layer.get(block, {}).get(module)
-                    if isinstance(node, dict) and "lora_a" in node:
-                        where.append((i, block, module))
-                        stacks.append((node["lora_a"], node["lora_b"]))
-                        pair = None if adapter is None else adapter.weights.get((i, module))
-                        entries.append(pair)
+        nodes = {key: node for key, node in _adaptable(self._layers(params)) if "lora_a" in node}
+        stacks = [(node["lora_a"], node["lora_b"]) for node in nodes.values()]
+        entries = [None if adapter is None else adapter.weights.get((i, module))
+                   for (i, _, module) in nodes]
         updated = _write_slot(stacks, jnp.int32(slot), entries)
-        for (i, block, module), (a, b) in zip(where, updated, strict=True):
-            layers[i][block][module] = {**layers[i][block][module], "lora_a": a, "lora_b": b}
-        return {**params, "layers": layers}
+        return _replaced(params, {
+            key: {**node, "lora_a": a, "lora_b": b}
+            for (key, node), (a, b) in zip(nodes.items(), updated, strict=True)
+        })
 
     def row_slots(self, row_request: Any, num_rows: int) -> np.ndarray:
         """int32 ``[num_rows]``: the slot of each plan row's request (0: no adapter)."""

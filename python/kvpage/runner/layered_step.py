@@ -236,15 +236,15 @@ def make_layers(
     def run(layers: Any, pools: list[KVPool], hidden: jax.Array, packed: jax.Array) -> Any:
         a = layout.unpack(packed)
         out = []
-        for layer, pool, layer_type in zip(layers, pools, layer_types, strict=True):
-            if layout.num_copies:
-                pool = copy_blocks([pool], a.copy_src, a.copy_dst)[0]
-            with lora_slots(a.lora_slots):
+        with lora_slots(a.lora_slots):  # None without LoRA: adapters are ignored
+            for layer, pool, layer_type in zip(layers, pools, layer_types, strict=True):
+                if layout.num_copies:
+                    pool = copy_blocks([pool], a.copy_src, a.copy_dst)[0]
                 hidden, pool = decoder_layer(
                     config, layer, hidden, a.positions, pool, a.meta, backend, decode_only,
                     layer_type,
                 )
-            out.append(pool)
+                out.append(pool)
         return hidden, out
 
     if not stacked:

@@ -70,16 +70,15 @@ def _lanes() -> int:
     return int(probe()) if probe is not None else 0
 
 
+def _fits(x: jax.Array, w: jax.Array) -> bool:
+    """Whether ``x [T, K] . w [N, K]^T`` is a product the kernel computes (float32, 2-D)."""
+    return (x.ndim == 2 and w.ndim == 2 and x.shape[1] == w.shape[1]
+            and x.dtype == jnp.float32 and w.dtype == jnp.float32)
+
+
 def serves(x: jax.Array, w: jax.Array) -> bool:
     """Whether ``x [T, K] . w [N, K]^T`` is in the kernel's range (policy in the module docs)."""
-    return (
-        x.ndim == 2
-        and w.ndim == 2
-        and x.shape[1] == w.shape[1]
-        and MIN_ROWS <= x.shape[0] <= max_rows()
-        and x.dtype == jnp.float32
-        and w.dtype == jnp.float32
-    )
+    return _fits(x, w) and MIN_ROWS <= x.shape[0] <= max_rows()
 
 
 def cpu_matmul_nt(x: jax.Array, w: jax.Array, *, otherwise: Callable[[], jax.Array],
@@ -88,11 +87,7 @@ def cpu_matmul_nt(x: jax.Array, w: jax.Array, *, otherwise: Callable[[], jax.Arr
     and :func:`serves` says so, ``otherwise()`` (same product) everywhere else. With
     ``every_row_count`` the kernel takes any number of float32 rows (batch-invariant
     inference: a row's sum order depends only on ``K``)."""
-    shapes_fit = (x.ndim == 2 and w.ndim == 2 and x.shape[1] == w.shape[1]
-                  and x.dtype == jnp.float32 and w.dtype == jnp.float32)
-    if every_row_count and shapes_fit and register(TARGET):
-        pass
-    elif not serves(x, w):
+    if not (serves(x, w) or every_row_count and _fits(x, w) and register(TARGET)):
         return otherwise()
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))
     return lax.platform_dependent(cpu=lambda: call(x, w), default=otherwise)
