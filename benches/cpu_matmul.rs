@@ -99,7 +99,7 @@ fn quantized_projection(c: &mut Criterion) {
         } else {
             Vec::new()
         };
-        for rows in [1usize, 4, 8, 16, 32] {
+        for rows in [1usize, 2, 4, 6, 8, 16, 32] {
             let shape = QuantShape {
                 kind,
                 rows,

@@ -137,7 +137,7 @@ mod avx2 {
                 for j in 0..subs_per_block {
                     let sub = F::sub(row.add(b * F::KIND.block_bytes()), j, scale);
                     let base = o * inner + (b * subs_per_block + j) * SUB;
-                    for (c, weight) in expand(&sub).iter().enumerate() {
+                    for (c, weight) in expand::<F>(&sub).iter().enumerate() {
                         _mm256_storeu_ps(out.at(base + 8 * c), *weight);
                     }
                 }

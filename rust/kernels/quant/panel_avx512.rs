@@ -18,7 +18,9 @@ use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
 use super::call::OUTS_PER_TILE;
+use super::formats::SUB;
 use super::panel_block::{Block, PANEL_INNER};
+use super::unpack_avx2::Format;
 
 /// Input rows and weight-row pairs of a block (4 x 4 pairs: 16 accumulators,
 /// 4 weight pairs and one input within the 32 registers).
@@ -117,6 +119,50 @@ pub(super) unsafe fn blocks(
                 (3, 1), (3, 2), (3, 3), (3, 4),
                 (4, 1), (4, 2), (4, 3), (4, 4)
             );
+        }
+    }
+}
+
+/// Weights `span..span + len` of one weight row as floats into `dst`: the
+/// AVX2 expansion's values bit for bit (`scale * q + min` in one fused
+/// multiply-add per weight), 16 lanes at a time. The AVX2 form spends about
+/// a dozen shuffles per sub-block on port 5 (widening four quarters, the
+/// scale broadcasts), which bound the panel path below 16 rows; here two
+/// widenings cover the 32 weights.
+///
+/// # Safety
+/// [`available`]; `row` a weight row of `F` holding `span + len` weights,
+/// `dst` room for `len` floats.
+#[inline]
+#[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
+pub(super) unsafe fn expand_span<F: Format>(
+    row: *const u8,
+    row_scale: f32,
+    span: usize,
+    len: usize,
+    dst: *mut f32,
+) {
+    let block_elems = F::KIND.block_elems();
+    for k in (span..span + len).step_by(SUB) {
+        let block = row.add(k / block_elems * F::KIND.block_bytes());
+        let sub = F::sub(block, k % block_elems / SUB, row_scale);
+        let halves = [
+            _mm256_castsi256_si128(sub.q),
+            _mm256_extracti128_si256::<1>(sub.q),
+        ];
+        let (scale, min) = if F::HALVES_DIFFER {
+            (
+                [_mm512_set1_ps(sub.scale[0]), _mm512_set1_ps(sub.scale[1])],
+                [_mm512_set1_ps(sub.min[0]), _mm512_set1_ps(sub.min[1])],
+            )
+        } else {
+            let (scale, min) = (_mm512_set1_ps(sub.scale[0]), _mm512_set1_ps(sub.min[0]));
+            ([scale; 2], [min; 2])
+        };
+        for (h, bytes) in halves.into_iter().enumerate() {
+            let values = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+            let weights = _mm512_fmadd_ps(values, scale[h], min[h]);
+            _mm512_storeu_ps(dst.add(k - span + 16 * h), weights);
         }
     }
 }

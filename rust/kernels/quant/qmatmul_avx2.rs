@@ -23,12 +23,24 @@ use crate::kernels::cpu_matmul::OutPtr;
 /// 17.0 ms, 16 rows 44 -> 35 ms for 30 layers of SmolLM2's matmuls).
 const FLOAT_ROW_GROUP: usize = 10;
 /// Calls of at least this many rows take the panel float path, fewer the
-/// row groups: expanding a span of the tile first, then its FMAs, does not
-/// overlap the two, and costs more than the panel's blocking saves below
-/// 16 rows (`cargo bench --bench cpu_matmul -- quant_qmatmul`, Q4_1, 30
-/// products: 4 rows 6.0 -> 10.9 ms, 16 rows 20.4 -> 19.9 ms, 32 rows 37 ->
-/// 29 ms).
-const PANEL_MIN_ROWS: usize = 16;
+/// row groups. With AVX2 alone, expanding a span of the tile first, then its
+/// FMAs, does not overlap the two, and costs more than the panel's blocking
+/// saves below 16 rows (`cargo bench --bench cpu_matmul -- quant_qmatmul`,
+/// Q4_1, 30 products: 4 rows 6.0 -> 10.9 ms, 16 rows 20.4 -> 19.9 ms, 32 rows
+/// 37 -> 29 ms). With AVX-512 the panel's expansion takes two widenings per
+/// sub-block instead of a dozen shuffles, and the panel wins from 2 rows on
+/// the formats with one scale per sub-block, whose row groups ran at half
+/// speed (30 products, 2 / 4 / 6 rows, 2026-11-27: Q4_0 6.6 / 7.6 / 6.1 ->
+/// 3.3 / 4.1 / 5.5 ms, Q5_0 6.5 / 7.3 / 7.8 -> 4.1 / 5.0 / 5.9 ms, Q8_0
+/// 5.9 / 6.7 / 5.0 -> 3.5 / 4.2 / 5.4 ms), at +0-10 % on Q4_1, Q4_K and
+/// Q6_K (`benches/RESULTS.md`, "Few-row quantized products").
+fn panel_min_rows() -> usize {
+    if panel_avx512::available() {
+        2
+    } else {
+        16
+    }
+}
 /// Register blocking of the panel float path: input rows x weight rows per block,
 /// one accumulator each (8 accumulators, 4 weight vectors and 2 input
 /// vectors: 14 of the 16 registers).
@@ -67,7 +79,7 @@ pub(super) unsafe fn float_tile(
     )
 }
 
-/// The float path: the panel for [`PANEL_MIN_ROWS`] rows and more, row groups
+/// The float path: the panel for [`panel_min_rows`] rows and more, row groups
 /// below. Both sum each output in the same order.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -80,7 +92,7 @@ unsafe fn float_tile_of<F: Format>(
     start: usize,
     end: usize,
 ) {
-    if shape.rows >= PANEL_MIN_ROWS {
+    if shape.rows >= panel_min_rows() {
         panel_tile_of::<F>(shape, x, w, row_scales, y, start, end)
     } else {
         row_group_tile_of::<F>(shape, x, w, row_scales, y, start, end)
@@ -156,7 +168,7 @@ unsafe fn float_row_dots<F: Format, const R: usize>(
     for b in 0..blocks {
         for j in 0..subs_per_block {
             let sub = F::sub(row.add(b * F::KIND.block_bytes()), j, row_scale);
-            let weights = expand(&sub);
+            let weights = expand::<F>(&sub);
             let base = (b * subs_per_block + j) * SUB;
             for r in 0..R {
                 let xr = x.add(r * inner + base);
@@ -189,19 +201,69 @@ unsafe fn panel_tile_of<F: Format>(
     start: usize,
     end: usize,
 ) {
+    debug_assert!(
+        end - start <= OUTS_PER_TILE && PANEL_INNER.is_multiple_of(F::KIND.block_elems())
+    );
+    PANEL_SCRATCH.with_borrow_mut(|scratch| {
+        let (panel, acc) = scratch.for_call(shape.rows);
+        panel_tile_in::<F>(shape, x, w, row_scales, y, start, end, panel, acc)
+    })
+}
+
+/// Per worker thread, the panel and the accumulators of its panel tiles,
+/// allocated once: a fresh 16 KiB panel and accumulator vector per tile cost
+/// a memset and an allocation each (~9 % of a 2-row call, perf).
+struct PanelScratch {
+    panel: Box<Panel>,
+    acc: Vec<__m256>,
+}
+
+thread_local! {
+    static PANEL_SCRATCH: std::cell::RefCell<PanelScratch> = std::cell::RefCell::new(PanelScratch {
+        panel: Box::new(Panel([0.0; OUTS_PER_TILE * PANEL_INNER])),
+        acc: Vec::new(),
+    });
+}
+
+impl PanelScratch {
+    /// The panel (finite everywhere: zeroed once, then only expanded weights
+    /// are written) and `rows` rows of zeroed accumulators.
+    fn for_call(&mut self, rows: usize) -> (&mut [f32], &mut [__m256]) {
+        self.acc.clear();
+        // SAFETY: AVX is available wherever the panel path runs.
+        self.acc
+            .resize(rows * OUTS_PER_TILE, unsafe { _mm256_setzero_ps() });
+        (&mut self.panel.0, &mut self.acc)
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn panel_tile_in<F: Format>(
+    shape: &QuantShape,
+    x: &[f32],
+    w: &[u8],
+    row_scales: &[f32],
+    y: OutPtr,
+    start: usize,
+    end: usize,
+    panel: &mut [f32],
+    acc: &mut [__m256],
+) {
     let (rows, inner, outs) = (shape.rows, shape.inner, end - start);
-    debug_assert!(outs <= OUTS_PER_TILE && PANEL_INNER.is_multiple_of(F::KIND.block_elems()));
     let row_bytes = F::KIND.row_bytes(inner).expect("validated");
-    let mut panel = Panel([0.0f32; OUTS_PER_TILE * PANEL_INNER]);
-    let panel = &mut panel.0;
-    let mut acc = vec![_mm256_setzero_ps(); rows * OUTS_PER_TILE];
     let wide = panel_avx512::available();
     for span in (0..inner).step_by(PANEL_INNER) {
         let len = (inner - span).min(PANEL_INNER);
         for o in 0..outs {
             let row = w.as_ptr().add((start + o) * row_bytes);
             let scale = row_scale(shape, row_scales, start + o);
-            expand_span::<F>(
+            let expand_span = if wide {
+                panel_avx512::expand_span::<F>
+            } else {
+                expand_span::<F>
+            };
+            expand_span(
                 row,
                 scale,
                 span,
@@ -280,12 +342,12 @@ unsafe fn prefetch_next_span(
     let per_elem = kind.block_bytes() as f32 / kind.block_elems() as f32;
     let first = (next as f32 * per_elem) as usize;
     let bytes = (PANEL_INNER.min(inner - next) as f32 * per_elem) as usize;
-    for o in start..(start + OUTS_PER_TILE).min(w.len() / row_bytes) {
-        let row = o * row_bytes + first;
+    let rows = (start + OUTS_PER_TILE).min(w.len() / row_bytes);
+    for o in start..rows {
+        // Inside `w`: `first + bytes <= row_bytes` for a row `o < outs`.
+        let row = w.as_ptr().add(o * row_bytes + first);
         for line in (0..bytes).step_by(64) {
-            if let Some(at) = w.get(row + line) {
-                _mm_prefetch::<_MM_HINT_T0>((at as *const u8).cast());
-            }
+            _mm_prefetch::<_MM_HINT_T0>(row.add(line).cast());
         }
     }
 }
@@ -309,7 +371,7 @@ unsafe fn expand_span<F: Format>(
     for k in (span..span + len).step_by(SUB) {
         let block = row.add(k / block_elems * F::KIND.block_bytes());
         let sub = F::sub(block, k % block_elems / SUB, row_scale);
-        for (c, weights) in expand(&sub).iter().enumerate() {
+        for (c, weights) in expand::<F>(&sub).iter().enumerate() {
             _mm256_storeu_ps(dst.add(k - span + 8 * c), *weights);
         }
     }

@@ -94,14 +94,24 @@ macro_rules! by_format {
 }
 pub(super) use by_format;
 
-/// A sub-block as 32 floats in four registers: `scale[h] * q + min[h]`.
+/// A sub-block as 32 floats in four registers: `scale[h] * q + min[h]`
+/// (formats whose halves share one scale and offset broadcast them once).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn expand(sub: &Sub) -> [__m256; 4] {
+pub(super) unsafe fn expand<F: Format>(sub: &Sub) -> [__m256; 4] {
     let halves = [
         _mm256_castsi256_si128(sub.q),
         _mm256_extracti128_si256::<1>(sub.q),
     ];
+    let (scale, min) = if F::HALVES_DIFFER {
+        (
+            [_mm256_set1_ps(sub.scale[0]), _mm256_set1_ps(sub.scale[1])],
+            [_mm256_set1_ps(sub.min[0]), _mm256_set1_ps(sub.min[1])],
+        )
+    } else {
+        let (scale, min) = (_mm256_set1_ps(sub.scale[0]), _mm256_set1_ps(sub.min[0]));
+        ([scale; 2], [min; 2])
+    };
     let mut weights = [_mm256_setzero_ps(); 4];
     for (c, weight) in weights.iter_mut().enumerate() {
         let bytes = if c % 2 == 0 {
@@ -110,11 +120,7 @@ pub(super) unsafe fn expand(sub: &Sub) -> [__m256; 4] {
             _mm_srli_si128::<8>(halves[c / 2])
         };
         let values = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
-        *weight = _mm256_fmadd_ps(
-            values,
-            _mm256_set1_ps(sub.scale[c / 2]),
-            _mm256_set1_ps(sub.min[c / 2]),
-        );
+        *weight = _mm256_fmadd_ps(values, scale[c / 2], min[c / 2]);
     }
     weights
 }
