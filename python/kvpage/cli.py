@@ -138,6 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-prefix", default="kvpage", choices=("kvpage", "vllm"),
                        help="Prometheus name prefix; 'vllm' serves vllm:* series, so vLLM's "
                        "Grafana dashboard and alerts work unchanged")
+    serve.add_argument(
+        "--kv-events-config", default=None, metavar="JSON",
+        help="publish the prefix cache's stored/removed blocks for cache-aware routers "
+        "(vLLM's format), e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
+        "\"endpoint\": \"tcp://*:5557\"}' (default: off)")
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -54,6 +54,7 @@
 
 use crate::error::{KvError, KvResult};
 use crate::kv::block_pool::{BlockId, BlockPool};
+use crate::kv::prefix_cache::events::CacheEvent;
 use crate::kv::prefix_cache::{InsertOutcome, NodeId, PrefixCache, PrefixCacheStats};
 
 mod invariants;
@@ -642,6 +643,23 @@ impl KvCacheManager {
         }
         self.cache_epoch += 1;
         Ok(())
+    }
+
+    /// Record what the prefix cache stores and drops ([`CacheEvent`]s for
+    /// cache-aware routers), from now on.
+    pub fn set_kv_events_enabled(&mut self, enabled: bool) {
+        self.cache.set_events_enabled(enabled);
+    }
+
+    /// The chained hashes of the cached blocks (tests replay the events against them).
+    #[cfg(test)]
+    pub(crate) fn cached_block_hashes(&self) -> Vec<u64> {
+        self.cache.cached_block_hashes()
+    }
+
+    /// The prefix cache's events since the last call, oldest first.
+    pub fn take_kv_events(&mut self) -> Vec<CacheEvent> {
+        self.cache.events.drain()
     }
 
     /// Evict up to `count` cached-unreferenced blocks (LRU first); returns

@@ -5,6 +5,7 @@
 
 use crate::error::KvError;
 use crate::kv::kv_cache::{BlockCopy, KvCacheManager, SeqId};
+use crate::kv::prefix_cache::events::CacheEvent;
 use crate::test_rng::SplitMix64;
 
 fn append(kv: &mut KvCacheManager, seq: SeqId, n: usize) -> Vec<BlockCopy> {
@@ -296,6 +297,9 @@ struct Sim {
     block_size: usize,
     copies: usize,
     failed_allocations: usize,
+    /// The cached blocks' hashes as a router replaying the KV events sees them.
+    replayed: std::collections::HashSet<u64>,
+    cleared: usize,
 }
 
 impl Sim {
@@ -309,8 +313,10 @@ impl Sim {
         block_size: usize,
         window: Option<u32>,
     ) -> Self {
+        let mut kv = KvCacheManager::new_with_window(num_blocks, block_size, true, window).unwrap();
+        kv.set_kv_events_enabled(true);
         Self {
-            kv: KvCacheManager::new_with_window(num_blocks, block_size, true, window).unwrap(),
+            kv,
             window: window.map(|w| w as usize),
             slid: 0,
             device: vec![GARBAGE; num_blocks * block_size],
@@ -319,7 +325,36 @@ impl Sim {
             block_size,
             copies: 0,
             failed_allocations: 0,
+            replayed: Default::default(),
+            cleared: 0,
         }
+    }
+
+    /// Replay the events since the last call: the replayed set must be exactly the
+    /// cached blocks' hashes (`prefix_cache/events.rs`), each stored once.
+    fn check_events(&mut self) {
+        for event in self.kv.take_kv_events() {
+            match event {
+                CacheEvent::Stored { hash, parent, .. } => {
+                    if let Some(parent) = parent {
+                        assert!(self.replayed.contains(&parent), "parent of {hash} unknown");
+                    }
+                    assert!(self.replayed.insert(hash), "block {hash} stored twice");
+                }
+                CacheEvent::Removed { hash } => {
+                    assert!(self.replayed.remove(&hash), "removed {hash} never stored");
+                }
+                CacheEvent::Cleared => {
+                    self.replayed.clear();
+                    self.cleared += 1;
+                }
+            }
+        }
+        let mut cached = self.kv.cached_block_hashes();
+        cached.sort_unstable();
+        let mut replayed: Vec<u64> = self.replayed.iter().copied().collect();
+        replayed.sort_unstable();
+        assert_eq!(replayed, cached, "replayed events != cached blocks");
     }
 
     /// Tokens from a tiny alphabet, so prompts often share prefixes.
@@ -510,6 +545,7 @@ fn randomized_operations_keep_every_invariant() {
             let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 sim.step();
                 sim.verify();
+                sim.check_events();
             }));
             if let Err(panic) = result {
                 eprintln!("randomized test failed at op {op}; replay with KVPAGE_SEED={seed}");
@@ -524,6 +560,7 @@ fn randomized_operations_keep_every_invariant() {
         );
         assert!(stats.hit_blocks > 1000 && stats.evicted_blocks > 1000);
         assert!(sim.copies > 1000 && sim.failed_allocations > 100);
+        assert!(sim.cleared > 0, "the run must reset the prefix cache");
         for seq in std::mem::take(&mut sim.seqs) {
             sim.kv.free_sequence(seq.id).unwrap();
         }
@@ -546,6 +583,7 @@ fn randomized_operations_with_a_sliding_window_keep_every_invariant() {
             let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 sim.step();
                 sim.verify();
+                sim.check_events();
             }));
             if let Err(panic) = result {
                 eprintln!(

@@ -5,8 +5,9 @@
 use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyList};
 
+use crate::kv::prefix_cache::events::CacheEvent;
 use crate::py::convert::{extract_tokens, finish_reason_arg};
 use crate::py::step_plan::StepPlan;
 use crate::py::structured::Grammar;
@@ -262,6 +263,34 @@ impl Scheduler {
 
     fn reset_prefix_cache(&mut self) -> PyResult<()> {
         Ok(self.inner.reset_prefix_cache()?)
+    }
+
+    /// Record the prefix cache's events from now on (`take_kv_events`).
+    fn enable_kv_events(&mut self) {
+        self.inner.set_kv_events_enabled(true);
+    }
+
+    /// The prefix cache's events since the last call, oldest first, as
+    /// tuples: `("stored", hash, parent_hash | None, token_ids, salt | None)`,
+    /// `("removed", hash)`, `("cleared",)`; hashes are unsigned 64-bit.
+    fn take_kv_events<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let out = PyList::empty(py);
+        for event in self.inner.take_kv_events() {
+            let item = match event {
+                CacheEvent::Stored {
+                    hash,
+                    parent,
+                    tokens,
+                    salt,
+                } => ("stored", hash, parent, tokens, salt)
+                    .into_pyobject(py)?
+                    .into_any(),
+                CacheEvent::Removed { hash } => ("removed", hash).into_pyobject(py)?.into_any(),
+                CacheEvent::Cleared => ("cleared",).into_pyobject(py)?.into_any(),
+            };
+            out.append(item)?;
+        }
+        Ok(out)
     }
 
     fn has_unfinished_requests(&self) -> bool {

@@ -11,6 +11,7 @@ import argparse
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvpage.engine.kv_events import KVEventsConfig, parse_kv_events_config
 from kvpage.engine.speculative_config import SpeculativeConfig, parse_speculative_config
 from kvpage.quant.modes import QUANTIZATION_MODES
 from kvpage.quant.modes import check_mode as check_quantization
@@ -97,9 +98,15 @@ class EngineConfig:
     """Speculative decoding (vLLM's ``--speculative-config``, :mod:`kvpage.engine.\
 speculative_config`): e.g. ``{"method": "ngram", "num_speculative_tokens": 5}``; a dict or
     its JSON text becomes a :class:`SpeculativeConfig`. None: off."""
+    kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
+    """Publish what the prefix cache stores and drops for cache-aware routers (vLLM's
+    ``--kv-events-config``, :mod:`kvpage.engine.kv_events`): e.g.
+    ``{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}``.
+    None: off."""
 
     def __post_init__(self) -> None:
         self.speculative_config = parse_speculative_config(self.speculative_config)
+        self.kv_events_config = parse_kv_events_config(self.kv_events_config)
 
         def positive(name: str, upper: int = 1 << 24) -> None:
             value = getattr(self, name)

@@ -47,6 +47,7 @@ from kvpage.engine.config import EngineConfig
 from kvpage.engine.context import EngineContext
 from kvpage.engine.failures import Failures
 from kvpage.engine.intake import PromptType, QueueFullError, RequestIntake
+from kvpage.engine.kv_events import KVEventPublisher
 from kvpage.engine.loading import (
     build_model_runner,
     load_model_and_tokenizer,
@@ -161,6 +162,14 @@ class LLMEngine:
             ctx, requests, self._plans, self._device, self._update, self._outputs,
             self._failures,
         )
+        self.kv_events: KVEventPublisher | None = None
+        """The prefix cache's events on ZMQ (``kv_events_config``), else None."""
+        if (events := config.kv_events_config) is not None and events.active:
+            if not config.enable_prefix_caching:
+                raise ValueError("kv_events_config publishes prefix-cache events: it needs "
+                                 "enable_prefix_caching")
+            scheduler.enable_kv_events()
+            self.kv_events = KVEventPublisher(events, config.block_size)
         if config.warmup == "full":
             runner.warmup(progress=True)
         elif config.warmup == "background":
@@ -313,8 +322,15 @@ class LLMEngine:
         With ``overlap_host_work`` (the default), the text of step t's tokens
         is produced while the device runs step t + 1, so the device does not
         wait for detokenization; outputs then trail the device by one step
-        and a stop string costs at most one discarded token.
+        and a stop string costs at most one discarded token. With KV-cache events
+        on, what the step cached and evicted is published after it.
         """
+        outputs = self._step()
+        if self.kv_events is not None:
+            self.kv_events.publish(self.scheduler.take_kv_events())
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         self._plans.read(plan)
         if plan.num_tokens == 0:

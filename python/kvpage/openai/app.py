@@ -3,7 +3,8 @@
 The app over an ``AsyncLLMEngine`` serves ``/v1/completions`` and
 ``/v1/chat/completions`` (SSE streaming and not, ``n``, several prompts, logprobs,
 usage with cached prompt tokens, ``echo`` and vLLM's ``prompt_logprobs``),
-``/v1/models``, vLLM's ``/tokenize`` and ``/detokenize``, ``/health`` (and
+``/v1/models``, vLLM's ``/tokenize``, ``/detokenize``, render routes
+(:mod:`kvpage.openai.render`) and ``/kv_event_sources``, ``/health`` (and
 ``/ping``), ``/version`` and ``/metrics`` (Prometheus text), behind the API-key and
 body-size guard (:mod:`kvpage.openai.guard`), with every error an OpenAI-style JSON
 error (:mod:`kvpage.openai.errors`). A request whose client went away is aborted,
@@ -18,13 +19,14 @@ stall the streams of other clients. :mod:`kvpage.openai.run` serves the app.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import asdict
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from kvpage.engine.async_engine import AsyncLLMEngine
 from kvpage.lora.request import LoRARequest
-from kvpage.openai import chat, completions, tokenization
+from kvpage.openai import chat, completions, render, tokenization
 from kvpage.openai.errors import add_error_handlers, error_response
 from kvpage.openai.guard import DEFAULT_MAX_BODY_BYTES, OPEN_PATHS, Guard
 from kvpage.openai.protocol import APIError
@@ -97,7 +99,16 @@ def build_app(
         srv = server_state(request)
         return JSONResponse(srv.model_card(srv.model_name(model_id)))
 
+    @app.get("/kv_event_sources")
+    async def kv_event_sources(request: Request) -> JSONResponse:
+        # vLLM's discovery route: {data-parallel rank: KV events config}, {} when off.
+        engine = server_state(request).engine.engine
+        config = engine.config.kv_events_config if engine.kv_events is not None else None
+        return JSONResponse({} if config is None else {"0": asdict(config)})
+
     app.post("/tokenize")(tokenization.tokenize)
+    app.post("/v1/completions/render")(render.completions_render)
+    app.post("/v1/chat/completions/render")(render.chat_render)
     app.post("/detokenize")(tokenization.detokenize)
     app.post("/v1/completions")(completions.completions)
     app.post("/v1/chat/completions")(chat.chat_completions)

@@ -88,12 +88,10 @@ def completion_body(srv: ServerState, gen: Generation,
             "model": gen.model, "choices": result, "usage": gen.usage.json()}
 
 
-async def completions(request: Request) -> Response:
-    """The ``/v1/completions`` route."""
-    srv = server_state(request)
-    body = await parse_body(request, CompletionRequest)
-    model = srv.model_name(body.model)
-    body.check_supported()
+async def tokenized_prompts(srv: ServerState, body: CompletionRequest,
+                            explicit_max_tokens: int | None) -> list[dict[str, Any]]:
+    """The request's prompts (text tokenized off the event loop, or token ids), each
+    ``{"prompt": text | None, "prompt_token_ids": ids}``, checked against the context."""
     raw = body.prompt
     if isinstance(raw, str):
         raw_prompts: list[str | list[int]] = [raw]
@@ -106,14 +104,24 @@ async def completions(request: Request) -> Response:
     if len(raw_prompts) > MAX_PROMPTS_PER_REQUEST:
         raise bad_request(f"prompt holds {len(raw_prompts)} prompts; one request may "
                           f"carry at most {MAX_PROMPTS_PER_REQUEST}", param="prompt")
-    explicit = body.max_tokens if "max_tokens" in body.model_fields_set else None
     prompts = []
     for p in raw_prompts:
         ids = await srv.tokenize(p, "prompt", add_special_tokens=body.add_special_tokens
                                  is not False) if isinstance(p, str) else list(p)
-        srv.check_length(len(ids), explicit, "prompt")
+        srv.check_length(len(ids), explicit_max_tokens, "prompt")
         prompts.append({"prompt": p if isinstance(p, str) else None,
                         "prompt_token_ids": ids})
+    return prompts
+
+
+async def completions(request: Request) -> Response:
+    """The ``/v1/completions`` route."""
+    srv = server_state(request)
+    body = await parse_body(request, CompletionRequest)
+    model = srv.model_name(body.model)
+    body.check_supported()
+    explicit = body.max_tokens if "max_tokens" in body.model_fields_set else None
+    prompts = await tokenized_prompts(srv, body, explicit)
     params = body.sampling_params(body.engine_max_tokens, body.logprobs,
                                   body.engine_prompt_logprobs)
     echo = None

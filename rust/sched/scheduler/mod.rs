@@ -566,6 +566,16 @@ impl Scheduler {
 
     /// Forget the prefix cache (e.g. new weights). Live sequences keep
     /// their blocks.
+    /// Record the prefix cache's stored / removed / cleared blocks for
+    /// cache-aware routers (`kv_cache::KvCacheManager::take_kv_events`).
+    pub fn set_kv_events_enabled(&mut self, enabled: bool) {
+        self.kv.set_kv_events_enabled(enabled);
+    }
+
+    pub fn take_kv_events(&mut self) -> Vec<crate::kv::prefix_cache::events::CacheEvent> {
+        self.kv.take_kv_events()
+    }
+
     pub fn reset_prefix_cache(&mut self) -> KvResult<()> {
         self.kv.reset_prefix_cache()
     }

@@ -1,0 +1,91 @@
+//! What the prefix cache stores and drops, told to the world outside: the
+//! events a cache-aware router reads to learn which blocks an engine holds
+//! (the shape of vLLM's KV-cache events: block stored, blocks removed, all
+//! cleared).
+//!
+//! Owns [`CacheEvent`], [`EventLog`] and the content hash of a cached block,
+//! [`chain_hash`]: the hash of its tokens chained from its parent's, so it
+//! names the whole prefix the block ends, the same in every engine that
+//! caches the same tokens under the same salt (a router can compare two
+//! engines' blocks by hash alone). Node ids are engine-local and never
+//! leave the engine.
+//!
+//! Invariant (checked by `prefix_cache_tests.rs`): replaying the log from the
+//! start (or from the last `Cleared`) gives exactly the set of cached blocks'
+//! hashes: every insertion is one `Stored`, every removal (eviction, a
+//! subtree detached by a sliding window) one `Removed`, a full reset one
+//! `Cleared`. Nothing is recorded while the log is off, so a server without
+//! events pays one branch per insertion or removal.
+
+use super::hash_block_tokens;
+
+/// One change of what the prefix cache holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CacheEvent {
+    /// A full block was cached: its chained hash, its parent's (None for a
+    /// first block), its tokens, and the salt of its tree.
+    Stored {
+        hash: u64,
+        parent: Option<u64>,
+        tokens: Vec<u32>,
+        salt: Option<String>,
+    },
+    /// A cached block left the cache (evicted or detached).
+    Removed { hash: u64 },
+    /// Every cached block was forgotten at once (`reset_prefix_cache`).
+    Cleared,
+}
+
+/// The events recorded since the last drain, when recording is on.
+#[derive(Debug, Clone, Default)]
+pub struct EventLog {
+    enabled: bool,
+    events: Vec<CacheEvent>,
+}
+
+impl EventLog {
+    pub fn set_enabled(&mut self, enabled: bool) {
+        self.enabled = enabled;
+        if !enabled {
+            self.events.clear();
+        }
+    }
+
+    #[inline]
+    pub fn enabled(&self) -> bool {
+        self.enabled
+    }
+
+    #[inline]
+    pub fn record(&mut self, event: impl FnOnce() -> CacheEvent) {
+        if self.enabled {
+            self.events.push(event());
+        }
+    }
+
+    /// The events since the last call, oldest first.
+    pub fn drain(&mut self) -> Vec<CacheEvent> {
+        std::mem::take(&mut self.events)
+    }
+}
+
+/// The hash of the first block under a root: the salt's, so that equal
+/// tokens under different salts never share a hash.
+pub fn root_hash(salt: Option<&str>) -> u64 {
+    match salt {
+        None => 0x6b76_7061_6765_0000, // "kvpage"
+        Some(salt) => {
+            let units: Vec<u32> = salt.bytes().map(u32::from).collect();
+            hash_block_tokens(&units) ^ 0x7361_6c74 // "salt"
+        }
+    }
+}
+
+/// The hash of a block holding `tokens` whose parent's hash is `parent`.
+#[inline]
+pub fn chain_hash(parent: u64, tokens: &[u32]) -> u64 {
+    let mut z = parent.rotate_left(23) ^ hash_block_tokens(tokens);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
