@@ -14,6 +14,7 @@
     kvpage bench rollout [MODEL]                                    vs tunix's rollout (GRPO)
     kvpage bench moe                                                MoE: routed / dense / llama.cpp
     kvpage bench spec [MODEL.gguf]                                  speculative decoding off / on
+    kvpage bench scaleout MODEL                                     replicas behind vllm-router
 
 ``compare`` runs the two lessons of continuous batching and PagedAttention
 on the same model and workload, only the scheduling policy changed, and can
@@ -35,6 +36,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         moe,
         rollout,
         roofline,
+        scaleout,
         scheduler,
         serve,
         spec,
@@ -66,4 +68,5 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     rollout.add_parser(sub)
     moe.add_parser(sub)
     spec.add_parser(sub)
+    scaleout.add_parser(sub)
     return bench
