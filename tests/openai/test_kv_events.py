@@ -5,7 +5,7 @@ that ships with kvpage; and the render routes such a router tokenizes with."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -36,9 +36,20 @@ def served() -> Iterator[tuple[InProcessServer, zmq.Socket]]:
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.setsockopt(zmq.RCVTIMEO, 200)
         sub.connect(f"tcp://127.0.0.1:{port}")
-        time.sleep(0.5)  # PUB drops what it sends before the subscription lands
+        subscribed(sub, lambda i: complete(server, list(range(1000 + 40 * i, 1040 + 40 * i))))
         yield server, sub
         sub.close(linger=0)
+
+
+def subscribed(sub: zmq.Socket, poke: Callable[[int], None]) -> None:
+    """Poke the engine into publishing until a batch arrives, then drain: a PUB socket
+    drops what it sends before a subscription lands, which takes a while on a busy host."""
+    for i in range(30):
+        poke(i)
+        if receive(sub, until=1.0):
+            receive(sub, until=0.5)
+            return
+    raise AssertionError("no KV event arrived in 30 pokes")
 
 
 def receive(sub: zmq.Socket, until: float = 10.0) -> list[tuple[int, list[dict[str, Any]]]]:
@@ -130,13 +141,21 @@ def test_evictions_and_resets_are_published() -> None:
                           "endpoint": f"tcp://*:{port}"}))
     try:
         sub.connect(f"tcp://127.0.0.1:{port}")
-        time.sleep(0.5)
         params = SamplingParams(max_tokens=1, temperature=0.0)
-        for i, first in enumerate((200, 400)):
-            engine.add_request(f"r{i}", {"prompt_token_ids": list(range(first, first + 96))},
-                               params)
+
+        def run(request_id: str, prompt: list[int]) -> None:
+            engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
             while engine.has_unfinished_requests():
                 engine.step()
+
+        def poke(i: int) -> None:
+            run(f"poke{i}", list(range(3000 + 40 * i, 3040 + 40 * i)))
+            engine.reset_prefix_cache()  # the pokes leave no blocks behind
+            engine.step()
+
+        subscribed(sub, poke)
+        for i, first in enumerate((200, 400)):
+            run(f"r{i}", list(range(first, first + 96)))
         engine.reset_prefix_cache()
         engine.step()
         events = [e for _, batch in receive(sub) for e in batch]

@@ -4,7 +4,8 @@ In one run, on one model, with each replica a ``kvpage serve`` process pinned to
 CPU (``taskset``) and publishing its KV-cache events (``--kv-events-config``), the same
 shared-prefix workload goes through:
 
-* one replica alone, which sees every request (the prefix-cache hit rate to match);
+* one replica alone with every CPU and the replicas' KV pools together, which sees every
+  request (the prefix-cache hit rate to match);
 * ``vllm-router --policy round_robin`` over ``--replicas`` replicas;
 * ``vllm-router --policy cache_aware`` (the gateway's default: a prefix tree of the
   requests it has routed, guessed from their tokens);
@@ -16,9 +17,10 @@ Each configuration starts from fresh replicas (empty caches). The workload
 random tokens, each followed by ``--turns`` user turns of ``--turn-tokens`` tokens,
 arriving interleaved (prefix 0 turn 0, prefix 1 turn 0, ...) with ``--concurrency``
 in flight, ``--output-len`` tokens each. Each replica's KV pool holds about
-``--cache-fraction`` of all prefixes (``--num-gpu-blocks``), as a replica whose cache is
-smaller than its traffic's working set: round-robin makes every replica cache every
-prefix, so they evict each other's work; routing by cached blocks partitions them.
+``--cache-fraction`` of all prefixes beside the requests it runs
+(``--num-gpu-blocks``), as a replica whose cache is smaller than its traffic's working
+set: round-robin makes every replica cache every prefix, so they evict each other's
+work; routing by cached blocks partitions them.
 
 Printed per configuration: mean / p50 / p99 time to first token, output and total
 tokens per second, the prefix-cache hit rate (prompt tokens found in the replicas'
@@ -143,6 +145,8 @@ def run_config(name: str, args: argparse.Namespace, requests: list[BenchRequest]
 
     count = 1 if name == "single replica" else args.replicas
     cpus = range(count) if count > 1 else [None]
+    if count == 1:  # the reference: every CPU and every replica's KV pool in one
+        blocks *= args.replicas
     replicas = [Replica(args.model, cpu, blocks, context, workdir, i)
                 for i, cpu in zip(range(count), cpus, strict=True)]
     router = None
@@ -195,7 +199,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                       args.turn_tokens, args.output_len, args.vocab, args.seed)
     context = args.prefix_tokens + args.turn_tokens + args.output_len + BLOCK
     all_prefix_blocks = args.prefixes * math.ceil(args.prefix_tokens / BLOCK)
-    in_flight = args.concurrency * math.ceil(context / BLOCK)
+    # Room for the requests one replica runs at once (its share of the concurrency, and
+    # one more): the rest of the pool is its prefix cache.
+    in_flight = (math.ceil(args.concurrency / args.replicas) + 1) * math.ceil(context / BLOCK)
     blocks = args.num_gpu_blocks or (math.ceil(args.cache_fraction * all_prefix_blocks)
                                      + in_flight)
     workdir = Path(tempfile.mkdtemp(prefix="kvpage-bench-scaleout-"))
@@ -256,7 +262,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--vocab", type=int, default=32000,
                    help="token ids are drawn below this (at most the model's vocabulary)")
-    p.add_argument("--cache-fraction", type=float, default=0.6,
+    p.add_argument("--cache-fraction", type=float, default=0.5,
                    help="share of all prefixes one replica's KV pool holds")
     p.add_argument("--num-gpu-blocks", type=int, default=None,
                    help="KV blocks per replica (default: from --cache-fraction)")

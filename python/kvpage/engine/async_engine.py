@@ -297,6 +297,9 @@ class AsyncLLMEngine:
         else:
             self._fail_leftovers(EngineClosedError("the engine was shut down"))
         finally:
+            events = getattr(self.engine, "kv_events", None)
+            if events is not None:  # the events port is free again
+                events.close()
             release_startup_heap()
 
     def _serve(self) -> None:
