@@ -36,7 +36,7 @@ def served() -> Iterator[tuple[InProcessServer, zmq.Socket]]:
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.setsockopt(zmq.RCVTIMEO, 200)
         sub.connect(f"tcp://127.0.0.1:{port}")
-        subscribed(sub, lambda i: complete(server, list(range(1000 + 40 * i, 1040 + 40 * i))))
+        subscribed(sub, lambda i: complete(server, list(range(1000 + 20 * i, 1040 + 20 * i))))
         yield server, sub
         sub.close(linger=0)
 
@@ -149,7 +149,7 @@ def test_evictions_and_resets_are_published() -> None:
                 engine.step()
 
         def poke(i: int) -> None:
-            run(f"poke{i}", list(range(3000 + 40 * i, 3040 + 40 * i)))
+            run(f"poke{i}", list(range(1000 + 20 * i, 1040 + 20 * i)))
             engine.reset_prefix_cache()  # the pokes leave no blocks behind
             engine.step()
 
