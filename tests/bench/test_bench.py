@@ -99,7 +99,7 @@ def test_every_bench_flag_has_help(capsys: pytest.CaptureFixture) -> None:
     bench_sub = next(a for a in bench._actions if a.dest == "bench_command")
     assert set(bench_sub.choices) == {
         "throughput", "serve", "scheduler", "host", "compare", "vs-hf", "step-profile",
-        "roofline", "startup", "vs-llama-cpp", "rollout", "moe", "spec", "lora",
+        "roofline", "startup", "vs-llama-cpp", "rollout", "moe", "spec", "lora", "scaleout",
     }
     for name, p in bench_sub.choices.items():
         for action in p._actions:

@@ -253,13 +253,13 @@ def add_parser(sub: Any) -> None:
                        "KV events vs round_robin and cache_aware",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="a .gguf file or HF directory every replica serves")
-    p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--prefixes", type=int, default=8)
-    p.add_argument("--prefix-tokens", type=int, default=1000)
-    p.add_argument("--turns", type=int, default=16)
-    p.add_argument("--turn-tokens", type=int, default=32)
-    p.add_argument("--output-len", type=int, default=16)
-    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--replicas", type=int, default=2, help="replicas behind the gateway")
+    p.add_argument("--prefixes", type=int, default=8, help="shared system prompts")
+    p.add_argument("--prefix-tokens", type=int, default=1000, help="tokens per system prompt")
+    p.add_argument("--turns", type=int, default=16, help="user turns per system prompt")
+    p.add_argument("--turn-tokens", type=int, default=32, help="tokens per user turn")
+    p.add_argument("--output-len", type=int, default=16, help="tokens generated per request")
+    p.add_argument("--concurrency", type=int, default=4, help="requests in flight")
     p.add_argument("--vocab", type=int, default=32000,
                    help="token ids are drawn below this (at most the model's vocabulary)")
     p.add_argument("--cache-fraction", type=float, default=0.5,
@@ -272,6 +272,6 @@ def add_parser(sub: Any) -> None:
                    help="vllm-router's log level (its logs: the run's temporary directory)")
     p.add_argument("--configs", nargs="+", default=None, choices=CONFIGS,
                    help="run only these configurations (default: all)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload's tokens")
     p.add_argument("--json", default=None, help="write the figures to this file")
     p.set_defaults(func=cmd_scaleout)
