@@ -15,7 +15,8 @@ shared-prefix workload goes through:
 Each configuration starts from fresh replicas (empty caches). The workload
 (:func:`shared_prefix_requests`): ``--prefixes`` system prompts of ``--prefix-tokens``
 random tokens, each followed by ``--turns`` user turns of ``--turn-tokens`` tokens,
-arriving interleaved (prefix 0 turn 0, prefix 1 turn 0, ...) with ``--concurrency``
+arriving interleaved (every prefix's turn 0 in a random order, then every turn 1, ...)
+with ``--concurrency``
 in flight, ``--output-len`` tokens each. Each replica's KV pool holds about
 ``--cache-fraction`` of all prefixes beside the requests it runs
 (``--num-gpu-blocks``), as a replica whose cache is smaller than its traffic's working
@@ -58,7 +59,9 @@ def shared_prefix_requests(prefixes: int, prefix_tokens: int, turns: int, turn_t
     heads = [[rng.randrange(100, vocab) for _ in range(prefix_tokens)] for _ in range(prefixes)]
     out = []
     for _ in range(turns):
-        for head in heads:
+        # Each round visits every prefix in a fresh order: a fixed cycle of an even number
+        # of prefixes would send each prefix to the same one of two round-robin replicas.
+        for head in rng.sample(heads, len(heads)):
             tail = [rng.randrange(100, vocab) for _ in range(turn_tokens)]
             out.append(BenchRequest(head + tail, output_len))
     return out
