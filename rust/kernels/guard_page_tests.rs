@@ -8,7 +8,7 @@
 //!
 //! The row-count paths: quantized products take the integer path at
 //! `INTEGER_ROWS` (1) row, row groups of up to 10 below 16 rows, the panel from
-//! 16 (`qmatmul.rs`), and from 128 rows the step dequantizes and XLA multiplies
+//! 16 (from 2 with AVX-512; `KVPAGE_CPU_AVX512=0` runs the row groups), and from 128 rows the step dequantizes and XLA multiplies
 //! (`DEQUANTIZE_ROWS`, `python/kvpage/kernels/host/cpu_qmatmul.py`); float products take row
 //! groups of 8.
 

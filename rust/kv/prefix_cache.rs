@@ -62,7 +62,7 @@ use crate::kv::block_pool::BlockId;
 pub mod events;
 mod invariants;
 
-use events::{chain_hash, root_hash, CacheEvent, EventLog};
+use events::EventLog;
 
 /// A tree node: a cached block id (< num_blocks) or a root id (>= num_blocks).
 pub type NodeId = u32;
@@ -129,8 +129,7 @@ pub struct PrefixCache {
     root_users: Vec<u32>,
     free_root_ids: Vec<NodeId>,
     pub stats: PrefixCacheStats,
-    /// Chained content hash of each cached block ([`events::chain_hash`]),
-    /// kept only while the event log is on.
+    /// Each cached block's [`events::chain_hash`] while the event log is on, else empty.
     block_hash: Vec<u64>,
     pub events: EventLog,
 }
@@ -421,9 +420,7 @@ impl PrefixCache {
         self.num_cached += 1;
         self.stats.inserted_blocks += 1;
         self.add_live_child(parent);
-        if self.events.enabled() {
-            self.record_stored(parent, block);
-        }
+        self.record_stored(parent, block);
         InsertOutcome::Inserted
     }
 
@@ -566,7 +563,7 @@ impl PrefixCache {
     /// held child) are pushed to `freed` (the caller returns them to the
     /// pool); held ones stay with their holders as plain, uncached blocks.
     pub fn clear(&mut self, freed: &mut Vec<BlockId>) {
-        self.events.record(|| CacheEvent::Cleared);
+        self.record_cleared();
         while let Some(block) = self.lru_head_block() {
             self.unlink_lru(block);
         }
@@ -587,7 +584,6 @@ impl PrefixCache {
         self.next_sibling.iter_mut().for_each(|c| *c = NIL);
         self.prev_sibling.iter_mut().for_each(|c| *c = NIL);
         self.num_cached = 0;
-        self.block_hash.iter_mut().for_each(|h| *h = 0);
         let roots: Vec<NodeId> = self.salted_roots.values().copied().collect();
         for root in roots {
             self.maybe_drop_root(root);
@@ -680,58 +676,6 @@ impl PrefixCache {
             self.stats.detached_blocks += 1;
         }
         self.walk_stack = stack;
-    }
-
-    /// Turn the event log on or off. Blocks cached while it was off have no
-    /// hash: a removal of one is not recorded (the router never heard of it).
-    pub fn set_events_enabled(&mut self, enabled: bool) {
-        if enabled && self.block_hash.is_empty() {
-            self.block_hash = vec![0; self.num_blocks];
-        }
-        self.events.set_enabled(enabled);
-    }
-
-    /// The chained hashes of the cached blocks, in block order (event log on).
-    #[cfg(test)]
-    pub(crate) fn cached_block_hashes(&self) -> Vec<u64> {
-        (0..self.num_blocks)
-            .filter(|&b| self.cached[b])
-            .map(|b| self.block_hash[b])
-            .collect()
-    }
-
-    /// `Stored` for `block`, just inserted under `parent`.
-    fn record_stored(&mut self, parent: NodeId, block: BlockId) {
-        let (parent_hash, salt) = if self.is_root(parent) {
-            let salt = self.root_salt[parent as usize - self.num_blocks].clone();
-            (None, salt)
-        } else {
-            (Some(self.block_hash[parent as usize]), None)
-        };
-        let base = match parent_hash {
-            Some(hash) => hash,
-            None => root_hash(salt.as_deref()),
-        };
-        let hash = chain_hash(base, self.block_tokens(block));
-        self.block_hash[block as usize] = hash;
-        let tokens = self.block_tokens(block).to_vec();
-        self.events.record(|| CacheEvent::Stored {
-            hash,
-            parent: parent_hash,
-            tokens,
-            salt,
-        });
-    }
-
-    /// `Removed` for a cached `block` about to leave the tree.
-    #[inline]
-    fn record_removed(&mut self, block: BlockId) {
-        if let Some(&hash) = self.block_hash.get(block as usize) {
-            if hash != 0 {
-                self.events.record(|| CacheEvent::Removed { hash });
-                self.block_hash[block as usize] = 0;
-            }
-        }
     }
 
     fn lru_head_block(&self) -> Option<BlockId> {

@@ -226,8 +226,9 @@ thread_local! {
 }
 
 impl PanelScratch {
-    /// The panel (finite everywhere: zeroed once, then only expanded weights
-    /// are written) and `rows` rows of zeroed accumulators.
+    /// The panel and `rows` rows of zeroed accumulators. Rows of the panel a
+    /// tile does not fill hold an earlier tile's weights: the odd row the
+    /// AVX-512 block reads past a tile's last has its sums dropped.
     fn for_call(&mut self, rows: usize) -> (&mut [f32], &mut [__m256]) {
         self.acc.clear();
         // SAFETY: AVX is available wherever the panel path runs.

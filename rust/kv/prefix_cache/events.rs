@@ -17,7 +17,8 @@
 //! `Cleared`. Nothing is recorded while the log is off, so a server without
 //! events pays one branch per insertion or removal.
 
-use super::hash_block_tokens;
+use super::{hash_block_tokens, NodeId, PrefixCache};
+use crate::kv::block_pool::BlockId;
 
 /// One change of what the prefix cache holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -88,4 +89,68 @@ pub fn chain_hash(parent: u64, tokens: &[u32]) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)
+}
+
+/// The log's side of the cache: hashes kept and events recorded as blocks come and go.
+impl PrefixCache {
+    /// Turn the event log on or off. Blocks cached while it was off have no
+    /// hash: a removal of one is not recorded (the router never heard of it).
+    pub fn set_events_enabled(&mut self, enabled: bool) {
+        if enabled && self.block_hash.is_empty() {
+            self.block_hash = vec![0; self.num_blocks];
+        }
+        self.events.set_enabled(enabled);
+    }
+
+    /// The chained hashes of the cached blocks, in block order (event log on).
+    #[cfg(test)]
+    pub(crate) fn cached_block_hashes(&self) -> Vec<u64> {
+        (0..self.num_blocks)
+            .filter(|&b| self.cached[b])
+            .map(|b| self.block_hash[b])
+            .collect()
+    }
+
+    /// `Stored` for `block`, just inserted under `parent` (log on).
+    pub(super) fn record_stored(&mut self, parent: NodeId, block: BlockId) {
+        if !self.events.enabled() {
+            return;
+        }
+        let (parent_hash, salt) = if self.is_root(parent) {
+            let salt = self.root_salt[parent as usize - self.num_blocks].clone();
+            (None, salt)
+        } else {
+            (Some(self.block_hash[parent as usize]), None)
+        };
+        let base = match parent_hash {
+            Some(hash) => hash,
+            None => root_hash(salt.as_deref()),
+        };
+        let hash = chain_hash(base, self.block_tokens(block));
+        self.block_hash[block as usize] = hash;
+        let tokens = self.block_tokens(block).to_vec();
+        self.events.record(|| CacheEvent::Stored {
+            hash,
+            parent: parent_hash,
+            tokens,
+            salt,
+        });
+    }
+
+    /// `Cleared`, as the tree forgets every block.
+    pub(super) fn record_cleared(&mut self) {
+        self.events.record(|| CacheEvent::Cleared);
+        self.block_hash.iter_mut().for_each(|h| *h = 0);
+    }
+
+    /// `Removed` for a cached `block` about to leave the tree.
+    #[inline]
+    pub(super) fn record_removed(&mut self, block: BlockId) {
+        if let Some(&hash) = self.block_hash.get(block as usize) {
+            if hash != 0 {
+                self.events.record(|| CacheEvent::Removed { hash });
+                self.block_hash[block as usize] = 0;
+            }
+        }
+    }
 }
