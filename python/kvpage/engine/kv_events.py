@@ -27,10 +27,11 @@ would block (the high-water mark reached with no reader) drops the batch and cou
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from typing import Any
+
+from kvpage.engine.json_config import config_dict
 
 PUBLISHERS = ("null", "zmq")
 MEDIUM = "GPU"
@@ -76,17 +77,7 @@ def parse_kv_events_config(value: KVEventsConfig | dict[str, Any] | str | None
     :class:`KVEventsConfig`; enabling events selects the ZMQ publisher, as vLLM does."""
     if value is None or isinstance(value, KVEventsConfig):
         return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"kv-events-config is not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"kv-events-config must be a JSON object, got {value!r}")
-    known = set(KVEventsConfig.__dataclass_fields__)
-    unknown = sorted(set(value) - known)
-    if unknown:
-        raise ValueError(f"kv-events-config: unknown keys {unknown}; known: {sorted(known)}")
+    value = config_dict(value, "kv-events-config", set(KVEventsConfig.__dataclass_fields__))
     if value.get("enable_kv_cache_events") and "publisher" not in value:
         value = {**value, "publisher": "zmq"}
     return KVEventsConfig(**value)

@@ -15,9 +15,10 @@ the error until it lands.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
+
+from kvpage.engine.json_config import config_dict
 
 METHODS = ("ngram", "suffix")
 PLANNED_METHODS = ("draft_model", "eagle", "eagle3", "medusa", "mtp")
@@ -75,21 +76,7 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
     config; ValueError naming what is wrong."""
     if value is None or isinstance(value, SpeculativeConfig):
         return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(
-            f"speculative_config must be a dict or its JSON text, got {type(value).__name__}"
-        )
-    known = set(SpeculativeConfig.__dataclass_fields__)
-    unknown = sorted(set(value) - known)
-    if unknown:
-        raise ValueError(
-            f"speculative_config has unknown keys {unknown}; known keys are {sorted(known)}"
-        )
+    value = config_dict(value, "speculative_config", set(SpeculativeConfig.__dataclass_fields__))
     if "method" not in value:
         raise ValueError("speculative_config needs a method, e.g. {\"method\": \"ngram\"}")
     return SpeculativeConfig(**value)
