@@ -5,7 +5,7 @@
 
 use crate::error::KvError;
 use crate::kv::kv_cache::{BlockCopy, KvCacheManager, SeqId};
-use crate::kv::prefix_cache::events::CacheEvent;
+use crate::kv::prefix_cache::events::EventReplay;
 use crate::test_rng::SplitMix64;
 
 fn append(kv: &mut KvCacheManager, seq: SeqId, n: usize) -> Vec<BlockCopy> {
@@ -297,9 +297,8 @@ struct Sim {
     block_size: usize,
     copies: usize,
     failed_allocations: usize,
-    /// The cached blocks' hashes as a router replaying the KV events sees them.
-    replayed: std::collections::HashSet<u64>,
-    cleared: usize,
+    /// The cached blocks as a router replaying the KV events sees them.
+    replayed: EventReplay,
 }
 
 impl Sim {
@@ -325,36 +324,15 @@ impl Sim {
             block_size,
             copies: 0,
             failed_allocations: 0,
-            replayed: Default::default(),
-            cleared: 0,
+            replayed: EventReplay::default(),
         }
     }
 
-    /// Replay the events since the last call: the replayed set must be exactly the
-    /// cached blocks' hashes (`prefix_cache/events.rs`), each stored once.
+    /// Replay the events since the last call against the cached blocks.
     fn check_events(&mut self) {
-        for event in self.kv.take_kv_events() {
-            match event {
-                CacheEvent::Stored { hash, parent, .. } => {
-                    if let Some(parent) = parent {
-                        assert!(self.replayed.contains(&parent), "parent of {hash} unknown");
-                    }
-                    assert!(self.replayed.insert(hash), "block {hash} stored twice");
-                }
-                CacheEvent::Removed { hash } => {
-                    assert!(self.replayed.remove(&hash), "removed {hash} never stored");
-                }
-                CacheEvent::Cleared => {
-                    self.replayed.clear();
-                    self.cleared += 1;
-                }
-            }
-        }
-        let mut cached = self.kv.cached_block_hashes();
-        cached.sort_unstable();
-        let mut replayed: Vec<u64> = self.replayed.iter().copied().collect();
-        replayed.sort_unstable();
-        assert_eq!(replayed, cached, "replayed events != cached blocks");
+        let events = self.kv.take_kv_events();
+        self.replayed.apply(events);
+        self.replayed.assert_holds(self.kv.cached_block_hashes());
     }
 
     /// Tokens from a tiny alphabet, so prompts often share prefixes.
@@ -560,7 +538,10 @@ fn randomized_operations_keep_every_invariant() {
         );
         assert!(stats.hit_blocks > 1000 && stats.evicted_blocks > 1000);
         assert!(sim.copies > 1000 && sim.failed_allocations > 100);
-        assert!(sim.cleared > 0, "the run must reset the prefix cache");
+        assert!(
+            sim.replayed.cleared > 0,
+            "the run must reset the prefix cache"
+        );
         for seq in std::mem::take(&mut sim.seqs) {
             sim.kv.free_sequence(seq.id).unwrap();
         }

@@ -154,3 +154,42 @@ impl PrefixCache {
         }
     }
 }
+
+/// A router's view of one engine's cache, rebuilt from its events (tests): the
+/// module's invariant is that it equals the cached blocks' hashes.
+#[cfg(test)]
+#[derive(Debug, Default)]
+pub(crate) struct EventReplay {
+    held: std::collections::HashSet<u64>,
+    pub(crate) cleared: usize,
+}
+
+#[cfg(test)]
+impl EventReplay {
+    pub(crate) fn apply(&mut self, events: Vec<CacheEvent>) {
+        for event in events {
+            match event {
+                CacheEvent::Stored { hash, parent, .. } => {
+                    if let Some(parent) = parent {
+                        assert!(self.held.contains(&parent), "parent of {hash} unknown");
+                    }
+                    assert!(self.held.insert(hash), "block {hash} stored twice");
+                }
+                CacheEvent::Removed { hash } => {
+                    assert!(self.held.remove(&hash), "removed {hash} never stored");
+                }
+                CacheEvent::Cleared => {
+                    self.held.clear();
+                    self.cleared += 1;
+                }
+            }
+        }
+    }
+
+    pub(crate) fn assert_holds(&self, mut cached: Vec<u64>) {
+        cached.sort_unstable();
+        let mut held: Vec<u64> = self.held.iter().copied().collect();
+        held.sort_unstable();
+        assert_eq!(held, cached, "replayed events != cached blocks");
+    }
+}
