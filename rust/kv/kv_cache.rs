@@ -651,10 +651,17 @@ impl KvCacheManager {
         self.cache.set_events_enabled(enabled);
     }
 
-    /// The chained hashes of the cached blocks (tests replay the events against them).
-    #[cfg(test)]
-    pub(crate) fn cached_block_hashes(&self) -> Vec<u64> {
+    /// The chained hash of every cached block (a router's summary of what
+    /// this engine holds; [`PrefixCache::cached_block_hashes`]).
+    pub fn cached_block_hashes(&self) -> Vec<u64> {
         self.cache.cached_block_hashes()
+    }
+
+    /// The cached blocks' hashes as the event log kept them (tests replay the
+    /// events against them).
+    #[cfg(test)]
+    pub(crate) fn logged_block_hashes(&self) -> Vec<u64> {
+        self.cache.logged_block_hashes()
     }
 
     /// The prefix cache's events since the last call, oldest first.

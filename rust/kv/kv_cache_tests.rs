@@ -332,7 +332,13 @@ impl Sim {
     fn check_events(&mut self) {
         let events = self.kv.take_kv_events();
         self.replayed.apply(events);
-        self.replayed.assert_holds(self.kv.cached_block_hashes());
+        let logged = self.kv.logged_block_hashes();
+        let mut walked = self.kv.cached_block_hashes();
+        walked.sort_unstable();
+        let mut sorted = logged.clone();
+        sorted.sort_unstable();
+        assert_eq!(walked, sorted, "the tree walk's hashes != the event log's");
+        self.replayed.assert_holds(logged);
     }
 
     /// Tokens from a tiny alphabet, so prompts often share prefixes.

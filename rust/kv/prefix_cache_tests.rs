@@ -207,3 +207,26 @@ fn detach_live_children_removes_only_the_live_subtrees() {
     cache.check_invariants(|b| u32::from(b == 2)).unwrap();
     assert_eq!(cache.num_cached(), 1);
 }
+
+#[test]
+fn a_router_hashes_a_prompt_as_the_tree_does() {
+    use super::events::prefix_block_hashes;
+    let mut cache = PrefixCache::new(8, 4).unwrap();
+    let root = cache.acquire_root(None);
+    cache.insert(root, &chunk(0, 4), 1);
+    cache.insert(1, &chunk(4, 4), 2);
+    let salted = cache.acquire_root(Some("s"));
+    cache.insert(salted, &chunk(0, 4), 3);
+    let mut held = cache.cached_block_hashes();
+    held.sort_unstable();
+    let prompt: Vec<u32> = (0..10).collect(); // two full blocks and a partial one
+    let mut want = prefix_block_hashes(&prompt, 4, None);
+    assert_eq!(want.len(), 2);
+    want.extend(prefix_block_hashes(&prompt[..4], 4, Some("s")));
+    want.sort_unstable();
+    assert_eq!(held, want);
+    // A different first block changes every hash after it.
+    let other: Vec<u32> = (100..104).chain(4..8).collect();
+    let other = prefix_block_hashes(&other, 4, None);
+    assert!(!held.contains(&other[1]));
+}

@@ -299,3 +299,22 @@ impl KVCacheManager {
         Ok(self.inner.check_invariants()?)
     }
 }
+
+/// The chained hashes of the full blocks of `token_ids` (a partial last block
+/// has none) under `salt`'s tree: equal to the entries of
+/// `Scheduler.cached_block_hashes()` of an engine that caches that prefix.
+#[pyfunction]
+#[pyo3(signature = (token_ids, block_size, salt=None))]
+pub(crate) fn prefix_block_hashes<'py>(
+    py: Python<'py>,
+    token_ids: &Bound<'py, PyAny>,
+    block_size: usize,
+    salt: Option<&str>,
+) -> PyResult<Bound<'py, PyArray1<u64>>> {
+    if block_size == 0 {
+        return Err(PyValueError::new_err("block_size must be positive"));
+    }
+    let tokens = extract_tokens(token_ids)?;
+    let hashes = crate::kv::prefix_cache::events::prefix_block_hashes(&tokens, block_size, salt);
+    Ok(PyArray1::from_vec(py, hashes))
+}

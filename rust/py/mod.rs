@@ -49,6 +49,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<StepPlan>()?;
     m.add_class::<GrammarVocab>()?;
     m.add_class::<Grammar>()?;
+    m.add_function(wrap_pyfunction!(kv::prefix_block_hashes, m)?)?;
     detokenizer::register(m)?;
     output_streams::register(m)?;
     quant::register(m)?;

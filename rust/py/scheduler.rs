@@ -293,6 +293,13 @@ impl Scheduler {
         Ok(out)
     }
 
+    /// The chained hash of every block the prefix cache holds (unsigned
+    /// 64-bit, in no order): what this engine could reuse, for a cache-aware
+    /// router to compare with `prefix_block_hashes` of a prompt.
+    fn cached_block_hashes<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u64>> {
+        PyArray1::from_vec(py, self.inner.kv().cached_block_hashes())
+    }
+
     fn has_unfinished_requests(&self) -> bool {
         self.inner.has_unfinished_requests()
     }

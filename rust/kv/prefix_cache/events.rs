@@ -17,7 +17,7 @@
 //! `Cleared`. Nothing is recorded while the log is off, so a server without
 //! events pays one branch per insertion or removal.
 
-use super::{hash_block_tokens, NodeId, PrefixCache};
+use super::{hash_block_tokens, NodeId, PrefixCache, NIL};
 use crate::kv::block_pool::BlockId;
 
 /// One change of what the prefix cache holds.
@@ -82,6 +82,19 @@ pub fn root_hash(salt: Option<&str>) -> u64 {
     }
 }
 
+/// The chained hashes of the full blocks of `tokens` under `salt`'s root:
+/// what [`PrefixCache::cached_block_hashes`] holds for blocks caching that
+/// prefix (a router's side of the comparison).
+pub fn prefix_block_hashes(tokens: &[u32], block_size: usize, salt: Option<&str>) -> Vec<u64> {
+    let mut hash = root_hash(salt);
+    (tokens.chunks_exact(block_size.max(1)))
+        .map(|block| {
+            hash = chain_hash(hash, block);
+            hash
+        })
+        .collect()
+}
+
 /// The hash of a block holding `tokens` whose parent's hash is `parent`.
 #[inline]
 pub fn chain_hash(parent: u64, tokens: &[u32]) -> u64 {
@@ -102,9 +115,33 @@ impl PrefixCache {
         self.events.set_enabled(enabled);
     }
 
-    /// The chained hashes of the cached blocks, in block order (event log on).
+    /// The chained hash of every cached block, from a walk of the tree down
+    /// from its roots (the event log need not be on): the summary of what
+    /// this engine holds that a router polls. O(cached blocks), no state.
+    pub fn cached_block_hashes(&self) -> Vec<u64> {
+        let mut out = Vec::with_capacity(self.num_cached);
+        let unsalted = std::iter::once((self.unsalted_root(), None));
+        let salted = (self.salted_roots.iter()).map(|(salt, &root)| (root, Some(salt.as_str())));
+        let mut stack: Vec<(NodeId, u64)> = Vec::new();
+        for (root, salt) in unsalted.chain(salted) {
+            stack.push((root, root_hash(salt)));
+            while let Some((node, hash)) = stack.pop() {
+                let mut child = self.first_child[node as usize];
+                while child != NIL {
+                    let child_hash = chain_hash(hash, self.block_tokens(child));
+                    out.push(child_hash);
+                    stack.push((child, child_hash));
+                    child = self.next_sibling[child as usize];
+                }
+            }
+        }
+        out
+    }
+
+    /// The chained hashes of the cached blocks as the event log kept them,
+    /// in block order (log on).
     #[cfg(test)]
-    pub(crate) fn cached_block_hashes(&self) -> Vec<u64> {
+    pub(crate) fn logged_block_hashes(&self) -> Vec<u64> {
         (0..self.num_blocks)
             .filter(|&b| self.cached[b])
             .map(|b| self.block_hash[b])
