@@ -78,6 +78,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvpage.lora.request import LoRARequest
     from kvpage.openai.run import run_server
 
+    if args.replicas is not None or args.max_replicas is not None:
+        from kvpage.system.extras import RAY_MODULES
+
+        require("kvpage serve --replicas", RAY_MODULES, extra="ray")
+        if args.lora_modules or args.kv_events_config:
+            raise SystemExit("kvpage serve --replicas: --lora-modules and --kv-events-config "
+                             "are for one engine (no Ray) for now")
+        from kvpage.ray.application import serve_on_ray
+
+        args.replicas = args.replicas or 1
+        serve_on_ray(args)
+        return 0
     if args.warmup is None:
         args.warmup = "background"  # serve at once; the other buckets compile meanwhile
     from kvpage.engine.config import engine_config_from_args
@@ -143,6 +155,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="publish the prefix cache's stored/removed blocks for cache-aware routers "
         "(vLLM's format), e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
         "\"endpoint\": \"tcp://*:5557\"}' (default: off)")
+    ray = serve.add_argument_group(
+        "Ray Serve (kvpage[ray]): replicas behind a router that reads their prefix caches")
+    ray.add_argument("--replicas", type=int, default=None, metavar="N",
+                     help="serve N engine replicas on a Ray cluster (default: one engine, "
+                     "no Ray)")
+    ray.add_argument("--max-replicas", type=int, default=None, metavar="M",
+                     help="autoscale between --replicas and M on ongoing requests")
+    ray.add_argument("--ray-address", default=None, metavar="ADDR",
+                     help="the Ray cluster to join (default: RAY_ADDRESS, else a local one)")
+    ray.add_argument("--router", default="kvpage", choices=("kvpage", "pow2", "prefix"),
+                     help="kvpage: the replicas' cached blocks (default); pow2: Ray's "
+                     "power of two choices; prefix: Ray's PrefixCacheAffinityRouter")
+    ray.add_argument("--num-cpus-per-replica", type=float, default=1.0)
+    ray.add_argument("--num-gpus-per-replica", type=float, default=0.0)
+    ray.add_argument("--pin-cpus", action="store_true",
+                     help="pin replica i to CPU i (benchmarks on one host)")
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -120,6 +120,46 @@ def run_server(
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine, app = build_server(model_dir, engine_config, served_model_name=served_model_name,
+                               api_key=api_key, max_body_bytes=max_body_bytes,
+                               public_metrics=public_metrics, metrics_prefix=metrics_prefix,
+                               lora_modules=lora_modules)
+    signalled: list[float] = []
+
+    def on_signal() -> None:
+        engine.stop_accepting()
+        if not signalled:  # at the end of the grace period, end what still runs
+            signalled.append(time.monotonic())
+            timer = threading.Timer(grace_seconds, engine.abort_all)
+            timer.daemon = True
+            timer.start()
+
+    try:
+        # uvicorn's own bound only matters if aborted streams fail to close
+        uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                   timeout_graceful_shutdown=math.ceil(grace_seconds) + 5,
+                                   lifespan="off")
+        _UvicornServer(uv_config, on_signal).run()
+    finally:
+        spent = time.monotonic() - signalled[0] if signalled else 0.0
+        engine.shutdown(max(0.0, grace_seconds - spent))
+        check_engine_at_exit(engine)
+    logger.info("server stopped")
+
+
+def build_server(
+    model_dir: str | Path,
+    engine_config: EngineConfig | None = None,
+    *,
+    served_model_name: str | Sequence[str] | None = None,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    public_metrics: bool | None = None,
+    metrics_prefix: str = "kvpage",
+    lora_modules: Sequence[LoRARequest] = (),
+) -> tuple[AsyncLLMEngine, Any]:
+    """The running engine and the app :func:`run_server` serves (arguments as there),
+    for a host of its own to serve (a Ray replica: :mod:`kvpage.ray.replica`)."""
     config = dataclasses.replace(engine_config or EngineConfig(), model=str(model_dir))
     if config.max_num_waiting is None:
         config = dataclasses.replace(config, max_num_waiting=max(
@@ -134,39 +174,23 @@ def run_server(
     first = names if isinstance(names, str) else names[0]
     logger.info("loading %s", model_dir)
     engine = AsyncLLMEngine.from_config(config, model_name=first, metrics_prefix=metrics_prefix)
-    for lora in lora_modules:  # a bad adapter stops the start, naming the problem
-        assert engine.engine.lora is not None
-        engine.engine.lora.add_adapter(lora)
-    tokenizer = engine.tokenizer
-    if isinstance(tokenizer, CachedTokenizer):  # chat templates need the HF tokenizer:
-        # built once the warm-up is done (its import holds the GIL for ~1.5 s, which the
-        # first requests' steps need more), or by the first chat request, if earlier
-        tokenizer.prepare_in_background(after=lambda: engine.engine.step_executables_pending()
-                                        == 0)
-    signalled: list[float] = []
-
-    def on_signal() -> None:
-        engine.stop_accepting()
-        if not signalled:  # at the end of the grace period, end what still runs
-            signalled.append(time.monotonic())
-            timer = threading.Timer(grace_seconds, engine.abort_all)
-            timer.daemon = True
-            timer.start()
-
     try:
+        for lora in lora_modules:  # a bad adapter stops the start, naming the problem
+            assert engine.engine.lora is not None
+            engine.engine.lora.add_adapter(lora)
+        tokenizer = engine.tokenizer
+        if isinstance(tokenizer, CachedTokenizer):  # chat templates need the HF tokenizer:
+            # built once the warm-up is done (its import holds the GIL for ~1.5 s, which the
+            # first requests' steps need more), or by the first chat request, if earlier
+            tokenizer.prepare_in_background(
+                after=lambda: engine.engine.step_executables_pending() == 0)
         app = build_app(engine, served_model_name=names, api_key=api_key,
                         max_body_bytes=max_body_bytes, public_metrics=public_metrics,
                         lora_modules=lora_modules)
-        # uvicorn's own bound only matters if aborted streams fail to close
-        uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                   timeout_graceful_shutdown=math.ceil(grace_seconds) + 5,
-                                   lifespan="off")
-        _UvicornServer(uv_config, on_signal).run()
-    finally:
-        spent = time.monotonic() - signalled[0] if signalled else 0.0
-        engine.shutdown(max(0.0, grace_seconds - spent))
-        check_engine_at_exit(engine)
-    logger.info("server stopped")
+    except BaseException:
+        engine.shutdown(0.0)
+        raise
+    return engine, app
 
 
 def check_engine_at_exit(engine: AsyncLLMEngine) -> bool:

@@ -1,12 +1,11 @@
 """The state behind the routes: one :class:`ServerState` per app.
 
-It owns the served model names and cards, tokenizing and chat templates (on a
-worker thread: a huge prompt must not stall the event loop, which serves every
-other stream), the server's one check of a request's length against the engine's
-``max_model_len`` and of ``top_logprobs`` against its ``max_logprobs`` (400s
-naming the field; the engine validates again), adding a request's prompts to the
-engine (all or none) and the token texts (cached per token id) that
-:mod:`kvpage.openai.logprobs` writes.
+It owns the served model names and cards, the prompt renderer
+(:class:`kvpage.openai.prompts.PromptRenderer`: tokenizing and chat templates), the
+server's one check of a request's length against the engine's ``max_model_len`` and
+of ``top_logprobs`` against its ``max_logprobs`` (400s naming the field; the engine
+validates again), adding a request's prompts to the engine (all or none) and the token
+texts (cached per token id) that :mod:`kvpage.openai.logprobs` writes.
 """
 
 from __future__ import annotations
@@ -22,12 +21,12 @@ from kvpage.engine.async_engine import AsyncLLMEngine, RequestStream
 from kvpage.lora.request import LoRARequest
 from kvpage.openai.errors import engine_error
 from kvpage.openai.generation import Echo, Generation, Usage
+from kvpage.openai.prompts import PromptRenderer
 from kvpage.openai.protocol import (
     APIError,
     ChatCompletionRequest,
     TokenizeRequest,
     bad_request,
-    check_unicode,
 )
 from kvpage.sampling.params import SamplingParams
 
@@ -49,6 +48,7 @@ class ServerState:
         self.model_names = model_names + list(self.lora_modules)
         self.created = int(time.time())
         self._token_text: dict[int, str] = {}
+        self.prompts = PromptRenderer(lambda: engine.tokenizer)
 
     # ---- request preparation --------------------------------------------
 
@@ -68,51 +68,16 @@ class ServerState:
 
     @property
     def tokenizer(self) -> Any:
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None:
-            raise bad_request("the model has no tokenizer: send prompts as token ids")
-        return tokenizer
+        return self.prompts.tokenizer
 
     async def tokenize(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``, computed on a worker thread (a long text
-        must not stall the event loop, which serves every other stream)."""
-        check_unicode(text, param)
-        tokenizer = self.tokenizer
-        ids = await asyncio.to_thread(tokenizer, text, add_special_tokens=add_special_tokens)
-        return list(ids["input_ids"])
+        """Token ids of ``text`` (:meth:`PromptRenderer.tokenize`)."""
+        return await self.prompts.tokenize(text, param, add_special_tokens)
 
     async def chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest,
                           ) -> tuple[str, list[int]]:
-        """The text and token ids of ``body.messages`` through the chat template
-        (both on a worker thread)."""
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages or ()]
-        text = await self._render_chat(messages, body.add_generation_prompt,
-                                       body.continue_final_message)
-        # the template has the special tokens: added only when asked
-        ids = await self.tokenize(text, "messages",
-                                  add_special_tokens=bool(body.add_special_tokens))
-        return text, ids
-
-    async def _render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool,
-                           continue_final_message: bool) -> str:
-        """The chat template applied to ``messages`` (on a worker thread)."""
-        for message in messages:
-            for value in message.values():
-                check_unicode(value, "messages")
-        tokenizer = self.tokenizer
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise bad_request("the model has no chat template; use /v1/completions")
-        try:
-            extra = {"continue_final_message": True} if continue_final_message else {}
-            return await asyncio.to_thread(
-                tokenizer.apply_chat_template, messages, tokenize=False,
-                add_generation_prompt=add_generation_prompt, **extra)
-        except ImportError as exc:  # jinja2 missing: the server's fault, not the client's
-            raise APIError(500, f"chat templates need jinja2 (install kvpage[serve]): {exc}",
-                           "internal_server_error", code="missing_dependency") from None
-        except Exception as exc:  # a template may reject a conversation
-            raise bad_request(f"the chat template failed on these messages: {exc}",
-                              param="messages") from None
+        """The text and token ids of ``body.messages`` (:meth:`PromptRenderer.chat_prompt`)."""
+        return await self.prompts.chat_prompt(body)
 
     def check_top_logprobs(self, top_logprobs: int | None) -> None:
         """Chat's ``top_logprobs`` within 0..max_logprobs (a 400 naming it)."""

@@ -21,7 +21,9 @@ SERVE_MODULES = {
 }
 BENCH_SERVE_MODULES = {"httpx": "httpx"}
 
-EXTRAS = {"serve": SERVE_MODULES, "bench-serve": BENCH_SERVE_MODULES}
+RAY_MODULES = {**SERVE_MODULES, "ray": "ray[serve]"}
+
+EXTRAS = {"serve": SERVE_MODULES, "bench-serve": BENCH_SERVE_MODULES, "ray": RAY_MODULES}
 
 
 class MissingExtraError(ImportError):

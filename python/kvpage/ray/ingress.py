@@ -1,0 +1,115 @@
+"""The HTTP entry of a kvpage application on Ray Serve: :class:`KvpageIngress`.
+
+Every request is forwarded unchanged (method, path, query, headers, body) to one
+replica (:class:`kvpage.ray.replica.KvpageReplica`), whose app answers it, and the
+answer is streamed back as it comes. For ``/v1/completions`` and
+``/v1/chat/completions`` the ingress first renders the prompt's token ids with the
+model's tokenizer and chat template (:class:`kvpage.openai.prompts.PromptRenderer`, the
+code the replica itself runs), so the router can match them against what each replica's
+engine caches (:mod:`kvpage.ray.router`). A body the ingress cannot render is forwarded
+all the same, with no token ids: the replica answers with the error it deserves.
+"""
+
+# no `from __future__ import annotations`: Ray Serve rebuilds the routes, and FastAPI
+# must see `request: Request` as a class, not a string
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import StreamingResponse
+from ray import serve
+
+from kvpage.ray.replica import ForwardedRequest
+from kvpage.ray.router import PROMPT_TOKEN_IDS_KWARG
+
+logger = logging.getLogger(__name__)
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+ingress_app = FastAPI(title="kvpage on Ray", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+def load_routing_tokenizer(model: str) -> Any:
+    """The model's tokenizer (GGUF file or HF directory); None if it has none."""
+    from pathlib import Path
+
+    from kvpage.model.gguf_metadata import is_gguf
+
+    path = Path(model)
+    if is_gguf(path):
+        from kvpage.model.gguf_tokenizer import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(path)
+    if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file():
+        from kvpage.engine.loading import load_tokenizer
+
+        return load_tokenizer(path)
+    return None
+
+
+@serve.ingress(ingress_app)
+class KvpageIngress:
+    """The ingress deployment's class (:func:`kvpage.ray.application.build_app`)."""
+
+    def __init__(self, replicas: Any, model: str) -> None:
+        from kvpage.openai.prompts import PromptRenderer
+
+        self.replicas = replicas.options(stream=True)
+        tokenizer = load_routing_tokenizer(model)
+        self.prompts = PromptRenderer(lambda: tokenizer)
+
+    async def routing_tokens(self, path: str, body: bytes) -> tuple[list[int] | None, Any]:
+        """The prompt's token ids (None: not a generation request, or not renderable)
+        and its text or messages (for text-matching routers)."""
+        from kvpage.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+        try:
+            raw = json.loads(body)
+            if path == "/v1/chat/completions":
+                chat = ChatCompletionRequest.model_validate(raw)
+                _, ids = await self.prompts.chat_prompt(chat)
+                return ids, [{"role": m.role, "content": m.text()} for m in chat.messages]
+            completion = CompletionRequest.model_validate(raw)
+            prompt = completion.prompt
+            if isinstance(prompt, str):
+                ids = await self.prompts.tokenize(
+                    prompt, "prompt", add_special_tokens=completion.add_special_tokens
+                    is not False)
+                return ids, prompt
+            if prompt and all(isinstance(t, int) for t in prompt):
+                return list(prompt), None  # type: ignore[arg-type]
+        except Exception:  # routing hint only: the replica reports what is wrong
+            pass
+        return None, None
+
+    @ingress_app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    async def forward(self, request: Request) -> Response:
+        body = await request.body()
+        path = request.url.path
+        token_ids, text = (await self.routing_tokens(path, body)) if (
+            request.method == "POST" and path in GENERATION_PATHS) else (None, None)
+        forwarded = ForwardedRequest(
+            method=request.method, path=path, query_string=request.url.query.encode(),
+            headers=[(k, v) for k, v in request.headers.items() if k.lower() != "host"],
+            body=body)
+        if isinstance(text, list):
+            forwarded.messages = text
+        else:
+            forwarded.prompt = text if isinstance(text, str) else path
+        stream = self.replicas.handle_http.remote(
+            forwarded, **{PROMPT_TOKEN_IDS_KWARG: token_ids})
+        head = await stream.__anext__()
+        headers = {k: v for k, v in head["headers"]
+                   if k.lower() not in ("content-length", "transfer-encoding")}
+
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in stream:
+                    yield chunk
+            finally:
+                stream.cancel()  # the client went away: the replica aborts the request
+
+        return StreamingResponse(chunks(), status_code=head["status"], headers=headers)
