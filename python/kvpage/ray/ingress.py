@@ -22,12 +22,15 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 from ray import serve
 
-from kvpage.ray.replica import ForwardedRequest
-from kvpage.ray.router import PROMPT_TOKEN_IDS_KWARG
+from kvpage.ray.metrics_merge import merge_metrics
+from kvpage.ray.replica import REPLICA_HEADER, ForwardedRequest
+from kvpage.ray.router import PROMPT_TOKEN_IDS_KWARG, REPLICA_INDEX_KWARG
 
 logger = logging.getLogger(__name__)
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+MAX_REPLICAS_SCRAPED = 256
 
 ingress_app = FastAPI(title="kvpage on Ray", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -84,6 +87,27 @@ class KvpageIngress:
         except Exception:  # routing hint only: the replica reports what is wrong
             pass
         return None, None
+
+    @ingress_app.get("/metrics")
+    async def metrics(self, request: Request) -> Response:
+        """Every replica's ``/metrics``, each sample labelled with its replica (asked
+        of the ``k``-th replica for k = 0, 1, ... until one answers twice; with a router
+        other than kvpage's, the replicas that happened to answer)."""
+        forwarded = ForwardedRequest(method="GET", path="/metrics",
+                                     headers=list(request.headers.items()))
+        forwarded.prompt = "/metrics"
+        texts: dict[str, str] = {}
+        for index in range(MAX_REPLICAS_SCRAPED):
+            stream = self.replicas.handle_http.remote(forwarded, **{REPLICA_INDEX_KWARG: index})
+            head = await stream.__anext__()
+            body = b"".join([chunk async for chunk in stream])
+            if head["status"] != 200:  # e.g. 401 without the API key: answered as it is
+                return Response(body, status_code=head["status"], headers=dict(head["headers"]))
+            replica = dict(head["headers"])[REPLICA_HEADER]
+            if replica in texts:
+                break
+            texts[replica] = body.decode()
+        return Response(merge_metrics(texts), media_type="text/plain; version=0.0.4")
 
     @ingress_app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def forward(self, request: Request) -> Response:

@@ -78,10 +78,11 @@ class KvpageReplica:
             metrics_prefix=options.metrics_prefix)
         self._stats_version = itertools.count()
 
-    async def handle_http(self, request: ForwardedRequest, prompt_token_ids: list[int] | None
-                          = None) -> AsyncIterator[Any]:
+    async def handle_http(self, request: ForwardedRequest, **routing_hints: Any
+                          ) -> AsyncIterator[Any]:
         """Run ``request`` through the app: yields ``{"status", "headers"}``, then the
-        body's chunks (bytes). ``prompt_token_ids`` is the router's, unused here."""
+        body's chunks (bytes). ``routing_hints`` are the router's (prompt token ids, a
+        replica index), unused here."""
         scope = {
             "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
             "method": request.method, "scheme": "http", "path": request.path,

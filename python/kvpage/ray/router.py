@@ -36,6 +36,10 @@ from kvpage.ray.routing import (
 PROMPT_TOKEN_IDS_KWARG = "prompt_token_ids"
 """The keyword of a replica call that carries the prompt's token ids for routing."""
 
+REPLICA_INDEX_KWARG = "replica_index"
+"""The keyword of a call for the ``k``-th replica (by id, modulo their number): how the
+ingress asks every replica for its ``/metrics``."""
+
 
 class KvpageRouter(RequestRouter):
     """Routes on the engines' own prefix caches (module docs)."""
@@ -98,19 +102,28 @@ class KvpageRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        index = None if pending_request is None else \
+            pending_request.kwargs.get(REPLICA_INDEX_KWARG)
+        if index is not None:
+            ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
+            return [[ordered[int(index) % len(ordered)]]]
         self._forget_old_predictions()
         hashes = self._prompt_hashes(pending_request)
         views = [self._view(r) for r in candidate_replicas]
         loads = await self._loads(candidate_replicas)
         order = rank_replicas(hashes, views, loads, self._imbalance_threshold)
+        if hashes:  # Ray takes the first rank unless its queue is full
+            views[order[0]].predict(hashes, time.monotonic())
         return [[candidate_replicas[i]] for i in order]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: Any) -> None:
+        # Called when replicas may reject (strict max_ongoing_requests): the replica
+        # that took the request, which may not be the first choice.
         hashes = self._hashes.pop(pending_request.metadata.request_id, None)
         if hashes:
-            view = self._views.setdefault(replica_id, ReplicaCacheView())
-            view.predict(hashes, time.monotonic())
+            self._views.setdefault(replica_id, ReplicaCacheView()).predict(
+                hashes, time.monotonic())
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -124,5 +137,5 @@ class KvpageRouter(RequestRouter):
         self._last_forget = now
         for view in self._views.values():
             view.forget_before(now - self._prediction_ttl_s)
-        if len(self._hashes) > 10_000:  # requests that never routed (cancelled)
+        if len(self._hashes) > 10_000:  # kept per request until routed: a bound
             self._hashes.clear()

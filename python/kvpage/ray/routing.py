@@ -22,7 +22,7 @@ The policy (:func:`rank_replicas`), per request:
    replica.
 3. Among the rest, the longest cached prefix wins, ties to the less loaded; a prompt
    no replica holds any block of goes to the least-loaded replica, ties to the one
-   holding the fewest blocks (new prefixes spread over the pools).
+   holding (or about to hold) the fewest blocks, so new prefixes spread over the pools.
 
 Invariants: the ranking is a permutation of the candidates; with equal loads and no
 replica set aside, the first replica holds the longest cached prefix of the prompt.
@@ -66,6 +66,11 @@ class ReplicaCacheView:
         for h in hashes:
             self.predicted[h] = now
 
+    @property
+    def num_blocks(self) -> int:
+        """Blocks held or predicted here: the size of its pool's content."""
+        return len(self.held) + sum(1 for h in self.predicted if h not in self.held)
+
     def forget_before(self, cutoff: float) -> None:
         self.predicted = {h: t for h, t in self.predicted.items() if t >= cutoff}
 
@@ -87,7 +92,7 @@ def rank_replicas(hashes: Sequence[int] | None, views: Sequence[ReplicaCacheView
     order = list(range(len(views)))
     if not order:
         return order
-    by_load = sorted(order, key=lambda i: (loads[i], len(views[i].held)))
+    by_load = sorted(order, key=lambda i: (loads[i], views[i].num_blocks))
     if not hashes:
         return by_load
     least = min(loads)
@@ -96,7 +101,7 @@ def rank_replicas(hashes: Sequence[int] | None, views: Sequence[ReplicaCacheView
     cached = {i: views[i].cached_blocks(hashes) for i in eligible}
     best = max(cached.values())
     if best == 0:
-        first = min(eligible, key=lambda i: (loads[i], len(views[i].held)))
+        first = min(eligible, key=lambda i: (loads[i], views[i].num_blocks))
     else:
         first = min(eligible, key=lambda i: (-cached[i], loads[i]))
     return [first] + [i for i in by_load if i != first]
