@@ -10,7 +10,14 @@ shared-prefix workload goes through:
 * ``vllm-router --policy cache_aware`` (the gateway's default: a prefix tree of the
   requests it has routed, guessed from their tokens);
 * ``vllm-router --policy kv_aware`` fed by the replicas' events: it routes on what each
-  replica actually holds, evictions included.
+  replica actually holds, evictions included;
+* the same replicas on Ray Serve (``kvpage serve --replicas N --pin-cpus``, a local Ray
+  cluster) with kvpage's router (the engines' cached block hashes, :mod:`kvpage.ray`),
+  Ray's default power-of-two router and Ray's text-matching ``PrefixCacheAffinityRouter``.
+
+``--overhead`` adds a workload with no shared prefix (every request its own prompt),
+through ``vllm-router --policy round_robin`` and kvpage on Ray: what Ray's hop and the
+routing cost where there is nothing to gain.
 
 Each configuration starts from fresh replicas (empty caches). The workload
 (:func:`shared_prefix_requests`): ``--prefixes`` system prompts of ``--prefix-tokens``
@@ -48,7 +55,9 @@ from typing import Any
 from kvpage.bench.common import BenchRequest, format_table
 
 MODEL_NAME = "bench"
-CONFIGS = ("single replica", "router round_robin", "router cache_aware", "router kv_aware")
+CONFIGS = ("single replica", "router round_robin", "router cache_aware", "router kv_aware",
+           "ray kvpage", "ray pow2", "ray prefix")
+OVERHEAD_CONFIGS = ("unique: router round_robin", "unique: ray kvpage")
 BLOCK = 16
 
 
@@ -141,11 +150,63 @@ def wait_router(url: str, proc: subprocess.Popen[Any]) -> None:
     raise RuntimeError("vllm-router did not become healthy in 60 s")
 
 
+class RayApp:
+    """``kvpage serve MODEL --replicas N --pin-cpus`` on a local Ray cluster: the
+    replicas and the ingress, stopped together."""
+
+    def __init__(self, args: argparse.Namespace, router: str, blocks: int, context: int,
+                 workdir: Path) -> None:
+        from kvpage.bench.first_minute import kvpage_serve_command
+        from kvpage.bench.loopback import free_port
+
+        self.url = f"http://127.0.0.1:{free_port()}"
+        command = kvpage_serve_command(
+            args.model, int(self.url.rsplit(":", 1)[1]), "--served-model-name", MODEL_NAME,
+            "--num-gpu-blocks", str(blocks), "--max-model-len", str(context), "--block-size",
+            str(BLOCK), "--warmup", "full", "--replicas", str(args.replicas), "--router",
+            router, "--pin-cpus", "--public-metrics")
+        self.log = open(workdir / f"ray-{router}.log", "ab")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def wait_ready(self) -> None:
+        import httpx
+
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:  # /health answers once a replica is up
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvpage serve --replicas exited with {self.proc.returncode}")
+            try:
+                text = httpx.get(self.url + "/metrics", timeout=10).text
+                if len(set(re.findall(r'replica="([^"]+)"', text))) >= 1 and \
+                        httpx.get(self.url + "/health", timeout=10).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        raise RuntimeError("kvpage on Ray did not become ready in 600 s")
+
+    cache_tokens = Replica.cache_tokens  # /metrics sums every replica's series
+
+    def stop(self) -> None:
+        from kvpage.bench.first_minute import stop
+
+        stop(self.proc)
+        self.log.close()
+
+
 def run_config(name: str, args: argparse.Namespace, requests: list[BenchRequest],
                blocks: int, context: int, workdir: Path) -> dict[str, Any]:
     from kvpage.bench.loopback import free_port
-    from kvpage.bench.serve import run_requests_online, summarize
 
+    kind, policy = name.split()[-2:]
+    if kind == "ray":
+        app = RayApp(args, policy, blocks, context, workdir)
+        try:
+            app.wait_ready()
+            return _measure(name, args, requests, app.url, [app])
+        finally:
+            app.stop()
     count = 1 if name == "single replica" else args.replicas
     cpus = range(count) if count > 1 else [None]
     if count == 1:  # the reference: every CPU and every replica's KV pool in one
@@ -159,7 +220,6 @@ def run_config(name: str, args: argparse.Namespace, requests: list[BenchRequest]
         url = replicas[0].url
         if count > 1:
             port = free_port()
-            policy = name.split()[-1]
             log = open(workdir / f"router-{policy}.log", "ab")  # noqa: SIM115
             router = subprocess.Popen(router_command(args.vllm_router, port, policy, replicas,
                                                      args.router_log_level),
@@ -168,18 +228,24 @@ def run_config(name: str, args: argparse.Namespace, requests: list[BenchRequest]
             url = f"http://127.0.0.1:{port}"
             wait_router(url, router)
             time.sleep(1.0)  # the router's event subscriptions land
-        records, duration = asyncio.run(run_requests_online(
-            url, requests, model=MODEL_NAME, max_concurrency=args.concurrency,
-            timeout_s=600.0))
-        result = summarize(records, duration, args.concurrency, float("inf"))
-        looked, found = (sum(v) for v in zip(*(r.cache_tokens() for r in replicas),
-                                             strict=True))
+        return _measure(name, args, requests, url, replicas)
     finally:
         if router is not None:
             router.terminate()
             router.wait(30)
         for replica in replicas:
             replica.stop()
+
+
+def _measure(name: str, args: argparse.Namespace, requests: list[BenchRequest], url: str,
+             servers: list[Any]) -> dict[str, Any]:
+    """The workload through ``url``; the hit rate from ``servers``' metrics."""
+    from kvpage.bench.serve import run_requests_online, summarize
+
+    records, duration = asyncio.run(run_requests_online(
+        url, requests, model=MODEL_NAME, max_concurrency=args.concurrency, timeout_s=600.0))
+    result = summarize(records, duration, args.concurrency, float("inf"))
+    looked, found = (sum(v) for v in zip(*(s.cache_tokens() for s in servers), strict=True))
     ttfts = [r.ttft for r in records if r.ok]
     print(f"[bench scaleout] {name}: mean TTFT {result.ttft_ms['mean']:.0f} ms, "
           f"{result.total_token_throughput:.0f} tok/s, hit rate "
@@ -212,6 +278,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
           f"(all prefixes: {all_prefix_blocks}); logs in {workdir}", file=sys.stderr)
     results = [run_config(name, args, requests, blocks, context, workdir)
                for name in (args.configs or CONFIGS)]
+    if args.overhead:  # every request its own prompt: nothing to gain from routing
+        unique = shared_prefix_requests(len(requests), args.prefix_tokens, 1,
+                                        args.turn_tokens, args.output_len, args.vocab,
+                                        args.seed + 1)
+        results += [run_config(name, args, unique, blocks, context, workdir)
+                    for name in OVERHEAD_CONFIGS]
     return {"model": args.model, "replicas": args.replicas, "blocks_per_replica": blocks,
             "requests": len(requests), "workload": {
                 "prefixes": args.prefixes, "prefix_tokens": args.prefix_tokens,
@@ -243,9 +315,43 @@ def print_table(result: dict[str, Any]) -> None:
                         "tok/s / round_robin"], rows))
 
 
+TARGETS = (  # (what, numerator config, denominator config, figure, bound)
+    ("kv_aware TTFT / round_robin (<= 0.67)", "router kv_aware", "router round_robin",
+     "ttft", 0.67),
+    ("Ray: kvpage tok/s / pow2 (>= 1.5)", "ray kvpage", "ray pow2", "tok_s", 1.5),
+    ("Ray: kvpage TTFT / pow2 (<= 0.5)", "ray kvpage", "ray pow2", "ttft", 0.5),
+    ("Ray: kvpage tok/s / PrefixCacheAffinityRouter (>= 1.2)", "ray kvpage", "ray prefix",
+     "tok_s", 1.2),
+    ("Ray: kvpage hit rate - single replica (>= -5 points)", "ray kvpage", "single replica",
+     "hit", -5.0),
+    ("no shared prefix: kvpage on Ray tok/s / round_robin (>= 0.9)", "unique: ray kvpage",
+     "unique: router round_robin", "tok_s", 0.9),
+)
+
+
+def print_targets(result: dict[str, Any]) -> None:
+    """The issue's targets that this run's configurations measure."""
+    by = {c["config"]: c for c in result["configs"]}
+    for what, num, den, figure, bound in TARGETS:
+        if num not in by or den not in by:
+            continue
+        a, b = by[num], by[den]
+        if figure == "hit":
+            value = 100 * (a["hit_rate"] - b["hit_rate"])
+            met = value >= bound
+        elif figure == "ttft":
+            value = a["ttft_ms"]["mean"] / b["ttft_ms"]["mean"]
+            met = value <= bound
+        else:
+            value = a["total_tok_s"] / b["total_tok_s"]
+            met = value >= bound
+        print(f"  {what}: {value:.2f} ({'met' if met else 'MISSED'})")
+
+
 def cmd_scaleout(args: argparse.Namespace) -> int:
     result = run(args)
     print_table(result)
+    print_targets(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2, default=str))
     return 0
@@ -276,5 +382,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--configs", nargs="+", default=None, choices=CONFIGS,
                    help="run only these configurations (default: all)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload's tokens")
+    p.add_argument("--overhead", action="store_true",
+                   help="also run a workload with no shared prefix through round_robin and "
+                   "kvpage on Ray (the cost of Ray's hop and of routing)")
     p.add_argument("--json", default=None, help="write the figures to this file")
     p.set_defaults(func=cmd_scaleout)

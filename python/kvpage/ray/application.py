@@ -33,7 +33,10 @@ logger = logging.getLogger(__name__)
 ROUTERS = {
     "kvpage": "kvpage.ray.router:KvpageRouter",
     "pow2": None,  # Ray's default, PowerOfTwoChoicesRequestRouter
-    "prefix": "ray.serve.llm.request_router:PrefixCacheAffinityRouter",
+    # its public alias, ray.serve.llm.request_router, imports vLLM or SGLang: the class from
+    # the module that defines it
+    "prefix": "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:"
+              "PrefixCacheAffinityRouter",
 }
 
 APP_KEYS = {"model", "replicas", "max_replicas", "router", "num_cpus_per_replica",

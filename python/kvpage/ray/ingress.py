@@ -83,7 +83,8 @@ class KvpageIngress:
                     is not False)
                 return ids, prompt
             if prompt and all(isinstance(t, int) for t in prompt):
-                return list(prompt), None  # type: ignore[arg-type]
+                ids = list(prompt)  # type: ignore[arg-type]
+                return ids, " ".join(map(str, ids))  # text routers match the ids' digits
         except Exception:  # routing hint only: the replica reports what is wrong
             pass
         return None, None
