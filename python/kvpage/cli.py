@@ -90,15 +90,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.replicas = args.replicas or 1
         serve_on_ray(args)
         return 0
+    lockstep = args.num_processes > 1
+    if lockstep:  # one engine over the devices of every process (kvpage.engine.lockstep)
+        from kvpage.engine.lockstep import join_processes
+
+        if not args.coordinator_address:
+            raise SystemExit("--num-processes needs --coordinator-address HOST:PORT")
+        join_processes(args.coordinator_address, args.num_processes, args.process_id)
+        args.warmup = "none"  # every process must run the same programs in the same order
     if args.warmup is None:
         args.warmup = "background"  # serve at once; the other buckets compile meanwhile
     from kvpage.engine.config import engine_config_from_args
 
     config = engine_config_from_args(args, args.model)
+    if lockstep and args.process_id != 0:
+        from kvpage.engine.llm_engine import LLMEngine
+        from kvpage.engine.lockstep import follow
+
+        steps = follow(LLMEngine.from_config(config))
+        print(f"process {args.process_id}: process 0 stopped after {steps} steps; exiting")
+        return 0
     run_server(args.model, args.host, args.port, args.api_key, config,
                public_metrics=args.public_metrics or None,
                served_model_name=args.served_model_name, metrics_prefix=args.metrics_prefix,
-               lora_modules=LoRARequest.parse_modules(args.lora_modules or []))
+               lora_modules=LoRARequest.parse_modules(args.lora_modules or []),
+               lockstep=lockstep)
     return 0
 
 
@@ -155,6 +171,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="publish the prefix cache's stored/removed blocks for cache-aware routers "
         "(vLLM's format), e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
         "\"endpoint\": \"tcp://*:5557\"}' (default: off)")
+    hosts = serve.add_argument_group(
+        "one model across processes (hosts): every process runs this command; process 0 "
+        "serves HTTP, the others follow its steps")
+    hosts.add_argument("--num-processes", type=int, default=1, metavar="P",
+                       help="processes sharing the model (with --tensor-parallel-size up "
+                       "to all their devices)")
+    hosts.add_argument("--process-id", type=int, default=0, metavar="I",
+                       help="this process's rank, 0 serving HTTP")
+    hosts.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
+                       help="where process 0's jax.distributed coordinator listens")
     ray = serve.add_argument_group(
         "Ray Serve (kvpage[ray]): replicas behind a router that reads their prefix caches")
     ray.add_argument("--replicas", type=int, default=None, metavar="N",

@@ -95,6 +95,7 @@ def run_server(
     public_metrics: bool | None = None,
     metrics_prefix: str = "kvpage",
     lora_modules: Sequence[LoRARequest] = (),
+    lockstep: bool = False,
 ) -> None:
     """Serve the model in ``model_dir`` until SIGTERM/SIGINT; then stop
     accepting, let running requests finish for up to ``grace_seconds``, abort
@@ -110,6 +111,8 @@ def run_server(
     defaults to ``model_dir`` as given. ``metrics_prefix`` "vllm" names the
     Prometheus series ``vllm:*`` (vLLM's dashboards work unchanged). ``lora_modules``
     (needs ``enable_lora``): adapters served under their names, loaded at startup.
+    ``lockstep``: this is process 0 of a multi-process engine
+    (:mod:`kvpage.engine.lockstep`); the followers stop when it does.
     """
     import uvicorn
 
@@ -123,7 +126,7 @@ def run_server(
     engine, app = build_server(model_dir, engine_config, served_model_name=served_model_name,
                                api_key=api_key, max_body_bytes=max_body_bytes,
                                public_metrics=public_metrics, metrics_prefix=metrics_prefix,
-                               lora_modules=lora_modules)
+                               lora_modules=lora_modules, lockstep=lockstep)
     signalled: list[float] = []
 
     def on_signal() -> None:
@@ -143,6 +146,8 @@ def run_server(
     finally:
         spent = time.monotonic() - signalled[0] if signalled else 0.0
         engine.shutdown(max(0.0, grace_seconds - spent))
+        if lockstep:
+            engine.engine.close()
         check_engine_at_exit(engine)
     logger.info("server stopped")
 
@@ -157,6 +162,7 @@ def build_server(
     public_metrics: bool | None = None,
     metrics_prefix: str = "kvpage",
     lora_modules: Sequence[LoRARequest] = (),
+    lockstep: bool = False,
 ) -> tuple[AsyncLLMEngine, Any]:
     """The running engine and the app :func:`run_server` serves (arguments as there),
     for a host of its own to serve (a Ray replica: :mod:`kvpage.ray.replica`)."""
@@ -173,7 +179,15 @@ def build_server(
     names = served_model_name or str(model_dir)
     first = names if isinstance(names, str) else names[0]
     logger.info("loading %s", model_dir)
-    engine = AsyncLLMEngine.from_config(config, model_name=first, metrics_prefix=metrics_prefix)
+    if lockstep:
+        from kvpage.engine.llm_engine import LLMEngine
+        from kvpage.engine.lockstep import LockstepLeader
+
+        leader: Any = LockstepLeader(LLMEngine.from_config(config))
+        engine = AsyncLLMEngine(leader, model_name=first, metrics_prefix=metrics_prefix)
+    else:
+        engine = AsyncLLMEngine.from_config(config, model_name=first,
+                                            metrics_prefix=metrics_prefix)
     try:
         for lora in lora_modules:  # a bad adapter stops the start, naming the problem
             assert engine.engine.lora is not None

@@ -8,6 +8,10 @@ model's tokenizer and chat template (:class:`kvpage.openai.prompts.PromptRendere
 code the replica itself runs), so the router can match them against what each replica's
 engine caches (:mod:`kvpage.ray.router`). A body the ingress cannot render is forwarded
 all the same, with no token ids: the replica answers with the error it deserves.
+
+A replica that fails before answering (its actor died) costs the client nothing: the
+request goes to another replica. One that fails mid-answer ends the response, with an
+SSE error event first when it was a stream (the client sees an error, never a hang).
 """
 
 # no `from __future__ import annotations`: Ray Serve rebuilds the routes, and FastAPI
@@ -19,8 +23,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
+from ray.exceptions import RayError
 
 from kvpage.ray.metrics_merge import merge_metrics
 from kvpage.ray.replica import REPLICA_HEADER, ForwardedRequest
@@ -124,17 +129,42 @@ class KvpageIngress:
             forwarded.messages = text
         else:
             forwarded.prompt = text if isinstance(text, str) else path
-        stream = self.replicas.handle_http.remote(
-            forwarded, **{PROMPT_TOKEN_IDS_KWARG: token_ids})
-        head = await stream.__anext__()
+        for attempt in range(ATTEMPTS):
+            stream = self.replicas.handle_http.remote(
+                forwarded, **{PROMPT_TOKEN_IDS_KWARG: token_ids})
+            try:
+                head = await stream.__anext__()
+                break
+            except RayError as exc:  # its replica died before answering: nothing was sent
+                logger.warning("%s %s: replica failed before answering (%s)%s",
+                               request.method, path, type(exc).__name__,
+                               ", retrying" if attempt + 1 < ATTEMPTS else "")
+        else:
+            return JSONResponse(_replica_lost("before answering"), status_code=503)
         headers = {k: v for k, v in head["headers"]
                    if k.lower() not in ("content-length", "transfer-encoding")}
+        event_stream = headers.get("content-type", "").startswith("text/event-stream")
 
         async def chunks() -> AsyncIterator[bytes]:
             try:
                 async for chunk in stream:
                     yield chunk
+            except RayError:  # the replica died mid-answer: say so, then end
+                logger.warning("%s %s: replica failed mid-answer", request.method, path)
+                if event_stream:
+                    error = json.dumps(_replica_lost("mid-stream"))
+                    yield f"data: {error}\n\n".encode()
             finally:
                 stream.cancel()  # the client went away: the replica aborts the request
 
         return StreamingResponse(chunks(), status_code=head["status"], headers=headers)
+
+
+ATTEMPTS = 2
+"""Replicas tried for a request whose replica fails before its first byte."""
+
+
+def _replica_lost(when: str) -> dict[str, Any]:
+    return {"error": {"message": f"the replica serving this request failed {when}; "
+                      "retry it", "type": "service_unavailable_error", "param": None,
+                      "code": "replica_failed"}}
