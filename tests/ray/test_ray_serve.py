@@ -117,13 +117,14 @@ def _replica_actor(replica_id: str) -> Any:
 
 
 def test_a_killed_replica_is_replaced_and_no_block_leaks(url: str) -> None:
-    victim = _complete(url, "delta " + SHARED).headers[REPLICA_HEADER]
+    prompt = "delta " + " ".join(SHARED.split()[:10])  # ~40 tokens: room for 200 more
+    victim = _complete(url, prompt).headers[REPLICA_HEADER]
     results: list[int | str] = []
 
     def stream_long() -> None:
         try:
             with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json={
-                    "model": MODEL, "prompt": "delta " + SHARED, "max_tokens": 150,
+                    "model": MODEL, "prompt": prompt, "max_tokens": 200,
                     "ignore_eos": True, "stream": True}) as s:
                 lines = [ln for ln in s.iter_lines() if ln]
             last = lines[-1] if lines else ""
@@ -139,8 +140,8 @@ def test_a_killed_replica_is_replaced_and_no_block_leaks(url: str) -> None:
     ray.kill(_replica_actor(victim), no_restart=True)
     for t in threads:
         t.join(120)
-    # both streams were on the victim (it held their prefix): each ended with an error event
-    assert results == ["replica_failed", "replica_failed"], results
+    # a stream on the victim ended with an error event, one elsewhere in full
+    assert set(results) <= {"done", "replica_failed"} and "replica_failed" in results, results
     # requests sent after the kill are served (by the survivor, then the replacement)
     for i in range(6):
         r = _complete(url, f"epsilon {i} " + SHARED)

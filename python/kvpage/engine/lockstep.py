@@ -108,11 +108,11 @@ class LockstepLeader:
         if kwargs.get("arrival_time") is None:
             kwargs["arrival_time"] = time.monotonic()  # the followers' too
         self._engine.add_request(*args, **kwargs)
-        self._ops.append(("add", args, kwargs))
+        self._ops.append(("add_request", args, kwargs))
 
     def abort_request(self, request_ids: Any) -> Any:
         outputs = self._engine.abort_request(request_ids)
-        self._ops.append(("abort", (request_ids,), {}))
+        self._ops.append(("abort_request", (request_ids,), {}))
         return outputs
 
     def reset_prefix_cache(self) -> bool:

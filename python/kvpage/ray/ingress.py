@@ -37,6 +37,18 @@ GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 MAX_REPLICAS_SCRAPED = 256
 
+ATTEMPTS = 2
+"""Replicas tried for a request whose replica fails before its first byte."""
+
+# Module names the routes use are defined above the class: Ray Serve rebuilds the
+# routes when it wraps the class, with the module's names as they were then.
+
+
+def _replica_lost(when: str) -> dict[str, Any]:
+    return {"error": {"message": f"the replica serving this request failed {when}; "
+                      "retry it", "type": "service_unavailable_error", "param": None,
+                      "code": "replica_failed"}}
+
 ingress_app = FastAPI(title="kvpage on Ray", docs_url=None, redoc_url=None, openapi_url=None)
 
 
@@ -158,13 +170,3 @@ class KvpageIngress:
                 stream.cancel()  # the client went away: the replica aborts the request
 
         return StreamingResponse(chunks(), status_code=head["status"], headers=headers)
-
-
-ATTEMPTS = 2
-"""Replicas tried for a request whose replica fails before its first byte."""
-
-
-def _replica_lost(when: str) -> dict[str, Any]:
-    return {"error": {"message": f"the replica serving this request failed {when}; "
-                      "retry it", "type": "service_unavailable_error", "param": None,
-                      "code": "replica_failed"}}
