@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The wheel as a user installs it: build the manylinux_2_28 abi3 wheel, check
 # its tag, install it into a fresh virtualenv with only its declared
-# dependencies (+ the [serve] extra), and run `kvpage --help`, `kvpage
+# dependencies (+ the [serve] and [ray] extras), and run `kvpage --help`, `kvpage
 # generate` (the tiny model that ships inside the wheel) and one chat
 # completion against `kvpage serve`, all from outside the source tree.
 #
@@ -39,11 +39,11 @@ case "$name" in
     *) echo "error: $name is not an abi3 manylinux_2_28 (or older) wheel" >&2; exit 1 ;;
 esac
 
-echo "== fresh virtualenv with the wheel and its declared dependencies ([serve])"
+echo "== fresh virtualenv with the wheel and its declared dependencies ([serve,ray])"
 python3 -m venv "$work/venv"
 py="$work/venv/bin/python"
 "$py" -m pip install --quiet --upgrade pip
-"$py" -m pip install --quiet "${wheel}[serve]"
+"$py" -m pip install --quiet "${wheel}[serve,ray]"
 kvpage="$work/venv/bin/kvpage"
 cd "$work"  # not the source tree: import the installed package
 
@@ -53,6 +53,10 @@ echo "== kvpage --help"
 
 echo "== the host decode-attention kernel is exported and registers with XLA"
 JAX_PLATFORMS=cpu "$py" -c 'from kvpage.kernels.host import cpu_decode_attention as k; assert k.available(), "kvpage_paged_decode_attention missing from _core"'
+
+echo "== kvpage on Ray: the [ray] extra's modules import (tests/ray runs them)"
+"$py" -c 'import kvpage.ray.application, kvpage.ray.ingress, kvpage.ray.router, kvpage.ray.replica'
+"$kvpage" serve --help | grep -q -- "--replicas"
 
 echo "== kvpage generate (the shipped tiny model)"
 JAX_PLATFORMS=cpu "$kvpage" generate --prompt "The module" --max-tokens 8 --temperature 0 \

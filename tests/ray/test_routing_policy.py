@@ -74,3 +74,19 @@ def test_ranking_is_a_permutation_and_prefers_the_longest_prefix(
     if hashes and len(set(loads)) == 1 and all(w == 0 for _, _, w in replicas):
         best = max(v.cached_blocks(hashes) for v in views)
         assert views[order[0]].cached_blocks(hashes) == best
+
+
+def test_merged_metrics_label_each_replica_and_keep_one_header_per_family() -> None:
+    from kvpage.ray.metrics_merge import merge_metrics
+
+    text = ('# HELP kvpage:num_requests_running Running.\n'
+            '# TYPE kvpage:num_requests_running gauge\n'
+            'kvpage:num_requests_running{engine="0"} 2.0\n'
+            '# HELP kvpage:up Up.\n# TYPE kvpage:up gauge\nkvpage:up 1\n')
+    merged = merge_metrics({"b": text, "a": text.replace("2.0", "3.0")}).splitlines()
+    assert merged.count("# TYPE kvpage:num_requests_running gauge") == 1
+    assert merged[:4] == ['# HELP kvpage:num_requests_running Running.',
+                          '# TYPE kvpage:num_requests_running gauge',
+                          'kvpage:num_requests_running{engine="0",replica="a"} 3.0',
+                          'kvpage:num_requests_running{engine="0",replica="b"} 2.0']
+    assert 'kvpage:up{replica="a"} 1' in merged and 'kvpage:up{replica="b"} 1' in merged

@@ -133,19 +133,19 @@ def options_from_args(args: argparse.Namespace) -> tuple[Any, RayOptions]:
 def app(args: dict[str, Any]) -> Any:
     """``serve run kvpage.ray:app model=MODEL replicas=2 max_num_seqs=64``: the
     application of those ``kvpage serve`` flags."""
-    from kvpage.cli import build_parser
+    from kvpage.serve_args import parse_serve_args
 
     args = dict(args)
     if "model" not in args:
         raise ValueError("kvpage.ray:app needs model=MODEL (an HF directory or a .gguf file)")
-    argv = ["serve", str(args.pop("model"))]
+    argv = [str(args.pop("model"))]
     for key, value in args.items():
         flag = "--" + key.replace("_", "-")
         if value is True or str(value).lower() == "true":
             argv.append(flag)
         elif value is not False and str(value).lower() != "false":
             argv += [flag, str(value)]
-    parsed = build_parser().parse_args(argv)
+    parsed = parse_serve_args(argv)
     return build_app(*options_from_args(parsed))
 
 
