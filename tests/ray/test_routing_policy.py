@@ -11,12 +11,11 @@ from kvpage.ray.routing import ReplicaCacheView, rank_replicas
 BLOCK = 4
 
 
-def _view(prompts: list[list[int]], waiting: int = 0) -> ReplicaCacheView:
+def _view(prompts: list[list[int]]) -> ReplicaCacheView:
     view = ReplicaCacheView()
     hashes = np.unique(np.concatenate(
         [_core.prefix_block_hashes(p, BLOCK) for p in prompts] or [np.zeros(0, np.uint64)]))
-    view.update({"block_hashes": hashes.astype(np.uint64).tobytes(),
-                 "num_requests_waiting": waiting})
+    view.update({"block_hashes": hashes.astype(np.uint64).tobytes()})
     return view
 
 
@@ -31,14 +30,12 @@ def test_longest_cached_prefix_wins_when_loads_are_even() -> None:
     assert rank_replicas(hashes, views, [0, 20, 0], imbalance_threshold=8)[0] == 0
 
 
-def test_a_replica_with_waiting_requests_is_set_aside() -> None:
+def test_a_hot_prefix_spills_over_once_its_replica_is_far_busier() -> None:
     prompt = list(range(16))
-    views = [_view([prompt], waiting=3), _view([])]
+    views = [_view([prompt]), _view([])]
     hashes = _core.prefix_block_hashes(prompt, BLOCK).tolist()
-    assert rank_replicas(hashes, views, [1, 1])[0] == 1
-    # unless every replica is saturated
-    views[1].num_requests_waiting = 1
-    assert rank_replicas(hashes, views, [1, 1])[0] == 0
+    assert rank_replicas(hashes, views, [8, 0], imbalance_threshold=8)[0] == 0
+    assert rank_replicas(hashes, views, [9, 0], imbalance_threshold=8)[0] == 1
 
 
 def test_new_prefixes_go_to_the_least_loaded_then_the_emptiest_pool() -> None:
@@ -59,19 +56,17 @@ def test_routed_blocks_count_as_held_until_they_expire() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 12), st.integers(0, 2)),
-                min_size=1, max_size=6),
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 12)), min_size=1, max_size=6),
        st.integers(0, 6), st.integers(0, 10))
 def test_ranking_is_a_permutation_and_prefers_the_longest_prefix(
-        replicas: list[tuple[int, int, int]], prompt_blocks: int, threshold: int) -> None:
+        replicas: list[tuple[int, int]], prompt_blocks: int, threshold: int) -> None:
     prompt = list(range(BLOCK * prompt_blocks))
-    views = [_view([prompt[:BLOCK * cached]], waiting=waiting)
-             for cached, _, waiting in replicas]
-    loads = [float(load) for _, load, _ in replicas]
+    views = [_view([prompt[:BLOCK * cached]]) for cached, _ in replicas]
+    loads = [float(load) for _, load in replicas]
     hashes = _core.prefix_block_hashes(prompt, BLOCK).tolist()
     order = rank_replicas(hashes, views, loads, threshold)
     assert sorted(order) == list(range(len(replicas)))
-    if hashes and len(set(loads)) == 1 and all(w == 0 for _, _, w in replicas):
+    if hashes and len(set(loads)) == 1:
         best = max(v.cached_blocks(hashes) for v in views)
         assert views[order[0]].cached_blocks(hashes) == best
 
