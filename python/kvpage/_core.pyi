@@ -23,6 +23,7 @@ __all__ = [
     "StepPlan",
     "TokenDecoder",
     "byte_level_token_bytes",
+    "prefix_block_hashes",
     "quant_formats",
 ]
 
