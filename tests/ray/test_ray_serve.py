@@ -120,13 +120,18 @@ def test_a_killed_replica_is_replaced_and_no_block_leaks(url: str) -> None:
     prompt = "delta " + " ".join(SHARED.split()[:10])  # ~40 tokens: room for 200 more
     victim = _complete(url, prompt).headers[REPLICA_HEADER]
     results: list[int | str] = []
+    streaming = threading.Event()
 
     def stream_long() -> None:
         try:
             with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json={
                     "model": MODEL, "prompt": prompt, "max_tokens": 200,
                     "ignore_eos": True, "stream": True}) as s:
-                lines = [ln for ln in s.iter_lines() if ln]
+                lines = []
+                for line in s.iter_lines():
+                    if line:
+                        lines.append(line)
+                        streaming.set()  # tokens flow: kill the replica mid-stream
             last = lines[-1] if lines else ""
             results.append("done" if last == "data: [DONE]" else
                            "replica_failed" if "replica_failed" in last else f"cut: {last}")
@@ -136,7 +141,7 @@ def test_a_killed_replica_is_replaced_and_no_block_leaks(url: str) -> None:
     threads = [threading.Thread(target=stream_long) for _ in range(2)]
     for t in threads:
         t.start()
-    time.sleep(1.0)
+    assert streaming.wait(60), "no stream started"
     ray.kill(_replica_actor(victim), no_restart=True)
     for t in threads:
         t.join(120)
