@@ -78,6 +78,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvpage.lora.request import LoRARequest
     from kvpage.openai.run import run_server
 
+    if (args.replicas is not None or args.max_replicas is not None) and args.num_processes > 1:
+        raise SystemExit("kvpage serve: --replicas (Ray) and --num-processes (one engine over "
+                         "several processes) cannot be combined yet")
     if args.replicas is not None or args.max_replicas is not None:
         from kvpage.system.extras import RAY_MODULES
 
