@@ -128,17 +128,10 @@ class KvpageReplica:
     async def record_routing_stats(self) -> dict[str, Any]:
         """What :class:`kvpage.ray.router.KvpageRouter` reads: the hashes of the blocks
         the prefix cache holds (uint64 bytes, taken on the engine thread between
-        steps), the waiting and running requests and the KV usage."""
-        def snapshot(engine: Any) -> dict[str, Any]:
-            scheduler = engine.scheduler
-            return {"block_hashes": scheduler.cached_block_hashes().tobytes(),
-                    **{k: v for k, v in scheduler.stats().items() if k in (
-                        "num_requests_waiting", "num_requests_running",
-                        "kv_cache_usage_perc")}}
-
-        stats = await asyncio.wrap_future(self.engine.submit(snapshot))
-        stats["version"] = next(self._stats_version)
-        return stats
+        steps) and a version that changes with every report."""
+        hashes = await asyncio.wrap_future(self.engine.submit(
+            lambda engine: engine.scheduler.cached_block_hashes().tobytes()))
+        return {"block_hashes": hashes, "version": next(self._stats_version)}
 
     def check_health(self) -> None:
         """Ray's health check: a replica whose engine died is replaced."""

@@ -53,7 +53,6 @@ class KvpageRouter(RequestRouter):
         self._prediction_ttl_s = float(prediction_ttl_s)
         self._views: dict[ReplicaID, ReplicaCacheView] = {}
         self._stats_seen: dict[ReplicaID, Any] = {}
-        self._hashes: dict[str, list[int]] = {}  # request id -> its prompt's block hashes
         self._last_forget = time.monotonic()
 
     def _view(self, replica: RunningReplica) -> ReplicaCacheView:
@@ -83,17 +82,13 @@ class KvpageRouter(RequestRouter):
         return [loads.get(r.replica_id, worst) for r in replicas]
 
     def _prompt_hashes(self, pending_request: PendingRequest | None) -> list[int] | None:
-        if pending_request is None:
-            return None
-        token_ids = pending_request.kwargs.get(PROMPT_TOKEN_IDS_KWARG)
+        """The chained hashes of the prompt's full blocks (hashed in the core: cheap enough
+        to redo when Ray asks again for the same request)."""
+        token_ids = None if pending_request is None else \
+            pending_request.kwargs.get(PROMPT_TOKEN_IDS_KWARG)
         if not token_ids:
             return None
-        key = pending_request.metadata.request_id
-        hashes = self._hashes.get(key)
-        if hashes is None:
-            hashes = _core.prefix_block_hashes(token_ids, self._block_size).tolist()
-            self._hashes[key] = hashes
-        return hashes
+        return _core.prefix_block_hashes(token_ids, self._block_size).tolist()
 
     async def choose_replicas(
         self,
@@ -120,7 +115,7 @@ class KvpageRouter(RequestRouter):
                           result: Any) -> None:
         # Called when replicas may reject (strict max_ongoing_requests): the replica
         # that took the request, which may not be the first choice.
-        hashes = self._hashes.pop(pending_request.metadata.request_id, None)
+        hashes = self._prompt_hashes(pending_request)
         if hashes:
             self._views.setdefault(replica_id, ReplicaCacheView()).predict(
                 hashes, time.monotonic())
@@ -137,5 +132,3 @@ class KvpageRouter(RequestRouter):
         self._last_forget = now
         for view in self._views.values():
             view.forget_before(now - self._prediction_ttl_s)
-        if len(self._hashes) > 10_000:  # kept per request until routed: a bound
-            self._hashes.clear()
