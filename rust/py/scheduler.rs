@@ -230,6 +230,26 @@ impl Scheduler {
             .map(|t| PyArray1::from_slice(py, t))
     }
 
+    /// Speculative method `draft_model`: the samples that will draft at the
+    /// next `schedule()` if given tokens, as `(handle, sample_index,
+    /// max_tokens)` (empty when speculation does not apply).
+    fn draft_requests(&self) -> Vec<(u64, u32, usize)> {
+        self.inner.draft_requests()
+    }
+
+    /// Speculative method `draft_model`: tokens a draft model proposes to
+    /// follow a sample as it stands now; the next `schedule()` drafts at most
+    /// its limit of them, and drops the proposal either way.
+    fn propose_drafts(
+        &mut self,
+        handle: u64,
+        sample_index: u32,
+        drafts: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let drafts = extract_tokens(drafts)?;
+        Ok(self.inner.propose_drafts(handle, sample_index, &drafts)?)
+    }
+
     /// Constrain a queued (not yet scheduled) request's samples to `grammar`.
     fn set_grammar(&mut self, handle: u64, grammar: &Grammar) -> PyResult<()> {
         Ok(self.inner.set_grammar(handle, &grammar.inner)?)

@@ -29,5 +29,7 @@ pub mod scheduler;
 mod scheduler_regression_tests;
 #[cfg(test)]
 mod scheduler_tests;
+#[cfg(test)]
+mod speculation_tests;
 pub mod step_plan;
 pub mod suffix_drafter;

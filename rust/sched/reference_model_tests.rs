@@ -165,7 +165,11 @@ fn speculative(seed: u64) -> SpeculativeConfig {
     }
     let prompt_lookup_min = 1 + rng.below(2);
     SpeculativeConfig {
-        method: [DraftMethod::Ngram, DraftMethod::Suffix][rng.below(2)],
+        method: [
+            DraftMethod::Ngram,
+            DraftMethod::Suffix,
+            DraftMethod::DraftModel,
+        ][rng.below(3)],
         num_speculative_tokens: 1 + rng.below(4),
         prompt_lookup_min,
         prompt_lookup_max: prompt_lookup_min + rng.below(3),
@@ -448,11 +452,44 @@ impl Harness {
             .collect()
     }
 
+    /// With `DraftMethod::DraftModel`, propose drafts for the samples that ask:
+    /// the independent decoder's next tokens (sometimes cut short or with one
+    /// token changed) or random ones, as a draft model right or wrong would.
+    fn propose_drafts(&mut self) {
+        let config = self.sched.config().clone();
+        if config.speculative.method != DraftMethod::DraftModel {
+            return;
+        }
+        for (handle, sample, k) in self.sched.draft_requests() {
+            let request = &self.requests[&handle];
+            let tokens = self
+                .sched
+                .sample_tokens(handle, sample)
+                .expect("live")
+                .to_vec();
+            let produced = tokens.len() - request.prompt.len();
+            let (want, _) = decode(request, sample, &config.eos_token_ids, config.max_model_len);
+            let rng = &mut self.rng;
+            let mut drafts: Vec<u32> = if rng.chance(2, 3) {
+                want[produced.min(want.len())..].to_vec()
+            } else {
+                (0..k).map(|_| rng.below(VOCAB as usize) as u32).collect()
+            };
+            drafts.truncate(rng.below(k + 3));
+            if !drafts.is_empty() && rng.chance(1, 4) {
+                let at = rng.below(drafts.len());
+                drafts[at] = rng.below(VOCAB as usize) as u32;
+            }
+            self.sched.propose_drafts(handle, sample, &drafts).unwrap();
+        }
+    }
+
     fn step(&mut self) {
         if self.rng.chance(1, 2) {
             self.add_random_request();
         }
         self.disturb();
+        self.propose_drafts();
         let plan = self.sched.schedule().unwrap().clone();
         if !plan.is_empty() {
             self.steps_with_work += 1;
@@ -477,6 +514,7 @@ impl Harness {
     fn drain(&mut self) {
         let mut guard = 0;
         while self.sched.has_unfinished_requests() {
+            self.propose_drafts();
             let plan = self.sched.schedule().unwrap().clone();
             let sampled = self.execute(&plan);
             self.update(&sampled);
@@ -521,9 +559,9 @@ impl Harness {
 
 /// What one seed exercised: (steps with work, preemptions, ghost rows,
 /// prefix-cache hit blocks, drafted tokens, accepted drafts).
-fn run_seed(seed: u64, steps: usize, windowed: bool) -> [u64; 6] {
+fn run_seed(seed: u64, steps: usize, windowed: bool) -> [u64; 7] {
     let Some(mut h) = Harness::new(seed, windowed) else {
-        return [0; 6];
+        return [0; 7];
     };
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         for _ in 0..steps {
@@ -550,6 +588,11 @@ fn run_seed(seed: u64, steps: usize, windowed: bool) -> [u64; 6] {
         h.sched.kv().prefix_cache_stats().hit_blocks,
         stats.num_draft_tokens,
         stats.num_accepted_tokens,
+        if h.sched.config().speculative.method == DraftMethod::DraftModel {
+            stats.num_accepted_tokens
+        } else {
+            0
+        },
     ]
 }
 
@@ -567,18 +610,19 @@ fn scheduler_matches_the_reference_model() {
     } else {
         (120, 300)
     };
-    let mut total = [0u64; 6];
+    let mut total = [0u64; 7];
     for seed in 0..seeds {
         for (sum, n) in total.iter_mut().zip(run_seed(seed, steps, false)) {
             *sum += n;
         }
     }
     eprintln!(
-        "steps with work, preemptions, ghost rows, prefix hit blocks, drafted, accepted: {total:?}"
+        "steps with work, preemptions, ghost rows, prefix hit blocks, drafted, accepted, \
+         accepted from proposed drafts: {total:?}"
     );
     // Drafts need a quiet queue, which this workload rarely leaves.
     assert!(
-        total[..5].iter().all(|&n| n > 100) && total[5] > 40,
+        total[..5].iter().all(|&n| n > 100) && total[5] > 40 && total[6] > 10,
         "the workload must exercise preemption, static ghosts, prefix hits and accepted and \
          rejected drafts: {total:?}"
     );

@@ -128,6 +128,10 @@ pub struct Sequence {
     /// for the step awaiting its update (else empty), and how many to draft.
     pub draft: Vec<u32>,
     pub spec_k: u32,
+    /// Drafts in a row of which nothing was kept, and the decode steps left
+    /// before it drafts again (`scheduler/speculation.rs`).
+    pub spec_misses: u32,
+    pub spec_cooldown: u32,
     /// Its stream in the suffix drafter's index, once it drafted.
     pub stream: Option<u64>,
 }

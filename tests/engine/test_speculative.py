@@ -1,7 +1,8 @@
-"""Speculative decoding (``speculative_config``, n-gram drafts): verification keeps only
-what the model would have produced, so every output -- greedy, seeded sampling with
-logprobs, stop strings and ids, parallel samples, lengths ending among the drafts -- is
-token for token the engine's without speculation, and every KV block returns."""
+"""Speculative decoding (``speculative_config``: n-gram, suffix and draft-model drafts):
+verification keeps only what the model would have produced, so every output -- greedy,
+seeded sampling with logprobs, stop strings and ids, parallel samples, lengths ending
+among the drafts -- is token for token the engine's without speculation, and every KV
+block returns, the draft model's included."""
 
 from __future__ import annotations
 
@@ -36,13 +37,31 @@ def make_llm(model: Path, spec: dict[str, Any] | None, steps: int = 1) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_model_dir: Path) -> tuple[LLM, ...]:
+def other_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Another tiny model of the same shapes and tokenizer: a draft model that is often
+    wrong."""
+    from kvpage.model.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-draft"), seed=7)
+
+
+def draft_model_spec(model: Path) -> dict[str, Any]:
+    # max_running = the target's max_num_seqs: the draft engine compiles the same buckets.
+    return {"method": "draft_model", "model": str(model), "num_speculative_tokens": 4,
+            "max_running": 4}
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir: Path, other_tiny_model: Path) -> tuple[LLM, ...]:
     """Without speculation; with n-gram drafts; with them and multi-step decode (the two
     take turns: a step with drafts runs alone, one without may run several steps); with
-    suffix drafts (across requests)."""
+    suffix drafts (across requests); drafted by the target's own weights (every greedy
+    draft right) and by another model's."""
     return (make_llm(tiny_model_dir, None), make_llm(tiny_model_dir, SPEC),
             make_llm(tiny_model_dir, SPEC, steps=4),
-            make_llm(tiny_model_dir, {**SPEC, "method": "suffix"}))
+            make_llm(tiny_model_dir, {**SPEC, "method": "suffix"}),
+            make_llm(tiny_model_dir, draft_model_spec(tiny_model_dir)),
+            make_llm(tiny_model_dir, draft_model_spec(other_tiny_model)))
 
 
 def run_all(llm: LLM) -> list[Any]:
@@ -80,6 +99,7 @@ def test_outputs_equal_the_engine_without_speculation(engines: tuple[LLM, ...]) 
     plain, *speculating = engines
     want = run_all(plain)
     for spec in speculating:
+        often_wrong = spec is engines[-1]  # another model's drafts: kept or not
         got = run_all(spec)
         assert len(want) == len(got)
         for w, g in zip(want, got, strict=True):
@@ -91,10 +111,46 @@ def test_outputs_equal_the_engine_without_speculation(engines: tuple[LLM, ...]) 
                         assert abs(a.logprob - b.logprob) < 1e-4
         stats = spec.engine._ctx.scheduler.stats()
         assert stats["spec_decode_num_draft_tokens"] > 20
-        assert stats["spec_decode_num_accepted_tokens"] > 5
+        assert often_wrong or stats["spec_decode_num_accepted_tokens"] > 5
     for llm in engines:
         s = llm.engine._ctx.scheduler.stats()
         assert s["num_referenced_blocks"] == 0  # every block came back
+        if (draft := llm.engine.draft_model) is not None:
+            assert draft.engine.scheduler.stats()["num_referenced_blocks"] == 0
+
+
+def test_a_draft_model_drafts_what_it_would_generate(engines: tuple[LLM, ...]) -> None:
+    # Greedy, the target drafting for itself: each draft is what the target then picks,
+    # so nearly all are kept; another model's drafts far less often.
+    rates = []
+    for llm in engines[-2:]:
+        stats = llm.engine._ctx.scheduler.stats
+        before = stats()
+        llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+                     use_tqdm=False)
+        after = stats()
+        drafted, kept = (after[k] - before[k] for k in ("spec_decode_num_draft_tokens",
+                                                       "spec_decode_num_accepted_tokens"))
+        assert drafted > 10
+        rates.append(kept / drafted)
+    assert rates[0] > 0.9, rates
+    assert rates[1] < rates[0], rates
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(tiny_model_dir: Path,
+                                                          tmp_path: Path) -> None:
+    import json
+
+    from kvpage.model.tiny_model import build_tiny_model, random_llama_tensors
+    from safetensors.numpy import save_file
+
+    draft = build_tiny_model(tmp_path / "draft")
+    config = json.loads((draft / "config.json").read_text())
+    config["vocab_size"] += 64  # another tokenizer's size
+    (draft / "config.json").write_text(json.dumps(config))
+    save_file(random_llama_tensors(config, 1), str(draft / "model.safetensors"))
+    with pytest.raises(ValueError, match="share the target's tokenizer"):
+        make_llm(tiny_model_dir, draft_model_spec(draft))
 
 
 def test_the_device_keeps_rows_while_drafts_agree() -> None:
@@ -116,7 +172,8 @@ def test_bad_speculative_configs_name_the_problem() -> None:
     assert config == SpeculativeConfig(num_speculative_tokens=3)
     for bad, words in [
         ({"method": "eagle"}, "not supported yet"),
-        ({"method": "draft_model"}, "not supported yet"),
+        ({"method": "draft_model"}, "needs \"model\""),
+        ({"method": "ngram", "model": "x"}, "is for method"),
         ({"method": "medusa2"}, "supported methods"),
         ({"num_speculative_tokens": 3}, "needs a method"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),

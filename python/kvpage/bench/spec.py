@@ -6,10 +6,13 @@ process on this machine, all up at once and taking turns workload by workload:
 
 * ``kvpage serve`` with its defaults (no speculation);
 * ``kvpage serve --speculative-config '{"method": METHOD, ...}'`` for each of
-  ``--methods`` (``ngram``: the sequence's own text; ``suffix``: recent sequences' too);
-* llama.cpp's ``llama-server`` on the same file without speculation, and with each
-  model-free ``--spec-type`` in ``--llama-spec-types`` (``--llama-server PATH``, else on
-  PATH; skipped with a message when absent).
+  ``--methods`` (``ngram``: the sequence's own text; ``suffix``: recent sequences' too),
+  and with ``--draft-model FILE`` method ``draft_model`` drafting from that file (a model
+  sharing the target's tokenizer);
+* llama.cpp's ``llama-server`` on the same file without speculation, with each
+  model-free ``--spec-type`` in ``--llama-spec-types``, and with ``--draft-model`` its
+  ``-md FILE --spec-type draft-simple`` (``--llama-server PATH``, else on PATH; skipped
+  with a message when absent).
 
 Workloads (:mod:`kvpage.bench.spec_workloads`, chat messages templated by kvpage's
 ``/tokenize`` so every server gets the same token ids): code editing, extraction, free
@@ -41,7 +44,10 @@ SPEC_COUNTERS = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_t
                  "spec_decode_num_accepted_tokens_total")
 
 
-def spec_config(method: str, tokens: int) -> str:
+def spec_config(method: str, tokens: int, draft_model: str | None = None) -> str:
+    if method == "draft_model":
+        return json.dumps({"method": method, "model": draft_model,
+                           "num_speculative_tokens": tokens})
     return json.dumps({"method": method, "num_speculative_tokens": tokens,
                        "prompt_lookup_max": 4, "prompt_lookup_min": 2})
 
@@ -133,13 +139,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     model = model_or_smollm2(args.model)
     workdir = Path(tempfile.mkdtemp(prefix="kvpage-bench-spec-"))
+    if args.draft_layers and not args.draft_model:
+        from kvpage.bench.draft_gguf import write_early_exit_draft
+
+        args.draft_model = str(write_early_exit_draft(model, workdir / "draft.gguf",
+                                                      args.draft_layers))
     top = max(args.mix_concurrency, 1)
     context = 2048
     plans: list[tuple[str, list[str]]] = []
+    methods = list(args.methods) + (["draft_model"] if args.draft_model else [])
     kvpage_servers: list[tuple[str, list[str]]] = [("kvpage", [])] + [
-        (f"kvpage+{method}",
-         ["--speculative-config", spec_config(method, args.num_speculative_tokens)])
-        for method in args.methods
+        (f"kvpage+{method}", ["--speculative-config", spec_config(
+            method, args.num_speculative_tokens, args.draft_model)])
+        for method in methods
     ]
     for name, extra in kvpage_servers:
         port = free_port()
@@ -151,12 +163,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print("[bench spec] llama-server not found (pass --llama-server PATH): skipping "
               "llama.cpp", file=sys.stderr)
     else:
-        for spec_type in ["none", *args.llama_spec_types]:
+        draft = ["draft-simple"] if args.draft_model else []
+        for spec_type in ["none", *args.llama_spec_types, *draft]:
             port = free_port()
             command = llama_command(binary, model, port, top, context)
             if spec_type != "none":
                 command += ["--spec-type", spec_type,
                             "--spec-draft-n-max", str(args.num_speculative_tokens)]
+            if spec_type == "draft-simple":
+                command += ["-md", args.draft_model]
             plans.append(("llama.cpp" + ("" if spec_type == "none" else f"+{spec_type}"),
                           command))
     servers: list[Server] = []
@@ -238,6 +253,12 @@ def add_parser(sub: Any) -> None:
                    help="llama-server --spec-type values to run besides none")
     p.add_argument("--methods", nargs="+", default=["ngram", "suffix"],
                    choices=["ngram", "suffix"], help="kvpage drafters to run")
+    p.add_argument("--draft-model", default=None, metavar="FILE",
+                   help="also run kvpage's draft_model method and llama-server's -md with this "
+                        "draft model (it must share the target's tokenizer)")
+    p.add_argument("--draft-layers", type=int, default=0, metavar="N",
+                   help="without --draft-model: draft with the target's first N layers (an "
+                        "early-exit draft file written by kvpage.bench.draft_gguf)")
     p.add_argument("--num-speculative-tokens", type=int, default=5,
                    help="most drafted tokens per step (both engines)")
     p.add_argument("--mix-concurrency", type=int, default=8,

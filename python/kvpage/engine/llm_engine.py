@@ -29,6 +29,7 @@ module of this package:
 - ``update``: the sampled tokens, applied (``logprobs``: their logprobs, recorded);
 - ``outputs``: the output streams and the ``RequestOutput``s made from them;
 - ``lookahead``: several decode steps in one device call;
+- ``draft_model``: drafts from a smaller model (speculative method ``"draft_model"``);
 - ``failures``: a failed step or non-finite logits fail their own requests only;
 - ``loading`` and ``context``: what the engine is built from, and what its stages
   share.
@@ -45,6 +46,7 @@ import numpy as np
 from kvpage._core import Scheduler, TokenDecoder
 from kvpage.engine.config import EngineConfig
 from kvpage.engine.context import EngineContext
+from kvpage.engine.draft_model import DraftModelProposer
 from kvpage.engine.failures import Failures
 from kvpage.engine.intake import PromptType, QueueFullError, RequestIntake
 from kvpage.engine.kv_events import KVEventPublisher
@@ -162,6 +164,11 @@ class LLMEngine:
             ctx, requests, self._plans, self._device, self._update, self._outputs,
             self._failures,
         )
+        self.draft_model: DraftModelProposer | None = None
+        """The draft model's engine driver (speculative method ``"draft_model"``)."""
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            self.draft_model = DraftModelProposer(config, model_config, self.max_model_len)
         self.kv_events: KVEventPublisher | None = None
         """The prefix cache's events on ZMQ (``kv_events_config``), else None."""
         if (events := config.kv_events_config) is not None and events.active:
@@ -331,6 +338,8 @@ class LLMEngine:
         return outputs
 
     def _step(self) -> list[RequestOutput]:
+        if self.draft_model is not None:
+            self.draft_model.propose(self.scheduler)
         plan = self.scheduler.schedule()
         self._plans.read(plan)
         if plan.num_tokens == 0:

@@ -9,8 +9,9 @@ drafts and verifies (``rust/sched/scheduler/speculation.rs``); the device side i
 Methods: ``"ngram"`` (prompt lookup: the tokens that followed the latest earlier match of
 the sequence's last ``prompt_lookup_min..prompt_lookup_max`` tokens), and ``"suffix"``
 (the same lookup over recent sequences' prompts and outputs too, its own included:
-GRPO's samples of one prompt, repeated tool output). vLLM's ``"draft_model"`` is named in
-the error until it lands.
+GRPO's samples of one prompt, repeated tool output), and ``"draft_model"`` (a smaller model
+sharing the target's tokenizer, named by ``"model"``, drafts greedily:
+:mod:`kvpage.engine.draft_model`).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from typing import Any
 
 from kvpage.engine.json_config import config_dict
 
-METHODS = ("ngram", "suffix")
-PLANNED_METHODS = ("draft_model", "eagle", "eagle3", "medusa", "mtp")
+METHODS = ("ngram", "suffix", "draft_model")
+PLANNED_METHODS = ("eagle", "eagle3", "medusa", "mtp")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +30,9 @@ class SpeculativeConfig:
     """How sequences draft tokens for one-pass verification (module docs)."""
 
     method: str = "ngram"
+    model: str | None = None
+    """``"draft_model"``: the draft model (an HF directory or a .gguf file, as the target's
+    ``model``)."""
     num_speculative_tokens: int = 5
     """Most drafted tokens per sequence and step."""
     prompt_lookup_max: int = 4
@@ -54,6 +58,12 @@ class SpeculativeConfig:
                 raise ValueError(
                     f"speculative_config {name} must be an integer in [1, {top}], got {value!r}"
                 )
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+            raise ValueError('speculative_config method "draft_model" needs "model": the draft '
+                             "model's HF directory or .gguf file")
+        if self.method != "draft_model" and self.model is not None:
+            raise ValueError(f'speculative_config "model" is for method "draft_model", not '
+                             f"{self.method!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) exceeds "

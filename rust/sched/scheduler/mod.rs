@@ -252,6 +252,10 @@ pub struct Scheduler {
     by_handle: FxHashMap<u64, u32>,
     /// Recent sequences' token streams, with `DraftMethod::Suffix`.
     suffix: Option<SuffixIndex>,
+    /// Drafts proposed from outside since the last plan (`DraftMethod::DraftModel`).
+    proposed: Vec<speculation::Proposal>,
+    /// Drafts in a row, across sequences, of which nothing was kept (at most 6).
+    drafter_misses: u32,
 }
 
 impl Scheduler {
@@ -329,6 +333,8 @@ impl Scheduler {
                     config_spec.suffix_capacity,
                 )
             }),
+            proposed: Vec::new(),
+            drafter_misses: 0,
         })
     }
 
@@ -449,6 +455,7 @@ impl Scheduler {
             }
         }
         self.build_plan()?;
+        self.proposed.clear();
         self.awaiting_update = !self.plan.is_empty();
         Ok(&self.plan)
     }

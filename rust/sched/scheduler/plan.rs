@@ -169,6 +169,8 @@ impl Scheduler {
             seat: None,
             draft: Vec::new(),
             spec_k: p.spec_k,
+            spec_misses: 0,
+            spec_cooldown: 0,
             stream: None,
         };
         let child = self.new_seq(child);

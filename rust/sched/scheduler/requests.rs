@@ -52,6 +52,8 @@ impl Scheduler {
             seat: None,
             draft: Vec::new(),
             spec_k: self.config.speculative.num_speculative_tokens as u32,
+            spec_misses: 0,
+            spec_cooldown: 0,
             stream: None,
         });
         self.requests[index as usize] = Some(Request {

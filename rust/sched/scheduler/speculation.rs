@@ -26,6 +26,13 @@
 //! (`KvCacheManager::truncate`); they were never cached (`build_plan` caches
 //! committed tokens only), and never reach the events `update` returns.
 //!
+//! A drafter outside the core (`DraftMethod::DraftModel`: a smaller model
+//! the engine runs) asks [`Scheduler::draft_requests`] which sequences will
+//! draft at the next `schedule` and how many tokens each may, runs its model,
+//! and hands the tokens in with [`Scheduler::propose_drafts`]; `draft` then
+//! takes them as it takes the n-gram drafter's. A proposal holds only for the
+//! tokens it was made from: `schedule` drops every proposal, used or not.
+//!
 //! When it applies: the config's `num_speculative_tokens > 0`, a policy other
 //! than `static`, no sliding window, nobody waiting (under load the step is
 //! full anyway: speculation shrinks to zero), at most `max_running`
@@ -47,6 +54,9 @@ use crate::error::{KvError, KvResult};
 use crate::sched::ngram_drafter;
 use crate::sched::request::SeqState;
 
+/// Most decode steps a sequence skips drafting after drafts that missed.
+pub const MAX_COOLDOWN: u32 = 31;
+
 /// Where drafts come from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DraftMethod {
@@ -55,6 +65,8 @@ pub enum DraftMethod {
     /// Recent sequences' text, its own included
     /// ([`crate::sched::suffix_drafter::SuffixIndex`]).
     Suffix,
+    /// Tokens a drafter outside the core proposed ([`Scheduler::propose_drafts`]).
+    DraftModel,
 }
 
 impl DraftMethod {
@@ -62,8 +74,9 @@ impl DraftMethod {
         match name {
             "ngram" => Ok(Self::Ngram),
             "suffix" => Ok(Self::Suffix),
+            "draft_model" => Ok(Self::DraftModel),
             _ => Err(KvError::InvalidArgument(format!(
-                "speculative method must be 'ngram' or 'suffix', got {name:?}"
+                "speculative method must be 'ngram', 'suffix' or 'draft_model', got {name:?}"
             ))),
         }
     }
@@ -97,6 +110,14 @@ impl Default for SpeculativeConfig {
     }
 }
 
+/// Drafts an outside drafter proposed for a sequence of `tokens_len` tokens.
+#[derive(Debug, Clone)]
+pub(super) struct Proposal {
+    seq: u32,
+    tokens_len: usize,
+    drafts: Vec<u32>,
+}
+
 impl Scheduler {
     /// Sampled rows drafts may add to the step being scheduled (0 when
     /// speculation does not apply to it).
@@ -115,11 +136,9 @@ impl Scheduler {
             .saturating_sub(self.running.len() + self.pending_fork_seats)
     }
 
-    /// Draft up to `room` tokens (and at most `budget`) for `seq`, which
-    /// decodes its next token this step: stored in its `draft`, their count
-    /// returned.
-    pub(super) fn draft(&mut self, seq: u32, budget: usize, room: usize) -> usize {
-        let spec = self.config.speculative;
+    /// The most tokens `seq`, which decodes its next token, may draft with
+    /// `budget` tokens and `room` sampled rows left (0: it does not draft).
+    fn draft_limit(&self, seq: u32, budget: usize, room: usize) -> usize {
         let s = self.seq(seq);
         let request = self.request_of(seq);
         let produced = s.tokens.len() - request.prompt_len;
@@ -127,10 +146,25 @@ impl Scheduler {
         let left = (request.params.max_tokens as usize)
             .saturating_sub(produced + 1)
             .min(self.config.max_model_len.saturating_sub(s.tokens.len() + 1));
-        let k = (s.spec_k as usize).min(budget).min(room).min(left);
         // Past the prompt only: the row completing a prompt may fork (n > 1),
         // and children must not inherit drafted slots.
-        if k == 0 || produced == 0 || s.grammar.is_some() || !request.speculate {
+        if produced == 0 || s.grammar.is_some() || !request.speculate || s.spec_cooldown > 0 {
+            return 0;
+        }
+        (s.spec_k as usize).min(budget).min(room).min(left)
+    }
+
+    /// Draft up to `room` tokens (and at most `budget`) for `seq`, which
+    /// decodes its next token this step: stored in its `draft`, their count
+    /// returned.
+    pub(super) fn draft(&mut self, seq: u32, budget: usize, room: usize) -> usize {
+        let spec = self.config.speculative;
+        if self.seq(seq).spec_cooldown > 0 {
+            self.seq_mut(seq).spec_cooldown -= 1;
+            return 0;
+        }
+        let k = self.draft_limit(seq, budget, room);
+        if k == 0 {
             return 0;
         }
         let mut draft = std::mem::take(&mut self.seq_mut(seq).draft);
@@ -141,6 +175,15 @@ impl Scheduler {
             let held = index.stream_len(stream).unwrap_or(s.tokens.len());
             index.extend(stream, &s.tokens[held.min(s.tokens.len())..]);
             index.propose(&s.tokens, k, &mut draft);
+        } else if spec.method == DraftMethod::DraftModel {
+            let tokens_len = self.seq(seq).tokens.len();
+            if let Some(p) = self
+                .proposed
+                .iter()
+                .find(|p| p.seq == seq && p.tokens_len == tokens_len)
+            {
+                draft.extend_from_slice(&p.drafts[..p.drafts.len().min(k)]);
+            }
         } else {
             let s = self.seq(seq);
             ngram_drafter::propose(
@@ -154,6 +197,76 @@ impl Scheduler {
         let drafted = draft.len();
         self.seq_mut(seq).draft = draft;
         drafted
+    }
+
+    /// With `DraftMethod::DraftModel`: the sequences that will draft at the
+    /// next `schedule` if given tokens, as `(handle, sample index, most
+    /// tokens)`, in the order `schedule` visits them (the token budget may
+    /// still cut the last ones short). Empty for other methods or when
+    /// speculation does not apply.
+    pub fn draft_requests(&self) -> Vec<(u64, u32, usize)> {
+        if self.config.speculative.method != DraftMethod::DraftModel {
+            return Vec::new();
+        }
+        let mut room = self.draft_room();
+        let mut wanted = Vec::new();
+        for &seq in &self.running {
+            let s = self.seq(seq);
+            if room == 0 {
+                break;
+            }
+            if s.tokens.len() - s.num_computed != 1 {
+                continue; // not decoding
+            }
+            let k = self.draft_limit(seq, usize::MAX, room);
+            if k > 0 {
+                let request = self.request_of(seq);
+                let index = request
+                    .seqs
+                    .iter()
+                    .position(|&x| x == seq)
+                    .expect("its seq");
+                wanted.push((request.handle, index as u32, k));
+                room -= k;
+            }
+        }
+        wanted
+    }
+
+    /// Tokens an outside drafter proposes to follow sample `sample_index` of
+    /// request `handle` as it stands now (see [`Self::draft_requests`]); the
+    /// next `schedule` drafts at most its limit of them. Errors for an
+    /// unknown sample or a method other than `DraftModel`.
+    pub fn propose_drafts(
+        &mut self,
+        handle: u64,
+        sample_index: u32,
+        drafts: &[u32],
+    ) -> KvResult<()> {
+        if self.config.speculative.method != DraftMethod::DraftModel {
+            return Err(KvError::InvalidArgument(
+                "propose_drafts needs the 'draft_model' speculative method".into(),
+            ));
+        }
+        let seq = self
+            .by_handle
+            .get(&handle)
+            .and_then(|&index| self.requests[index as usize].as_ref())
+            .and_then(|request| request.seqs.get(sample_index as usize).copied())
+            .filter(|&seq| self.seqs[seq as usize].is_some())
+            .ok_or_else(|| {
+                KvError::InvalidArgument(format!(
+                    "no live sample {sample_index} of request handle {handle}"
+                ))
+            })?;
+        let tokens_len = self.seq(seq).tokens.len();
+        self.proposed.retain(|p| p.seq != seq);
+        self.proposed.push(Proposal {
+            seq,
+            tokens_len,
+            drafts: drafts.to_vec(),
+        });
+        Ok(())
     }
 
     /// After `update` kept `accepted` of the `drafted` tokens of `seq`: if
@@ -183,6 +296,14 @@ impl Scheduler {
         } else {
             (accepted as u32 + 1).min(k_max)
         };
+        if accepted == 0 {
+            self.drafter_misses = (self.drafter_misses + 1).min(6);
+            s.spec_misses = (s.spec_misses.max(self.drafter_misses - 1) + 1).min(6);
+            s.spec_cooldown = ((1u32 << (s.spec_misses - 1)) - 1).min(MAX_COOLDOWN);
+        } else {
+            self.drafter_misses = 0;
+            s.spec_misses = 0;
+        }
         let kv = s.kv.expect("running sequences hold KV");
         let before = s.num_computed;
         let after = before + accepted;
