@@ -98,3 +98,35 @@ fn a_drafter_that_always_misses_drafts_once_in_32_steps() {
     assert_eq!(sched.stats.num_accepted_tokens, 0);
     assert_eq!(sched.stats.num_drafts as usize, verified);
 }
+
+#[test]
+fn a_drafter_that_always_misses_pauses_for_every_sequence() {
+    let mut sched = draft_model_scheduler();
+    let mut events = Vec::new();
+    let mut plans_with_drafts = 0;
+    // Four requests arriving a few steps apart, so their own cool-downs interleave.
+    for step in 0..400 {
+        if step % 9 == 0 && step < 36 {
+            sched
+                .add_request(&[1, 2, 3 + step as u32], params(200), 0, None)
+                .unwrap();
+        }
+        if !sched.has_unfinished_requests() {
+            break;
+        }
+        for (h, sample, k) in sched.draft_requests() {
+            sched.propose_drafts(h, sample, &vec![9; k]).unwrap(); // never sampled
+        }
+        let plan = sched.schedule().unwrap();
+        let rows = plan.num_sampled();
+        plans_with_drafts += usize::from(rows > plan.num_seqs());
+        sched.update(&vec![5; rows], &mut events).unwrap();
+    }
+    assert!(!sched.has_unfinished_requests());
+    // Alone, each of the four would draft ~11 times in its 200 steps.
+    assert!(
+        plans_with_drafts <= 14,
+        "{plans_with_drafts} plans with drafts"
+    );
+    assert_eq!(sched.kv().num_referenced_blocks(), 0);
+}

@@ -336,7 +336,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--speculative-config", default=None, metavar="JSON",
         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 5, '
-        '"prompt_lookup_max": 4}\' (default: off)',
+        '"prompt_lookup_max": 4}\', or \'{"method": "draft_model", "model": "DRAFT"}\' '
+        '(default: off)',
     )
     g.add_argument(
         "--warmup", nargs="?", const="full", default=None, choices=WARMUP_MODES,

@@ -254,8 +254,10 @@ pub struct Scheduler {
     suffix: Option<SuffixIndex>,
     /// Drafts proposed from outside since the last plan (`DraftMethod::DraftModel`).
     proposed: Vec<speculation::Proposal>,
-    /// Drafts in a row, across sequences, of which nothing was kept (at most 6).
+    /// Drafts in a row, across sequences, of which nothing was kept (at most 6),
+    /// and the plans left before any sequence drafts again (`speculation.rs`).
     drafter_misses: u32,
+    drafter_cooldown: u32,
 }
 
 impl Scheduler {
@@ -335,6 +337,7 @@ impl Scheduler {
             }),
             proposed: Vec::new(),
             drafter_misses: 0,
+            drafter_cooldown: 0,
         })
     }
 
@@ -441,6 +444,7 @@ impl Scheduler {
         self.plan.clear();
         self.scheduled.clear();
         self.copies.clear();
+        self.drafter_cooldown = self.drafter_cooldown.saturating_sub(1);
         let mut budget = self.config.max_num_batched_tokens;
         match self.config.policy {
             Policy::Static => self.schedule_static()?,

@@ -56,6 +56,8 @@ use crate::sched::request::SeqState;
 
 /// Most decode steps a sequence skips drafting after drafts that missed.
 pub const MAX_COOLDOWN: u32 = 31;
+/// Misses in a row, across sequences, after which a miss pauses all drafting.
+pub const COLD_DRAFTER_MISSES: u32 = 6;
 
 /// Where drafts come from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -127,7 +129,8 @@ impl Scheduler {
             && self.config.policy != super::Policy::Static
             && self.config.sliding_window.is_none()
             && self.waiting.is_empty()
-            && self.running.len() <= spec.max_running;
+            && self.running.len() <= spec.max_running
+            && self.drafter_cooldown == 0;
         if !applies {
             return 0;
         }
@@ -297,7 +300,10 @@ impl Scheduler {
             (accepted as u32 + 1).min(k_max)
         };
         if accepted == 0 {
-            self.drafter_misses = (self.drafter_misses + 1).min(6);
+            self.drafter_misses = (self.drafter_misses + 1).min(COLD_DRAFTER_MISSES);
+            if self.drafter_misses == COLD_DRAFTER_MISSES {
+                self.drafter_cooldown = MAX_COOLDOWN;
+            }
             s.spec_misses = (s.spec_misses.max(self.drafter_misses - 1) + 1).min(6);
             s.spec_cooldown = ((1u32 << (s.spec_misses - 1)) - 1).min(MAX_COOLDOWN);
         } else {
