@@ -251,7 +251,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--llama-server", default=None, help="llama-server binary (default: PATH)")
     p.add_argument("--llama-spec-types", nargs="*", default=["ngram-simple", "ngram-map-k"],
                    help="llama-server --spec-type values to run besides none")
-    p.add_argument("--methods", nargs="+", default=["ngram", "suffix"],
+    p.add_argument("--methods", nargs="*", default=["ngram", "suffix"],
                    choices=["ngram", "suffix"], help="kvpage drafters to run")
     p.add_argument("--draft-model", default=None, metavar="FILE",
                    help="also run kvpage's draft_model method and llama-server's -md with this "

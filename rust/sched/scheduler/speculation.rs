@@ -134,9 +134,15 @@ impl Scheduler {
         if !applies {
             return 0;
         }
-        self.config
+        let room = self
+            .config
             .max_num_seqs
-            .saturating_sub(self.running.len() + self.pending_fork_seats)
+            .saturating_sub(self.running.len() + self.pending_fork_seats);
+        if self.drafter_misses >= COLD_DRAFTER_MISSES {
+            // A drafter that keeps missing probes with one sequence at a time.
+            return room.min(spec.num_speculative_tokens);
+        }
+        room
     }
 
     /// The most tokens `seq`, which decodes its next token, may draft with
