@@ -110,7 +110,8 @@ def test_outputs_equal_the_engine_without_speculation(engines: tuple[LLM, ...]) 
                     for (_, a), (_, b) in zip(ws, gs, strict=True):
                         assert abs(a.logprob - b.logprob) < 1e-4
         stats = spec.engine._ctx.scheduler.stats()
-        assert stats["spec_decode_num_draft_tokens"] > 20
+        # A drafter that keeps missing backs off (its drafts still came and were judged).
+        assert stats["spec_decode_num_draft_tokens"] > (4 if often_wrong else 20)
         assert often_wrong or stats["spec_decode_num_accepted_tokens"] > 5
     for llm in engines:
         s = llm.engine._ctx.scheduler.stats()
@@ -121,20 +122,24 @@ def test_outputs_equal_the_engine_without_speculation(engines: tuple[LLM, ...]) 
 
 def test_a_draft_model_drafts_what_it_would_generate(engines: tuple[LLM, ...]) -> None:
     # Greedy, the target drafting for itself: each draft is what the target then picks,
-    # so nearly all are kept; another model's drafts far less often.
-    rates = []
+    # so nearly all are kept, and it keeps drafting. Another model's drafts are kept far
+    # less often, so it backs off and drafts far fewer tokens for the same requests.
+    drafted, kept = [], []
     for llm in engines[-2:]:
         stats = llm.engine._ctx.scheduler.stats
         before = stats()
         llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
                      use_tqdm=False)
         after = stats()
-        drafted, kept = (after[k] - before[k] for k in ("spec_decode_num_draft_tokens",
-                                                       "spec_decode_num_accepted_tokens"))
-        assert drafted > 10
-        rates.append(kept / drafted)
-    assert rates[0] > 0.9, rates
-    assert rates[1] < rates[0], rates
+        drafted.append(after["spec_decode_num_draft_tokens"]
+                       - before["spec_decode_num_draft_tokens"])
+        kept.append(after["spec_decode_num_accepted_tokens"]
+                    - before["spec_decode_num_accepted_tokens"])
+    assert drafted[0] > 10 and kept[0] > 0.9 * drafted[0], (drafted, kept)
+    assert drafted[1] < drafted[0] / 2, (drafted, kept)
+    whole = engines[-1].engine._ctx.scheduler.stats()
+    assert (whole["spec_decode_num_accepted_tokens"]
+            < 0.5 * whole["spec_decode_num_draft_tokens"]), whole
 
 
 def test_a_draft_model_with_another_vocabulary_is_refused(tiny_model_dir: Path,

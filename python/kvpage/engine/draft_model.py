@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -33,40 +33,55 @@ from kvpage.sampling.params import SamplingParams
 if TYPE_CHECKING:
     from kvpage._core import Scheduler
     from kvpage.engine.config import EngineConfig
-    from kvpage.engine.llm_engine import LLMEngine
     from kvpage.model.config import ModelConfig
+    from kvpage.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
 
 
+class DraftEngine(Protocol):
+    """What the proposer uses of the draft model's ``LLMEngine``."""
+
+    model_config: ModelConfig
+
+    def add_request(self, request_id: str, prompt: Any, params: SamplingParams) -> Any: ...
+    def step(self) -> list[RequestOutput]: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def request_ids(self) -> list[str]: ...
+    def abort_request(self, request_ids: str) -> Any: ...
+
+
+def draft_engine_config(target: EngineConfig, max_model_len: int) -> EngineConfig:
+    """The draft engine's settings: the target's, for the draft model, with a seat per
+    sequence that may draft, the target's context length, and nothing it does not need."""
+    spec = target.speculative_config
+    assert spec is not None and spec.model is not None
+    return dataclasses.replace(
+        target,
+        model=spec.model,
+        max_num_seqs=spec.max_running,
+        max_model_len=max_model_len,
+        num_gpu_blocks=None,
+        kv_cache_memory=None,
+        speculative_config=None,
+        kv_events_config=None,
+        enable_lora=False,
+        overlap_host_work=False,
+        enable_prefix_caching=True,
+        tensor_parallel_size=1,
+    )
+
+
 class DraftModelProposer:
-    """Runs a draft model for the target engine's drafting samples (module docs)."""
+    """Runs a draft model's engine for the target engine's drafting samples (module
+    docs). ``engine`` is built from :func:`draft_engine_config`."""
 
-    def __init__(self, target: EngineConfig, target_model: ModelConfig,
-                 max_model_len: int) -> None:
-        from kvpage.engine.llm_engine import LLMEngine
-
-        spec = target.speculative_config
-        assert spec is not None and spec.model is not None
-        config = dataclasses.replace(
-            target,
-            model=spec.model,
-            max_num_seqs=spec.max_running,
-            max_model_len=max_model_len,
-            num_gpu_blocks=None,
-            kv_cache_memory=None,
-            speculative_config=None,
-            kv_events_config=None,
-            enable_lora=False,
-            overlap_host_work=False,
-            enable_prefix_caching=True,
-            tensor_parallel_size=1,
-        )
-        self.engine: LLMEngine = LLMEngine.from_config(config)
-        draft_vocab = self.engine.model_config.vocab_size
+    def __init__(self, engine: DraftEngine, target_model: ModelConfig, name: str) -> None:
+        self.engine = engine
+        draft_vocab = engine.model_config.vocab_size
         if draft_vocab != target_model.vocab_size:
             raise ValueError(
-                f"speculative_config model {spec.model!r} has a vocabulary of {draft_vocab} "
+                f"speculative_config model {name!r} has a vocabulary of {draft_vocab} "
                 f"tokens, the target's has {target_model.vocab_size}: a draft model must "
                 "share the target's tokenizer"
             )

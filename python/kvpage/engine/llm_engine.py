@@ -46,7 +46,7 @@ import numpy as np
 from kvpage._core import Scheduler, TokenDecoder
 from kvpage.engine.config import EngineConfig
 from kvpage.engine.context import EngineContext
-from kvpage.engine.draft_model import DraftModelProposer
+from kvpage.engine.draft_model import DraftModelProposer, draft_engine_config
 from kvpage.engine.failures import Failures
 from kvpage.engine.intake import PromptType, QueueFullError, RequestIntake
 from kvpage.engine.kv_events import KVEventPublisher
@@ -168,7 +168,8 @@ class LLMEngine:
         """The draft model's engine driver (speculative method ``"draft_model"``)."""
         spec = config.speculative_config
         if spec is not None and spec.method == "draft_model":
-            self.draft_model = DraftModelProposer(config, model_config, self.max_model_len)
+            draft = LLMEngine.from_config(draft_engine_config(config, self.max_model_len))
+            self.draft_model = DraftModelProposer(draft, model_config, str(spec.model))
         self.kv_events: KVEventPublisher | None = None
         """The prefix cache's events on ZMQ (``kv_events_config``), else None."""
         if (events := config.kv_events_config) is not None and events.active:
