@@ -44,6 +44,22 @@
 //! sequence drafts `spec_k` tokens: `num_speculative_tokens` after a step that
 //! accepted every draft, one more than it accepted otherwise.
 //!
+//! Drafters that miss stay out of the way. A draft of which nothing was kept
+//! costs a verification step (several times a decode step on a CPU) for one
+//! token, so after `m` such drafts in a row a sequence decodes `2^(m-1) - 1`
+//! steps without drafting (at most [`MAX_COOLDOWN`]): one miss costs
+//! nothing, and a drafter that is nearly always wrong drafts once in 32
+//! steps. Misses in a row are also counted across sequences (any kept draft
+//! resets the count), and a sequence's count starts from it, so a new
+//! request of a drafter that misses everywhere (a draft model unlike its
+//! target) is cooled down after its first miss. Once that count reaches
+//! [`COLD_DRAFTER_MISSES`], a miss also stops every sequence drafting for
+//! [`MAX_COOLDOWN`] plans, and while it stays there one sequence at a time
+//! drafts (a probe: a draft model's first draft of a sequence computes its
+//! whole prompt). Many sequences drafting in turn would otherwise leave few
+//! steps without a draft, and a step with drafts runs alone instead of
+//! several decode steps to a device call.
+//!
 //! Invariants: a sequence holds a non-empty `draft` only between the plan
 //! that verifies it and that plan's `update`; its sampled rows are
 //! consecutive, offsets `0..=draft.len()`; after `update` its table holds
