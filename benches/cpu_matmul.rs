@@ -191,6 +191,7 @@ fn one_row_from_dram(c: &mut Criterion) {
     let (inner, outs) = (576usize, 1536usize);
     for (kind, rows) in [
         (QuantType::Q4_1, 1usize),
+        (QuantType::Q4_0, 1),
         (QuantType::Q8_0, 1),
         (QuantType::Q4_1, 4),
     ] {

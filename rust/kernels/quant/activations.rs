@@ -7,8 +7,8 @@
 //! greedy tokens). Beside them, the float sums of each half block, exact, for
 //! the weights' offsets. Quantized once per call, read by every weight row.
 //!
-//! Invariant: `q`, `d` and `half_sums` have `rows * inner`, `rows * inner / 32`
-//! and `rows * inner / 16` entries; a block of zeros has `d = 0` and `q = 0`;
+//! Invariant: `q`, `d` (and `sums`) and `half_sums` have `rows * inner`,
+//! `rows * inner / 32` and `rows * inner / 16` entries; a block of zeros has `d = 0` and `q = 0`;
 //! `|q| <= 32767`, so a sum of 32 products with weights `|w| <= 128` fits in i32;
 //! a block holding a NaN or an infinity has `d = NaN`, so every product of its
 //! row is NaN, as the float path's is (`f32::max` skips NaN and NaN casts to 0:
@@ -25,6 +25,8 @@ pub struct Q16Rows {
     pub d: Vec<f32>,
     /// The float sum of each half block of 16 inputs, row-major.
     pub half_sums: Vec<f32>,
+    /// The float sum of each block of 32 inputs, `half_sums[2b] + half_sums[2b + 1]`.
+    pub sums: Vec<f32>,
 }
 
 impl Q16Rows {
@@ -39,6 +41,7 @@ impl Q16Rows {
             q: vec![0; rows * inner],
             d: vec![0.0; blocks],
             half_sums: vec![0.0; 2 * blocks],
+            sums: vec![0.0; blocks],
         };
         for (b, (xs, qs)) in x
             .chunks_exact(SUB)
@@ -57,6 +60,7 @@ impl Q16Rows {
             out.d[b] = d;
             out.half_sums[2 * b] = xs[..16].iter().sum();
             out.half_sums[2 * b + 1] = xs[16..].iter().sum();
+            out.sums[b] = out.half_sums[2 * b] + out.half_sums[2 * b + 1];
         }
         out
     }

@@ -20,7 +20,8 @@
 //! - [`call`]: a call's shape, its validation, its tiles, the kernel choice.
 //! - `unpack_avx2.rs`: the formats' blocks unpacked in AVX2 registers.
 //! - [`qmatmul`]: the product and its portable loops; `qmatmul_avx2.rs` its
-//!   AVX2 kernels, `panel_avx512.rs` the AVX-512 register blocks of its panel
+//!   AVX2 kernels, [`integer_avx512`] the integer path of up to 8 rows with
+//!   AVX-512 VNNI (sixteen sub-blocks' sums reduced together), `panel_avx512.rs` the AVX-512 register blocks of its panel
 //!   path (the same sums, bit for bit), `panel_block.rs` the block both read.
 //! - [`dequantize`]: the float weights, for products of many rows.
 //!
@@ -41,6 +42,8 @@ pub mod activations;
 pub mod call;
 pub mod dequantize;
 pub mod formats;
+#[cfg(target_arch = "x86_64")]
+pub mod integer_avx512;
 #[cfg(target_arch = "x86_64")]
 mod panel_avx512;
 #[cfg(target_arch = "x86_64")]

@@ -8,7 +8,10 @@
 //! sub-blocks are unpacked in registers and multiplied there. Two paths, by
 //! the rows of the call:
 //!
-//! - **one row** (a decode step of one sequence; up to [`INTEGER_ROWS`]): the
+//! - **one row** (a decode step of one sequence; up to [`integer_rows`]: 8
+//!   on CPUs with AVX-512 VNNI, `integer_avx512.rs`, for every format but
+//!   Q6_K, where a call of up to 8 rows is a speculative verification or the
+//!   routed rows of one expert): the
 //!   row is quantized to 16 bits per block ([`Q16Rows`]) and the products are
 //!   integer multiply-adds (`pmaddwd`); per sub-block `s` of 32 weights the
 //!   kernel adds
@@ -42,13 +45,23 @@
 
 use super::activations::Q16Rows;
 use super::call::{row_scale, tiles, validate, vectorized, QuantShape, OUTS_PER_TILE};
-use super::formats::{dequantize_row, unpack, SubBlock, SUB};
+use super::formats::{dequantize_row, unpack, QuantType, SubBlock, SUB};
+#[cfg(target_arch = "x86_64")]
+use super::integer_avx512::{self, VNNI_ROWS};
 #[cfg(target_arch = "x86_64")]
 use super::qmatmul_avx2 as avx2;
 use crate::kernels::cpu_matmul::OutPtr;
 
-/// Calls of at most this many rows take the integer path (module docs).
-pub const INTEGER_ROWS: usize = 1;
+/// Calls of at most this many rows take the integer path (module docs): one,
+/// or [`VNNI_ROWS`] where the AVX-512 VNNI kernel reads `kind`.
+pub fn integer_rows(kind: QuantType) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if vectorized() && integer_avx512::available() && integer_avx512::reads(kind) {
+        return VNNI_ROWS;
+    }
+    let _ = kind;
+    1
+}
 
 /// The inputs of one call as the kernels read them: the float rows, and for
 /// the integer path their 16-bit form.
@@ -60,8 +73,8 @@ pub struct Inputs<'a> {
 impl<'a> Inputs<'a> {
     /// Prepare `x` (validated for `shape`) for the path its row count takes.
     pub fn prepare(shape: &QuantShape, x: &'a [f32]) -> Self {
-        let integer =
-            (shape.rows <= INTEGER_ROWS).then(|| Q16Rows::quantize(x, shape.rows, shape.inner));
+        let integer = (shape.rows <= integer_rows(shape.kind))
+            .then(|| Q16Rows::quantize(x, shape.rows, shape.inner));
         Inputs { x, integer }
     }
 
@@ -112,6 +125,9 @@ pub unsafe fn tile(
     #[cfg(target_arch = "x86_64")]
     if vectorized() {
         return match &inputs.integer {
+            Some(xq) if integer_avx512::available() && integer_avx512::reads(shape.kind) => {
+                integer_avx512::tile(shape, xq, w, y, start, end)
+            }
             Some(xq) => avx2::integer_tile(shape, xq, w, row_scales, y, start, end),
             None => avx2::float_tile(shape, inputs.x, w, row_scales, y, start, end),
         };

@@ -438,7 +438,7 @@ const PREFETCH_AHEAD: usize = 2048;
 /// Prefetch `w[from + PREFETCH_AHEAD ..][..len]`, the part inside `w`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn prefetch_ahead(w: &[u8], from: usize, len: usize) {
+pub(super) unsafe fn prefetch_ahead(w: &[u8], from: usize, len: usize) {
     let first = from + PREFETCH_AHEAD;
     let last = (first + len).min(w.len());
     let mut at = first;

@@ -6,7 +6,7 @@ use super::activations::Q16Rows;
 use super::call::{self, QuantShape};
 use super::dequantize;
 use super::formats::{self, f16_to_f32, QuantType, SUB};
-use super::qmatmul::{self, qmatmul, Inputs, INTEGER_ROWS};
+use super::qmatmul::{self, integer_rows, qmatmul, Inputs};
 use crate::kernels::cpu_matmul::OutPtr;
 use crate::test_rng::SplitMix64 as TestRng;
 
@@ -51,7 +51,7 @@ pub(crate) fn random_weights(
 /// `scale * q` by the 16-bit inputs and `min` by the float ones; the float
 /// path reads float inputs throughout.
 fn reference(shape: &QuantShape, x: &[f32], w: &[u8], row_scales: &[f32]) -> Vec<f64> {
-    let integer = shape.rows <= INTEGER_ROWS;
+    let integer = shape.rows <= integer_rows(shape.kind);
     let kind = shape.kind;
     let row_bytes = kind.row_bytes(shape.inner).unwrap();
     let per_block = kind.block_elems() / SUB;
@@ -180,8 +180,7 @@ fn a_row_does_not_depend_on_the_other_rows_of_a_multi_row_call() {
         };
         let mut all = vec![0.0; shape.rows * shape.outs];
         qmatmul(&shape, &x, &w, &s, &mut all).unwrap();
-        // Row groups and the panel (16 rows and more) sum in the same order.
-        for (first, count) in [(0, 2), (8, 3), (3, 8), (0, 16), (4, 16), (2, 17)] {
+        let rows_of = |first: usize, count: usize| {
             let part = QuantShape {
                 rows: count,
                 ..shape
@@ -189,8 +188,25 @@ fn a_row_does_not_depend_on_the_other_rows_of_a_multi_row_call() {
             let mut y = vec![0.0; count * shape.outs];
             let xs = &x[first * shape.inner..][..count * shape.inner];
             qmatmul(&part, xs, &w, &s, &mut y).unwrap();
-            let want = &all[first * shape.outs..][..count * shape.outs];
-            assert_eq!(y, want, "{kind:?} rows {first}..");
+            y
+        };
+        // Row groups and the panel (16 rows and more) sum in the same order; the
+        // integer path (up to `integer_rows` rows) sums each row alone.
+        for (first, count) in [(0, 2), (8, 3), (3, 8), (5, 9), (0, 16), (4, 16), (2, 17)] {
+            let y = rows_of(first, count);
+            if count <= integer_rows(kind) {
+                for r in 0..count {
+                    let alone = rows_of(first + r, 1);
+                    assert_eq!(
+                        &y[r * shape.outs..][..shape.outs],
+                        alone,
+                        "{kind:?} row {r}"
+                    );
+                }
+            } else {
+                let want = &all[first * shape.outs..][..count * shape.outs];
+                assert_eq!(y, want, "{kind:?} rows {first}..");
+            }
         }
         // One row on the float path (the batch-invariant targets) equals that row of
         // the multi-row call, bit for bit.
@@ -403,5 +419,45 @@ fn the_format_table_is_in_code_order_and_its_names_round_trip() {
         // GGUF stores every format but kvpage's per-channel int8, which alone
         // carries row scales.
         assert_eq!(info.gguf.is_none(), info.row_scaled, "{kind:?}");
+    }
+}
+
+/// Inner sizes of whole groups of 16 sub-blocks and of partial ones, every row
+/// count of the integer path: the AVX-512 VNNI kernel where the CPU has it,
+/// else the one-row and float paths, against the reference.
+#[test]
+fn products_of_many_sub_blocks_match_the_reference_at_every_integer_row_count() {
+    let mut rng = TestRng::new(29);
+    for kind in QuantType::ALL {
+        for subs in [8usize, 16, 18, 28, 40, 48] {
+            let inner = (subs * SUB).next_multiple_of(kind.block_elems());
+            for rows in 1..=integer_rows(kind).max(2) {
+                let shape = QuantShape {
+                    kind,
+                    rows,
+                    inner,
+                    outs: 21,
+                };
+                let x: Vec<f32> = (0..rows * inner)
+                    .map(|_| rng.below(2001) as f32 / 1000.0 - 1.0)
+                    .collect();
+                let w = random_weights(&mut rng, kind, shape.outs, inner);
+                let s: Vec<f32> = if kind.row_scaled() {
+                    (0..shape.outs).map(|o| (1 + o) as f32 * 1e-3).collect()
+                } else {
+                    Vec::new()
+                };
+                let mut y = vec![f32::NAN; rows * shape.outs];
+                qmatmul(&shape, &x, &w, &s, &mut y).unwrap();
+                let want = reference(&shape, &x, &w, &s);
+                let scale = want.iter().fold(1e-3f64, |m, v| m.max(v.abs()));
+                for (i, (got, want)) in y.iter().zip(&want).enumerate() {
+                    assert!(
+                        (f64::from(*got) - want).abs() <= 2e-5 * scale,
+                        "{shape:?} element {i}: {got} vs {want}"
+                    );
+                }
+            }
+        }
     }
 }

@@ -1,0 +1,312 @@
+//! The integer path with AVX-512 VNNI: one to [`VNNI_ROWS`] input rows, each
+//! sub-block's 32 products in one `vpdpwssd`, sixteen sub-blocks' sums reduced
+//! together.
+//!
+//! The AVX2 integer path ([`super::qmatmul`]) turns every sub-block's integer
+//! sum into float on its own: a conversion, a scalar `scale · d_x`, a
+//! broadcast and an FMA per sub-block and input row, about as many
+//! instructions as the products themselves; a one-row product of Q4_0 and of
+//! Q8_0 ran at the same ~23 G weights/s on a Zen 4 core, bound by instructions
+//! per weight, not by bytes (`cargo bench --bench cpu_matmul --
+//! quant_one_row`, benches/RESULTS.md, 2026-11-28). Here a group of sixteen
+//! sub-blocks is unpacked once (each sub-block's 32 integers in one register,
+//! the sixteen `f16` scales converted together); per input row, sixteen `vpdpwssd`
+//! leave sixteen registers of partial sums, a transpose-and-add tree reduces
+//! them to one register holding the sixteen sub-blocks' exact integer sums,
+//! and one conversion, one product of the scales and one FMA per sixteen
+//! sub-blocks take them to float. The offsets (`min · Σ x` per sub-block) add
+//! in the same register.
+//!
+//! Each input row runs the same instructions in the same order whatever the
+//! other rows of the call, so a row's result is the same alone or among
+//! [`VNNI_ROWS`] (a speculative verification's rows equal the decode step's,
+//! bit for bit). Formats whose two halves have their own scale (Q6_K) keep the
+//! AVX2 path.
+//!
+//! Every function here needs AVX-512 F, BW and VNNI and AVX2, FMA and F16C:
+//! [`available`] checks them.
+
+use std::arch::x86_64::*;
+use std::sync::OnceLock;
+
+use super::activations::Q16Rows;
+use super::call::QuantShape;
+use super::formats::{QuantType, SUB};
+use super::unpack_avx2::{Format, Q4_0, Q5_0, Q8_0};
+use crate::kernels::cpu_matmul::OutPtr;
+
+/// Calls of at most this many rows take this path where it is [`available`]
+/// for the format (more rows: the float panel, which shares each expanded
+/// sub-block across more rows).
+pub const VNNI_ROWS: usize = 8;
+
+/// Sub-blocks reduced together: one 16-lane register of sums.
+const GROUP: usize = 16;
+
+/// Whether this CPU runs the path (and neither `KVPAGE_CPU_AVX512` nor
+/// `KVPAGE_CPU_VNNI` is `0`: A/B measurements; read once per process).
+pub fn available() -> bool {
+    static AVAILABLE: OnceLock<bool> = OnceLock::new();
+    *AVAILABLE.get_or_init(|| {
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vnni")
+            && is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+            && std::env::var("KVPAGE_CPU_AVX512").map_or(true, |v| v != "0")
+            && std::env::var("KVPAGE_CPU_VNNI").map_or(true, |v| v != "0")
+    })
+}
+
+/// Whether this path reads `kind`: the 32-weight blocks led by one `f16`
+/// scale, where it beat the AVX2 and float paths at 1 to 8 rows on a Zen 4
+/// core (Q4_0 one row 1.10 -> 0.80 ms, 2 rows 1.91 -> 1.34; Q5_0 1.63 ->
+/// 1.44, 2.51 -> 1.88; Q8_0 2 rows 2.40 -> 1.42; 30 products of 576x1536,
+/// benches/RESULTS.md, 2026-11-28). Q4_1 and Q4_K ran slower at one row
+/// through it (1.05 -> 1.29, 1.37 -> 1.93 ms) and Q6_K's halves have their own
+/// scales: they keep the AVX2 one-row path and the float panel.
+pub fn reads(kind: QuantType) -> bool {
+    matches!(kind, QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q5_0)
+}
+
+/// A format's sub-block in one 32-lane register of 16-bit integers (lane `i`
+/// weight `i`), read straight from its block where the format allows; the
+/// values of [`super::formats::unpack`].
+///
+/// The formats read here start each 32-weight block with its `f16 d`; weight
+/// `i` is `d * q[i] + MIN_TIMES_D * d`. The sixteen scales of a group are
+/// converted at once.
+trait Unpack512: Format {
+    const MIN_TIMES_D: f32;
+    /// The integers of the block at `block`.
+    unsafe fn ints(block: *const u8) -> __m512i;
+}
+
+/// 16 bytes of nibbles: lanes `0..16` the low nibbles, `16..32` the high ones.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+unsafe fn nibbles(at: *const u8) -> __m512i {
+    let bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128(at as *const __m128i));
+    let shifts = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(4));
+    _mm512_and_si512(
+        _mm512_srlv_epi16(_mm512_cvtepu8_epi16(bytes), shifts),
+        _mm512_set1_epi16(15),
+    )
+}
+
+/// `q` with 16 added in the lanes whose bit is set in the little-endian `u32` at `at`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+unsafe fn with_fifth_bits(q: __m512i, at: *const u8) -> __m512i {
+    let bits = std::ptr::read_unaligned(at as *const u32);
+    _mm512_mask_add_epi16(q, bits, q, _mm512_set1_epi16(16))
+}
+
+impl Unpack512 for Q8_0 {
+    const MIN_TIMES_D: f32 = 0.0;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    unsafe fn ints(block: *const u8) -> __m512i {
+        _mm512_cvtepi8_epi16(_mm256_loadu_si256(block.add(2) as *const __m256i))
+    }
+}
+
+impl Unpack512 for Q4_0 {
+    const MIN_TIMES_D: f32 = -8.0;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    unsafe fn ints(block: *const u8) -> __m512i {
+        nibbles(block.add(2))
+    }
+}
+
+impl Unpack512 for Q5_0 {
+    const MIN_TIMES_D: f32 = -16.0;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    unsafe fn ints(block: *const u8) -> __m512i {
+        with_fifth_bits(nibbles(block.add(6)), block.add(2))
+    }
+}
+
+/// Weight rows `start..end` of `y`, every row of `xq`.
+///
+/// # Safety
+/// [`available`] and [`reads`]`(shape.kind)`; `xq` quantized from an `x` that
+/// passed validation with `w` and `y` for `shape` (these formats have no row
+/// scales), with at most
+/// [`VNNI_ROWS`] rows; no other thread writes rows `start..end`.
+pub(super) unsafe fn tile(
+    shape: &QuantShape,
+    xq: &Q16Rows,
+    w: &[u8],
+    y: OutPtr,
+    start: usize,
+    end: usize,
+) {
+    macro_rules! rows {
+        ($format:ty) => {
+            match shape.rows {
+                1 => rows_tile::<$format, 1>(shape, xq, w, y, start, end),
+                2 => rows_tile::<$format, 2>(shape, xq, w, y, start, end),
+                3 => rows_tile::<$format, 3>(shape, xq, w, y, start, end),
+                4 => rows_tile::<$format, 4>(shape, xq, w, y, start, end),
+                5 => rows_tile::<$format, 5>(shape, xq, w, y, start, end),
+                6 => rows_tile::<$format, 6>(shape, xq, w, y, start, end),
+                7 => rows_tile::<$format, 7>(shape, xq, w, y, start, end),
+                8 => rows_tile::<$format, 8>(shape, xq, w, y, start, end),
+                rows => unreachable!("the VNNI path takes 1..={VNNI_ROWS} rows, not {rows}"),
+            }
+        };
+    }
+    match shape.kind {
+        QuantType::Q8_0 => rows!(Q8_0),
+        QuantType::Q4_0 => rows!(Q4_0),
+        QuantType::Q5_0 => rows!(Q5_0),
+        kind => unreachable!("the VNNI path does not read {}", kind.name()),
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+unsafe fn rows_tile<F: Unpack512, const R: usize>(
+    shape: &QuantShape,
+    xq: &Q16Rows,
+    w: &[u8],
+    y: OutPtr,
+    start: usize,
+    end: usize,
+) {
+    let row_bytes = F::KIND.row_bytes(shape.inner).expect("validated");
+    for out in start..end {
+        super::qmatmul_avx2::prefetch_ahead(w, (out + 1) * row_bytes, row_bytes);
+        let row = w.as_ptr().add(out * row_bytes);
+        let sums = row_dots::<F, R>(row, xq);
+        for (r, value) in sums.iter().enumerate() {
+            *y.at(r * shape.outs + out) = *value;
+        }
+    }
+}
+
+/// One weight row against the `R` rows of `xq`: whole groups of [`GROUP`]
+/// sub-blocks, then the partial last one (its missing sub-blocks add zeros).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+unsafe fn row_dots<F: Unpack512, const R: usize>(row: *const u8, xq: &Q16Rows) -> [f32; R] {
+    let subs = xq.inner / SUB;
+    let mut acc = [_mm512_setzero_ps(); R];
+    let whole = subs / GROUP;
+    for g in 0..whole {
+        group::<F, R, true>(row, xq, g * GROUP, GROUP, &mut acc);
+    }
+    if !subs.is_multiple_of(GROUP) {
+        group::<F, R, false>(row, xq, whole * GROUP, subs % GROUP, &mut acc);
+    }
+    let mut out = [0.0f32; R];
+    for (value, acc) in out.iter_mut().zip(acc) {
+        *value = _mm512_reduce_add_ps(acc);
+    }
+    out
+}
+
+/// Sub-blocks `first..first + count` of one weight row into the `R` rows'
+/// accumulators (`WHOLE`: `count` is [`GROUP`], known when compiling, so the
+/// sixteen registers of each step stay registers).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+#[allow(clippy::needless_range_loop)] // index loops name the register blocking
+unsafe fn group<F: Unpack512, const R: usize, const WHOLE: bool>(
+    row: *const u8,
+    xq: &Q16Rows,
+    first: usize,
+    count: usize,
+    acc: &mut [__m512; R],
+) {
+    let subs = xq.inner / SUB;
+    let lanes: __mmask16 = if WHOLE { 0xffff } else { (1u16 << count) - 1 };
+    let mut weights = [_mm512_setzero_si512(); GROUP];
+    let mut d_bits = [0u16; GROUP];
+    for j in 0..GROUP {
+        if WHOLE || j < count {
+            let block = row.add((first + j) * F::KIND.block_bytes());
+            weights[j] = F::ints(block);
+            d_bits[j] = std::ptr::read_unaligned(block as *const u16);
+        }
+    }
+    let scales = _mm512_cvtph_ps(_mm256_loadu_si256(d_bits.as_ptr() as *const __m256i));
+    let mins = _mm512_mul_ps(scales, _mm512_set1_ps(F::MIN_TIMES_D));
+    for r in 0..R {
+        let x = xq.q.as_ptr().add(r * xq.inner + first * SUB);
+        let mut partial = [_mm512_setzero_si512(); GROUP];
+        for j in 0..GROUP {
+            if WHOLE || j < count {
+                let xs = _mm512_loadu_si512(x.add(j * SUB) as *const _);
+                partial[j] = _mm512_dpwssd_epi32(_mm512_setzero_si512(), weights[j], xs);
+            }
+        }
+        let sums = _mm512_cvtepi32_ps(reduce_sixteen(&partial));
+        let at = r * subs + first;
+        let d_x = _mm512_maskz_loadu_ps(lanes, xq.d.as_ptr().add(at));
+        acc[r] = _mm512_fmadd_ps(sums, _mm512_mul_ps(scales, d_x), acc[r]);
+        if !F::SIGNED {
+            let x_sums = _mm512_maskz_loadu_ps(lanes, xq.sums.as_ptr().add(at));
+            acc[r] = _mm512_fmadd_ps(mins, x_sums, acc[r]);
+        }
+    }
+}
+
+/// Lane `j` of the result is the sum of the sixteen lanes of `v[j]`: pairs of
+/// registers interleaved and added, four times (exact: integer adds).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+unsafe fn reduce_sixteen(v: &[__m512i; GROUP]) -> __m512i {
+    // Lanes (within each 128-bit quarter) hold, per step, the sums of ever
+    // larger sets of the input registers' lanes.
+    let mut eight = [_mm512_setzero_si512(); 8];
+    for p in 0..8 {
+        let (a, b) = (v[2 * p], v[2 * p + 1]);
+        eight[p] = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+    }
+    let mut four = [_mm512_setzero_si512(); 4];
+    for p in 0..4 {
+        let (a, b) = (eight[2 * p], eight[2 * p + 1]);
+        four[p] = _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+    }
+    let mut two = [_mm512_setzero_si512(); 2];
+    for p in 0..2 {
+        let (a, b) = (four[2 * p], four[2 * p + 1]);
+        two[p] = _mm512_add_epi32(
+            _mm512_shuffle_i32x4::<0b10_00_10_00>(a, b),
+            _mm512_shuffle_i32x4::<0b11_01_11_01>(a, b),
+        );
+    }
+    let (a, b) = (two[0], two[1]);
+    _mm512_add_epi32(
+        _mm512_shuffle_i32x4::<0b10_00_10_00>(a, b),
+        _mm512_shuffle_i32x4::<0b11_01_11_01>(a, b),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_reduction_puts_each_registers_sum_in_its_own_lane() {
+        if !available() {
+            return;
+        }
+        let values: Vec<[i32; 16]> = (0..16i32)
+            .map(|j| std::array::from_fn(|lane| (j + 1) * 1000 + lane as i32 * (j - 7)))
+            .collect();
+        // SAFETY: `available` checked the instructions.
+        let sums: [i32; 16] = unsafe {
+            let v: [__m512i; GROUP] =
+                std::array::from_fn(|j| _mm512_loadu_si512(values[j].as_ptr() as *const _));
+            std::mem::transmute(reduce_sixteen(&v))
+        };
+        for (j, lanes) in values.iter().enumerate() {
+            assert_eq!(sums[j], lanes.iter().sum::<i32>(), "register {j}");
+        }
+    }
+}
