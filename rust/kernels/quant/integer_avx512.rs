@@ -20,8 +20,8 @@
 //! Each input row runs the same instructions in the same order whatever the
 //! other rows of the call, so a row's result is the same alone or among
 //! [`VNNI_ROWS`] (a speculative verification's rows equal the decode step's,
-//! bit for bit). Formats whose two halves have their own scale (Q6_K) keep the
-//! AVX2 path.
+//! bit for bit). It reads Q4_0, Q4_1, Q5_0 and Q8_0 ([`reads`]); Q4_K, Q6_K,
+//! Q5_1 and int8 keep the AVX2 one-row path and the float panel.
 //!
 //! Every function here needs AVX-512 F, BW and VNNI and AVX2, FMA and F16C:
 //! [`available`] checks them.
@@ -59,13 +59,14 @@ pub fn available() -> bool {
     })
 }
 
-/// Whether this path reads `kind`: the 32-weight blocks led by one `f16`
-/// scale, where it beat the AVX2 and float paths at 1 to 8 rows on a Zen 4
-/// core (Q4_0 one row 1.10 -> 0.80 ms, 2 rows 1.91 -> 1.34; Q5_0 1.63 ->
-/// 1.44, 2.51 -> 1.88; Q8_0 2 rows 2.40 -> 1.42; 30 products of 576x1536,
-/// benches/RESULTS.md, 2026-11-28). Q4_1 and Q4_K ran slower at one row
-/// through it (1.05 -> 1.29, 1.37 -> 1.93 ms) and Q6_K's halves have their own
-/// scales: they keep the AVX2 one-row path and the float panel.
+/// Whether this path reads `kind`: the 32-weight blocks led by an `f16`
+/// scale (and Q4_1's `f16` offset), where it beat the AVX2 and float paths at
+/// 1 to 8 rows on a Zen 4 core (Q4_0 one row 1.10 -> 0.79 ms, 2 rows 1.91 ->
+/// 1.26; Q4_1 1.01 -> 0.79, 1.85 -> 1.33; Q5_0 1.63 -> 1.42; Q8_0 2 rows
+/// 2.40 -> 1.30; 30 products of 576x1536, benches/RESULTS.md, 2026-11-28).
+/// Q4_K read through its AVX2 unpacking (scales as scalars) ran slower at one
+/// row (1.37 -> 1.93 ms), and Q6_K's halves have their own scales: both keep
+/// the AVX2 one-row path and the float panel.
 pub fn reads(kind: QuantType) -> bool {
     matches!(
         kind,
@@ -77,9 +78,9 @@ pub fn reads(kind: QuantType) -> bool {
 /// weight `i`), read straight from its block where the format allows; the
 /// values of [`super::formats::unpack`].
 ///
-/// The formats read here start each 32-weight block with its `f16 d`; weight
-/// `i` is `d * q[i] + MIN_TIMES_D * d`. The sixteen scales of a group are
-/// converted at once.
+/// The formats read here start each 32-weight block with its `f16 d` (Q4_1:
+/// then its `f16 m`); weight `i` is `d * q[i] + MIN_TIMES_D * d` (Q4_1:
+/// `d * q[i] + m`). The sixteen scales of a group are converted at once.
 trait Unpack512: Format {
     const MIN_TIMES_D: f32;
     /// An `f16 m` follows `d` and is the offset (`MIN_TIMES_D` unused).
