@@ -4,11 +4,12 @@
 //! `d = max|x| / 32767` (ties to even), so the weights' integers multiply them
 //! with integer multiply-adds, at a relative rounding error of ~1.5e-5 per
 //! input (8-bit inputs, llama.cpp's choice, lose ~4e-3: enough to flip near-tied
-//! greedy tokens). Beside them, the float sums of each half block, exact, for
-//! the weights' offsets. Quantized once per call, read by every weight row.
+//! greedy tokens). Beside them, the float sums of each half block and each
+//! block, exact, for the weights' offsets. Quantized once per call, read by every weight row.
 //!
 //! Invariant: `q`, `d` (and `sums`) and `half_sums` have `rows * inner`,
-//! `rows * inner / 32` and `rows * inner / 16` entries; a block of zeros has `d = 0` and `q = 0`;
+//! `rows * inner / 32` and `rows * inner / 16` entries; a block of zeros has
+//! `d = 0` and `q = 0`;
 //! `|q| <= 32767`, so a sum of 32 products with weights `|w| <= 128` fits in i32;
 //! a block holding a NaN or an infinity has `d = NaN`, so every product of its
 //! row is NaN, as the float path's is (`f32::max` skips NaN and NaN casts to 0:

@@ -74,6 +74,13 @@ pub fn reads(kind: QuantType) -> bool {
     )
 }
 
+/// Whether a call of `kind` on this CPU takes this path: [`available`] and
+/// [`reads`], the one condition both the row count
+/// ([`super::qmatmul::integer_rows`]) and the dispatch read.
+pub fn takes(kind: QuantType) -> bool {
+    available() && reads(kind)
+}
+
 /// A format's sub-block in one 32-lane register of 16-bit integers (lane `i`
 /// weight `i`), read straight from its block where the format allows; the
 /// values of [`super::formats::unpack`].
@@ -149,10 +156,9 @@ impl Unpack512 for Q5_0 {
 /// Weight rows `start..end` of `y`, every row of `xq`.
 ///
 /// # Safety
-/// [`available`] and [`reads`]`(shape.kind)`; `xq` quantized from an `x` that
-/// passed validation with `w` and `y` for `shape` (these formats have no row
-/// scales), with at most
-/// [`VNNI_ROWS`] rows; no other thread writes rows `start..end`.
+/// [`takes`]`(shape.kind)`; `xq` quantized from an `x` that passed validation
+/// with `w` and `y` for `shape` (these formats have no row scales), with at
+/// most [`VNNI_ROWS`] rows; no other thread writes rows `start..end`.
 pub(super) unsafe fn tile(
     shape: &QuantShape,
     xq: &Q16Rows,

@@ -56,7 +56,7 @@ use crate::kernels::cpu_matmul::OutPtr;
 /// or [`VNNI_ROWS`] where the AVX-512 VNNI kernel reads `kind`.
 pub fn integer_rows(kind: QuantType) -> usize {
     #[cfg(target_arch = "x86_64")]
-    if vectorized() && integer_avx512::available() && integer_avx512::reads(kind) {
+    if vectorized() && integer_avx512::takes(kind) {
         return VNNI_ROWS;
     }
     let _ = kind;
@@ -125,7 +125,7 @@ pub unsafe fn tile(
     #[cfg(target_arch = "x86_64")]
     if vectorized() {
         return match &inputs.integer {
-            Some(xq) if integer_avx512::available() && integer_avx512::reads(shape.kind) => {
+            Some(xq) if integer_avx512::takes(shape.kind) => {
                 integer_avx512::tile(shape, xq, w, y, start, end)
             }
             Some(xq) => avx2::integer_tile(shape, xq, w, row_scales, y, start, end),

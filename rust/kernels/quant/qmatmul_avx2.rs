@@ -462,9 +462,10 @@ unsafe fn integer_row_dot<F: Format>(
     let mut acc = _mm256_setzero_ps();
     let mut offset = 0.0f32;
     let x_q = xq.q.as_ptr().add(r * xq.inner);
-    let (x_d, x_half) = (
+    let (x_d, x_half, x_sum) = (
         xq.d.as_ptr().add(r * subs),
         xq.half_sums.as_ptr().add(2 * r * subs),
+        xq.sums.as_ptr().add(r * subs),
     );
     for b in 0..xq.inner / F::KIND.block_elems() {
         for j in 0..subs_per_block {
@@ -476,8 +477,8 @@ unsafe fn integer_row_dot<F: Format>(
             let low = _mm256_madd_epi16(low, x0);
             let high = _mm256_madd_epi16(high, x1);
             let dx = *x_d.add(s);
-            let (h0, h1) = (*x_half.add(2 * s), *x_half.add(2 * s + 1));
             if F::HALVES_DIFFER {
+                let (h0, h1) = (*x_half.add(2 * s), *x_half.add(2 * s + 1));
                 let s0 = _mm256_set1_ps(sub.scale[0] * dx);
                 let s1 = _mm256_set1_ps(sub.scale[1] * dx);
                 acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(low), s0, acc);
@@ -487,7 +488,7 @@ unsafe fn integer_row_dot<F: Format>(
                 let sum = _mm256_cvtepi32_ps(_mm256_add_epi32(low, high));
                 acc = _mm256_fmadd_ps(sum, _mm256_set1_ps(sub.scale[0] * dx), acc);
                 if !F::SIGNED {
-                    offset += sub.min[0] * (h0 + h1);
+                    offset += sub.min[0] * *x_sum.add(s);
                 }
             }
         }
