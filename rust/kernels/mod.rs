@@ -9,6 +9,9 @@
 //! - [`expert_matmul`]: mixture-of-experts layers, `y[n] = x[n] · W[e_n]ᵀ`,
 //!   float or quantized experts, reading only the routed experts' weights
 //!   (each once per call) through the kernels of [`cpu_matmul`] and [`quant`].
+//! - [`expert_ffn`]: a whole routed MoE feed-forward (router, top-k, gate,
+//!   up, SwiGLU, down, weighted sum) in one call, on [`expert_matmul`]'s
+//!   routing and [`quant`]'s tiles.
 //! - [`quant`]: linear layers with quantized weights (GGUF blocks, int8),
 //!   read as they are stored: `y = x · dequant(w)ᵀ`, and their dequantization;
 //!   `quant/formats.rs` owns the table of formats every language reads.
@@ -40,6 +43,9 @@ pub mod cpu_attention;
 #[cfg(target_arch = "x86_64")]
 mod cpu_attention_avx2;
 pub mod cpu_matmul;
+pub mod expert_ffn;
+#[cfg(test)]
+mod expert_ffn_tests;
 pub mod expert_matmul;
 #[cfg(test)]
 mod expert_matmul_tests;

@@ -10,6 +10,14 @@
 //! - `kvpage_expert_matmul`: arguments `x [N, K]` f32, `w [E, M, K]` f32 or
 //!   bf16, `expert_ids [N]` s32, `live_rows [1]` s32; result `y [N, M]` f32.
 //!
+//! - `kvpage_expert_ffn`: a whole routed MoE feed-forward
+//!   ([`crate::kernels::expert_ffn`]): arguments `x [T, H]` f32, `router [E,
+//!   H]` f32, `router_bias [E]` or `[0]` f32, `gate [E, M, row_bytes(H)]`,
+//!   `up` (same), `down [E, H, row_bytes(M)]` (u8 blocks), `live_tokens [1]`
+//!   s32, `config [4]` s32: the index in `QuantType::ALL` of gate's and up's
+//!   format, of down's, `top_k`, and the router (0: softmax then top-k, 1: the
+//!   same renormalised, 2: top-k then softmax); result `y [T, H]` f32.
+//!
 //! `y[n] = x[n] · W[expert_ids[n]]ᵀ` for `n < live_rows`, zeros after; the ids
 //! of padding rows are never read, a live row's id outside `[0, E)` is an
 //! error. Rows are grouped by expert on the calling thread, then units of
@@ -21,6 +29,7 @@
 
 use std::ffi::c_void;
 
+use super::expert_ffn::{expert_ffn, FfnShape, FfnWeights, Router};
 use super::expert_matmul::{expert_matmul, expert_qmatmul, ExpertShape, Routed};
 use super::kv_element::Bf16;
 use super::quant::formats::QuantType;
@@ -160,6 +169,125 @@ unsafe fn run_expert_matmul(frame: &CallFrame) -> Result<(), String> {
         DTYPE_BF16 => expert_matmul::<Bf16>(&call.routed, slice_of(w), call.y, &pool),
         other => Err(format!("w must be float32 or bfloat16, got dtype {other}")),
     }
+}
+
+/// The format whose index in [`QuantType::ALL`] is `index`.
+fn kind_at(index: i32, what: &str) -> Result<QuantType, String> {
+    usize::try_from(index)
+        .ok()
+        .and_then(|i| QuantType::ALL.get(i).copied())
+        .ok_or_else(|| format!("{what} format index {index} names no format"))
+}
+
+unsafe fn run_expert_ffn(frame: &CallFrame) -> Result<(), String> {
+    let args = buffers(&frame.args, "arguments", 8)?;
+    let rets = buffers(&frame.rets, "results", 1)?;
+    let [x, router, bias, gate, up, down, live, config] = &args[..] else {
+        unreachable!("eight arguments checked")
+    };
+    let y = &rets[0];
+    let ranks = [
+        (x, "x", 2),
+        (router, "router", 2),
+        (bias, "router_bias", 1),
+        (gate, "gate", 3),
+        (up, "up", 3),
+        (down, "down", 3),
+        (config, "config", 1),
+        (y, "y", 2),
+    ];
+    for (view, name, rank) in ranks {
+        if view.dims.len() != rank {
+            return Err(format!(
+                "{name} has rank {}, expected {rank}",
+                view.dims.len()
+            ));
+        }
+    }
+    for (view, name) in [
+        (x, "x"),
+        (router, "router"),
+        (bias, "router_bias"),
+        (y, "y"),
+    ] {
+        if view.dtype != DTYPE_F32 {
+            return Err(format!("{name} must be float32, got dtype {}", view.dtype));
+        }
+    }
+    for (view, name) in [(gate, "gate"), (up, "up"), (down, "down")] {
+        if view.dtype != DTYPE_U8 {
+            return Err(format!(
+                "{name} must be uint8 blocks, got dtype {}",
+                view.dtype
+            ));
+        }
+    }
+    if config.dtype != DTYPE_S32 || config.dims != [4] {
+        return Err("config must be int32 [4]".into());
+    }
+    let config: &[i32] = slice_of(config);
+    let router_rule = match config[3] {
+        0 => Router::SoftmaxTopK { renormalize: false },
+        1 => Router::SoftmaxTopK { renormalize: true },
+        2 => Router::TopKSoftmax,
+        other => return Err(format!("router rule {other} is not 0, 1 or 2")),
+    };
+    let shape = FfnShape {
+        tokens: x.dims[0],
+        hidden: x.dims[1],
+        width: gate.dims[1],
+        experts: gate.dims[0],
+        top_k: usize::try_from(config[2]).map_err(|_| format!("top_k {} < 0", config[2]))?,
+    };
+    let (gate_up_kind, down_kind) = (kind_at(config[0], "gate/up")?, kind_at(config[1], "down")?);
+    let s = &shape;
+    let consistent = router.dims == [s.experts, s.hidden]
+        && up.dims == gate.dims
+        && gate_up_kind.row_bytes(s.hidden) == Some(gate.dims[2])
+        && down.dims[..2] == [s.experts, s.hidden]
+        && down_kind.row_bytes(s.width) == Some(down.dims[2])
+        && y.dims == x.dims;
+    if !consistent {
+        return Err(format!(
+            "inconsistent shapes: x {:?}, router {:?}, gate {:?}, up {:?}, down {:?}, y {:?} \
+             ({} gate/up, {} down)",
+            x.dims,
+            router.dims,
+            gate.dims,
+            up.dims,
+            down.dims,
+            y.dims,
+            gate_up_kind.name(),
+            down_kind.name()
+        ));
+    }
+    let weights = FfnWeights {
+        router: slice_of(router),
+        router_bias: slice_of(bias),
+        gate_up_kind,
+        gate: slice_of(gate),
+        up: slice_of(up),
+        down_kind,
+        down: slice_of(down),
+    };
+    expert_ffn(
+        s,
+        &weights,
+        router_rule,
+        slice_of(x),
+        live_rows(live, s.tokens)?,
+        slice_of_mut(y),
+        &XlaPool { frame },
+    )
+}
+
+/// XLA FFI handler: a routed MoE feed-forward in one call (module docs).
+///
+/// # Safety
+/// Called by XLA with a valid call frame.
+#[no_mangle]
+pub unsafe extern "C" fn kvpage_expert_ffn(frame: *mut c_void) -> *mut c_void {
+    handle(frame.cast(), "kvpage_expert_ffn", run_expert_ffn)
 }
 
 /// XLA FFI handler: `y[n] = x[n] · W[expert_ids[n]]ᵀ` with float32 or bfloat16

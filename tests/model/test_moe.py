@@ -86,3 +86,57 @@ def test_host_kernel_and_quantized_experts_match_xla(rows: int) -> None:
         np.testing.assert_allclose(host, xla, atol=2e-2 if weight is qw else 1e-4)
     dequantized = np.einsum("ni,noi->no", np.asarray(x), np.asarray(qw.dequantize())[ids])
     np.testing.assert_allclose(xla, dequantized, atol=1e-4)
+
+
+def _quantized_experts(seed: int) -> dict:
+    """Q8_0 gate and up, Q4_0 down (formats may differ between gate/up and down)."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+
+    def quantized(shape: tuple[int, int, int], kind: str) -> QuantizedWeight:
+        w = rng.normal(0, 0.2, shape).astype(np.float32)
+        blocks = gguf.quants.quantize(w.reshape(-1, shape[2]),
+                                      getattr(gguf.GGMLQuantizationType, kind.upper()))
+        return QuantizedWeight(blocks.reshape(*shape[:2], -1), kind, shape, jnp.float32)
+
+    return {"gate_proj": {"weight": quantized((E, INTER, H), "q8_0")},
+            "up_proj": {"weight": quantized((E, INTER, H), "q8_0")},
+            "down_proj": {"weight": quantized((E, H, INTER), "q4_0")}}
+
+
+@pytest.mark.parametrize("router", ["softmax_topk", "topk_softmax"])
+def test_one_host_call_matches_the_three_expert_calls(router: str, monkeypatch) -> None:
+    """Quantized SwiGLU experts in a host-kernel trace run as one ``kvpage_expert_ffn``
+    call (router, products, activation, weighted sum); it matches XLA's router and three
+    expert calls, with a router bias and a shared expert, and padding tokens stay out."""
+    from kvpage.model.linear_kernels import live_rows
+
+    cfg = config(router=router, norm_topk_prob=router == "softmax_topk",
+                 shared_expert_intermediate_size=48, shared_expert_gate=True)
+    params = mlp_params(4, shared=True)
+    params["experts"] = _quantized_experts(5)
+    params["gate"]["bias"] = jnp.asarray(np.random.default_rng(6).normal(0, 0.3, E),
+                                         jnp.float32)
+    x = jax.random.normal(jax.random.key(7), (6, H), jnp.float32)
+
+    def block(p: dict, x: jax.Array, live: jax.Array) -> jax.Array:
+        with live_rows(x.shape[0], live):
+            return moe_block(cfg, p, x)
+
+    with host_matmuls():
+        lowered = jax.jit(block).lower(params, x, jnp.int32(6)).as_text()
+        one_call = jax.jit(block)(params, x, jnp.int32(6))
+        padded = jax.jit(block)(params, x, jnp.int32(4))
+    assert "kvpage_expert_ffn" in lowered
+    monkeypatch.setenv("KVPAGE_MOE_ONE_CALL", "0")
+    with host_matmuls():  # a new function: jit's cache does not key on the variable
+        traced = jax.jit(lambda p, x, live: block(p, x, live))
+        lowered = traced.lower(params, x, jnp.int32(6)).as_text()
+        three_calls = traced(params, x, jnp.int32(6))
+    assert "kvpage_expert_ffn" not in lowered
+    np.testing.assert_allclose(one_call, three_calls, atol=1e-6)
+    np.testing.assert_allclose(padded[:4], one_call[:4], atol=1e-6)
+    # XLA alone (no host kernels): the experts dequantized, the same block.
+    np.testing.assert_allclose(one_call, jax.jit(lambda p, x: moe_block(cfg, p, x))(params, x),
+                               atol=2e-2)

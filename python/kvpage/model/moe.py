@@ -6,6 +6,12 @@ every token: each expert weight is a product of ``N = tokens * top_k`` rows (one
 routed (token, expert) pair) through :func:`kvpage.model.expert_matmul.expert_matmul_nt`,
 which reads only the experts some row was routed to (its kernels: that module).
 
+On CPU with the host kernels, quantized SwiGLU experts run as one host call per layer
+instead (``cpu_expert_matmul.expert_ffn_call``: routing, the three products, the
+activation and the weighted sum): as XLA's router ops and three expert calls, a
+one-token step paid ~60 us a layer in hand-offs (``KVPAGE_MOE_ONE_CALL=0`` turns it
+off; 2026-11-28, ``benches/RESULTS.md``).
+
 :func:`dense_moe_block` computes every expert for every token and weights them by the
 same routing: the reference for tests and the "dense-compute equivalent" of
 ``kvpage bench moe``; the engine never runs it.
@@ -18,6 +24,7 @@ Invariants: routing probabilities are computed in float32; the weights of a toke
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import jax
@@ -26,8 +33,15 @@ from jax import lax
 
 from kvpage.model.config import ModelConfig
 from kvpage.model.expert_matmul import expert_matmul_nt
-from kvpage.model.linear_kernels import live_rows_of, matmul_nt
+from kvpage.kernels.host import cpu_expert_matmul as host
+from kvpage.model.linear_kernels import (
+    batch_invariant_enabled,
+    host_kernels_enabled,
+    live_rows_of,
+    matmul_nt,
+)
 from kvpage.model.mlp import activation_fn, gated_mlp
+from kvpage.quant.weights import QuantizedWeight
 
 
 def route(config: ModelConfig, router: dict[str, Any], x: jax.Array
@@ -90,13 +104,48 @@ def _shared_expert(config: ModelConfig, mlp: dict[str, Any], x: jax.Array) -> ja
     return out
 
 
+ONE_CALL_ENV = "KVPAGE_MOE_ONE_CALL"
+"""Set to 0, the routed experts run as XLA's router ops and three expert calls even where
+one host call applies (for A/B runs; read when a step is traced)."""
+
+
+def _one_host_call(config: ModelConfig, mlp: dict[str, Any], x: jax.Array) -> Any:
+    """The routed experts as one host call (``cpu_expert_matmul.expert_ffn_call``), or None
+    where it does not apply: host kernels off or batch-invariant, quantized experts
+    without row scales (gate and up in one format), SwiGLU without expert biases or
+    clamping, a float router."""
+    moe = config.moe
+    assert moe is not None
+    experts = mlp["experts"]
+    gate, up, down = (experts[n]["weight"] for n in ("gate_proj", "up_proj", "down_proj"))
+    quantized = all(isinstance(w, QuantizedWeight) for w in (gate, up, down))
+    if (not host_kernels_enabled() or batch_invariant_enabled() or not quantized
+            or os.environ.get(ONE_CALL_ENV) == "0"
+            or gate.kind != up.kind or not host.expert_ffn_available(gate.kind, down.kind)
+            or config.hidden_act != "silu" or moe.swiglu_limit is not None
+            or any("bias" in experts[n] for n in experts)
+            or isinstance(mlp["gate"]["weight"], QuantizedWeight)):
+        return None
+    bias = mlp["gate"].get("bias")
+    live = live_rows_of(x.shape[0])
+    return lambda: host.expert_ffn_call(
+        x, mlp["gate"]["weight"], bias, gate.blocks, up.blocks, down.blocks, gate.kind,
+        down.kind, moe.top_k, moe.router, moe.norm_topk_prob, live)
+
+
 def moe_block(config: ModelConfig, mlp: dict[str, Any], x: jax.Array) -> jax.Array:
     """The MoE feed-forward output ``[T, hidden]`` of normed hidden states ``x``."""
     assert config.moe is not None
     if config.moe.dense_compute:
         return dense_moe_block(config, mlp, x)
-    ids, weights = route(config, mlp["gate"], x)
-    out = _routed_experts(config, mlp["experts"], x, ids, weights)
+
+    def in_xla() -> jax.Array:
+        ids, weights = route(config, mlp["gate"], x)
+        return _routed_experts(config, mlp["experts"], x, ids, weights)
+
+    host_call = _one_host_call(config, mlp, x)
+    out = in_xla() if host_call is None else lax.platform_dependent(cpu=host_call,
+                                                                     default=in_xla)
     if "shared_expert" in mlp:
         out = out + _shared_expert(config, mlp, x)
     return out.astype(x.dtype)

@@ -28,6 +28,12 @@ The contract, for both calls:
   a row's rounding is that of a dense product of the rows sharing its expert (a
   quantized row alone on its expert takes the 16-bit one-row path).
 
+:func:`expert_ffn_call` runs a whole routed MoE feed-forward in one call (the Rust core's
+``rust/kernels/expert_ffn.rs``): router logits, top-k and routing weights, each routed
+expert's gate and up products, SwiGLU, its down product and the weighted sum of each
+token's experts, with quantized (GGUF-block) experts. A one-token decode step of a
+MoE layer is then one hand-off to the host instead of XLA's router ops and three calls.
+
 Only the ``cpu`` platform has the targets; callers put these calls in the ``cpu`` branch
 of ``lax.platform_dependent`` (as ``kvpage/model/linear_kernels.py`` does for
 ``cpu_qmatmul``), so one traced program still lowers for GPUs. The calls have no
@@ -48,6 +54,15 @@ KINDS: tuple[str, ...] = formats.KINDS
 # Float expert dtypes (one target, ``kvpage_expert_matmul``, reads either).
 FLOAT_KINDS: tuple[str, ...] = ("float32", "bfloat16")
 FLOAT_TARGET = "kvpage_expert_matmul"
+FFN_TARGET = "kvpage_expert_ffn"
+ROUTER_RULES: dict[tuple[str, bool], int] = {
+    ("softmax_topk", False): 0,
+    ("softmax_topk", True): 1,
+    ("topk_softmax", False): 2,
+    ("topk_softmax", True): 2,
+}
+"""The ``config`` code of each (router, renormalise) pair (renormalising a softmax over
+the top ``k`` changes nothing)."""
 
 
 def target(kind: str) -> str:
@@ -57,7 +72,7 @@ def target(kind: str) -> str:
 
 def targets() -> tuple[str, ...]:
     """Every target this module calls (for registering them all up front)."""
-    return tuple(target(kind) for kind in KINDS) + (FLOAT_TARGET,)
+    return tuple(target(kind) for kind in KINDS) + (FLOAT_TARGET, FFN_TARGET)
 
 
 def available(kind: str) -> bool:
@@ -145,3 +160,54 @@ def expert_matmul_call(
         jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32),
     )
     return call(x, w, ids, live)
+
+
+def expert_ffn_available(gate_up_kind: str, down_kind: str) -> bool:
+    """Whether :func:`expert_ffn_call` takes experts of these formats (the core exports
+    it; formats without per-row scales)."""
+    kinds_ok = all(k in KINDS and k not in formats.ROW_SCALED for k in (gate_up_kind, down_kind))
+    return kinds_ok and register(FFN_TARGET)
+
+
+def expert_ffn_call(
+    x: jax.Array,
+    router: jax.Array,
+    router_bias: jax.Array | None,
+    gate: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+    gate_up_kind: str,
+    down_kind: str,
+    top_k: int,
+    router_rule: str,
+    renormalize: bool,
+    live_tokens: jax.Array | int | None = None,
+) -> jax.Array:
+    """float32 ``[T, H]``: the routed MoE feed-forward of ``x [T, H]`` (module docs).
+
+    ``router [E, H]`` float (cast to float32), ``router_bias [E]`` or None; ``gate`` and
+    ``up`` the blocks of ``[E, M, H]`` expert weights in ``gate_up_kind`` (``[E, M,
+    row_bytes]`` or ``[E * M, row_bytes]``), ``down`` of ``[E, H, M]`` in ``down_kind``;
+    ``router_rule`` ``"softmax_topk"`` or ``"topk_softmax"``. Tokens from ``live_tokens``
+    on are padding (zeros). Lower for ``cpu`` only."""
+    if x.ndim != 2 or router.ndim != 2 or router.shape[1] != x.shape[1]:
+        raise ValueError(f"x [T, H] and router [E, H] expected, got {x.shape}, {router.shape}")
+    if not expert_ffn_available(gate_up_kind, down_kind):
+        raise RuntimeError(f"kvpage._core has no {FFN_TARGET} for {gate_up_kind}/{down_kind}")
+    experts, hidden = router.shape
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"top_k {top_k} is outside [1, {experts}]")
+    gate_bytes = formats.row_bytes(gate_up_kind, hidden)
+    gate = gate.reshape(experts, -1, gate_bytes)
+    up = up.reshape(experts, -1, gate_bytes)
+    width = gate.shape[1]
+    down = down.reshape(experts, hidden, formats.row_bytes(down_kind, width))
+    bias = (jnp.zeros((0,), jnp.float32) if router_bias is None
+            else jnp.asarray(router_bias, jnp.float32).reshape(experts))
+    tokens = x.shape[0]
+    live = jnp.asarray(tokens if live_tokens is None else live_tokens, jnp.int32).reshape(1)
+    config = jnp.array([KINDS.index(gate_up_kind), KINDS.index(down_kind), top_k,
+                        ROUTER_RULES[(router_rule, renormalize)]], jnp.int32)
+    call = jax.ffi.ffi_call(FFN_TARGET, jax.ShapeDtypeStruct((tokens, hidden), jnp.float32))
+    return call(x.astype(jnp.float32), router.astype(jnp.float32), bias, gate, up, down,
+                live, config)
