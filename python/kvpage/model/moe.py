@@ -31,9 +31,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kvpage.kernels.host import cpu_expert_matmul as host
 from kvpage.model.config import ModelConfig
 from kvpage.model.expert_matmul import expert_matmul_nt
-from kvpage.kernels.host import cpu_expert_matmul as host
 from kvpage.model.linear_kernels import (
     batch_invariant_enabled,
     host_kernels_enabled,
