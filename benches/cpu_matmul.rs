@@ -183,18 +183,25 @@ fn two_thread_split(c: &mut Criterion) {
     black_box(&ys);
 }
 
-/// One-row (and, for Q4_1, four-row: a speculative verification's or a
+/// One-row (K-quants included; and, for Q4_1, four-row: a speculative verification's or a
 /// small decode batch's) products cycling through 160 MB of weights, one thread.
 fn one_row_from_dram(c: &mut Criterion) {
     let mut group = c.benchmark_group("quant_one_row");
     group.sample_size(10);
-    let (inner, outs) = (576usize, 1536usize);
     for (kind, rows) in [
         (QuantType::Q4_1, 1usize),
         (QuantType::Q4_0, 1),
         (QuantType::Q8_0, 1),
         (QuantType::Q4_1, 4),
+        (QuantType::Q4K, 1),
+        (QuantType::Q6K, 1),
     ] {
+        // K-quant rows hold blocks of 256: the down projection's shape.
+        let (inner, outs) = if kind.block_elems() == 256 {
+            (1536usize, 576usize)
+        } else {
+            (576, 1536)
+        };
         let bytes = kind.row_bytes(inner).expect("whole blocks") * outs;
         let count = 160_000_000usize.div_ceil(bytes);
         let weights: Vec<Vec<u8>> = (0..count)

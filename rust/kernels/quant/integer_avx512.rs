@@ -20,8 +20,12 @@
 //! Each input row runs the same instructions in the same order whatever the
 //! other rows of the call, so a row's result is the same alone or among
 //! [`VNNI_ROWS`] (a speculative verification's rows equal the decode step's,
-//! bit for bit). It reads Q4_0, Q4_1, Q5_0 and Q8_0 ([`reads`]); Q4_K, Q6_K,
-//! Q5_1 and int8 keep the AVX2 one-row path and the float panel.
+//! bit for bit). It reads Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K ([`reads`]);
+//! Q5_1 and int8 keep the AVX2 one-row path and the float panel. The
+//! K-quants' integer sub-block scales are multiplied into the 16-bit weights
+//! (`q · sc`), so their float factor is one per 256-weight super-block; Q6_K's
+//! `-32` offset goes into the integers too, so its offset multiplies the
+//! quantized inputs where the other formats add `min · Σ x` in float.
 //!
 //! Every function here needs AVX-512 F, BW and VNNI and AVX2, FMA and F16C:
 //! [`available`] checks them.
@@ -31,8 +35,8 @@ use std::sync::OnceLock;
 
 use super::activations::Q16Rows;
 use super::call::QuantShape;
-use super::formats::{QuantType, SUB};
-use super::unpack_avx2::{Format, Q4_0, Q4_1, Q5_0, Q8_0};
+use super::formats::{q4k_scale_min, QuantType, SUB};
+use super::unpack_avx2::{Format, Q4K, Q4_0, Q4_1, Q5_0, Q6K, Q8_0};
 use crate::kernels::cpu_matmul::OutPtr;
 
 /// Calls of at most this many rows take this path where it is [`available`]
@@ -60,17 +64,21 @@ pub fn available() -> bool {
 }
 
 /// Whether this path reads `kind`: the 32-weight blocks led by an `f16`
-/// scale (and Q4_1's `f16` offset), where it beat the AVX2 and float paths at
-/// 1 to 8 rows on a Zen 4 core (Q4_0 one row 1.10 -> 0.79 ms, 2 rows 1.91 ->
-/// 1.26; Q4_1 1.01 -> 0.79, 1.85 -> 1.33; Q5_0 1.63 -> 1.42; Q8_0 2 rows
-/// 2.40 -> 1.30; 30 products of 576x1536, benches/RESULTS.md, 2026-11-28).
-/// Q4_K read through its AVX2 unpacking (scales as scalars) ran slower at one
-/// row (1.37 -> 1.93 ms), and Q6_K's halves have their own scales: both keep
-/// the AVX2 one-row path and the float panel.
+/// scale (and Q4_1's `f16` offset), and the K-quants Q4_K and Q6_K, where it
+/// beat the AVX2 and float paths at 1 to 8 rows on a Zen 4 core (30 products
+/// of 576x1536, or 1536x576 for K-quants, ms; benches/RESULTS.md, 2026-11-28):
+/// Q4_0 one row 1.10 -> 0.79, 2 rows 1.91 -> 1.26; Q4_1 1.01 -> 0.79, 1.85 ->
+/// 1.33; Q5_0 1.63 -> 1.42; Q8_0 2 rows 2.40 -> 1.30; Q4_K 1.15 -> 1.08, 6
+/// rows 3.49 -> 2.53; Q6_K 1.89 -> 0.93, 6 rows 3.93 -> 2.25.
 pub fn reads(kind: QuantType) -> bool {
     matches!(
         kind,
-        QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q5_0 | QuantType::Q4_1
+        QuantType::Q8_0
+            | QuantType::Q4_0
+            | QuantType::Q5_0
+            | QuantType::Q4_1
+            | QuantType::Q4K
+            | QuantType::Q6K
     )
 }
 
@@ -187,12 +195,14 @@ pub(super) unsafe fn tile(
         QuantType::Q4_0 => rows!(Q4_0),
         QuantType::Q4_1 => rows!(Q4_1),
         QuantType::Q5_0 => rows!(Q5_0),
+        QuantType::Q4K => rows!(Q4K),
+        QuantType::Q6K => rows!(Q6K),
         kind => unreachable!("the VNNI path does not read {}", kind.name()),
     }
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-unsafe fn rows_tile<F: Unpack512, const R: usize>(
+unsafe fn rows_tile<F: Group512, const R: usize>(
     shape: &QuantShape,
     xq: &Q16Rows,
     w: &[u8],
@@ -200,7 +210,7 @@ unsafe fn rows_tile<F: Unpack512, const R: usize>(
     start: usize,
     end: usize,
 ) {
-    let row_bytes = F::KIND.row_bytes(shape.inner).expect("validated");
+    let row_bytes = shape.kind.row_bytes(shape.inner).expect("validated");
     for out in start..end {
         super::qmatmul_avx2::prefetch_ahead(w, (out + 1) * row_bytes, row_bytes);
         let row = w.as_ptr().add(out * row_bytes);
@@ -215,7 +225,7 @@ unsafe fn rows_tile<F: Unpack512, const R: usize>(
 /// sub-blocks, then the partial last one (its missing sub-blocks add zeros).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-unsafe fn row_dots<F: Unpack512, const R: usize>(row: *const u8, xq: &Q16Rows) -> [f32; R] {
+unsafe fn row_dots<F: Group512, const R: usize>(row: *const u8, xq: &Q16Rows) -> [f32; R] {
     let subs = xq.inner / SUB;
     let mut acc = [_mm512_setzero_ps(); R];
     let whole = subs / GROUP;
@@ -232,22 +242,57 @@ unsafe fn row_dots<F: Unpack512, const R: usize>(row: *const u8, xq: &Q16Rows) -
     out
 }
 
-/// Sub-blocks `first..first + count` of one weight row into the `R` rows'
-/// accumulators (`WHOLE`: `count` is [`GROUP`], known when compiling, so the
-/// sixteen registers of each step stay registers).
+/// A group of up to [`GROUP`] sub-blocks of one weight row, unpacked: each
+/// sub-block's 32 integers (16 bits each), and per sub-block (lane) the float
+/// factor of its integer sums and its offset per unit of `Σ x`.
+struct Unpacked {
+    ints: [__m512i; GROUP],
+    scales: __m512,
+    mins: __m512,
+}
+
+/// A format this path reads, a group of sub-blocks at a time.
+trait Group512 {
+    /// The offsets are zero.
+    const SIGNED: bool;
+    /// Sub-blocks `first..first + count` of the row at `row` (`WHOLE`: `count`
+    /// is [`GROUP`]); lanes from `count` on are zeros.
+    unsafe fn unpack_group<const WHOLE: bool>(
+        row: *const u8,
+        first: usize,
+        count: usize,
+    ) -> Unpacked;
+}
+
+macro_rules! group_of_blocks {
+    ($($format:ty),*) => {$(
+        impl Group512 for $format {
+            const SIGNED: bool = <$format as Format>::SIGNED;
+            #[inline]
+            #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+            unsafe fn unpack_group<const WHOLE: bool>(
+                row: *const u8,
+                first: usize,
+                count: usize,
+            ) -> Unpacked {
+                unpack_blocks::<$format, WHOLE>(row, first, count)
+            }
+        }
+    )*};
+}
+
+group_of_blocks!(Q8_0, Q4_0, Q4_1, Q5_0);
+
+/// [`Group512::unpack_group`] of the formats whose 32-weight blocks start with
+/// their `f16` scale (and offset).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-#[allow(clippy::needless_range_loop)] // index loops name the register blocking
-unsafe fn group<F: Unpack512, const R: usize, const WHOLE: bool>(
+unsafe fn unpack_blocks<F: Unpack512, const WHOLE: bool>(
     row: *const u8,
-    xq: &Q16Rows,
     first: usize,
     count: usize,
-    acc: &mut [__m512; R],
-) {
-    let subs = xq.inner / SUB;
-    let lanes: __mmask16 = if WHOLE { 0xffff } else { (1u16 << count) - 1 };
-    let mut weights = [_mm512_setzero_si512(); GROUP];
+) -> Unpacked {
+    let mut ints = [_mm512_setzero_si512(); GROUP];
     // The block's first four bytes as one little-endian u32: `d`, then `m` for
     // `M_FIELD` formats (else the next field's bytes, unused; every block these
     // formats have is longer than four bytes). Read as u32s and split in
@@ -257,7 +302,7 @@ unsafe fn group<F: Unpack512, const R: usize, const WHOLE: bool>(
     for j in 0..GROUP {
         if WHOLE || j < count {
             let block = row.add((first + j) * F::KIND.block_bytes());
-            weights[j] = F::ints(block);
+            ints[j] = F::ints(block);
             head[j] = std::ptr::read_unaligned(block as *const u32);
         }
     }
@@ -268,13 +313,154 @@ unsafe fn group<F: Unpack512, const R: usize, const WHOLE: bool>(
     } else {
         _mm512_mul_ps(scales, _mm512_set1_ps(F::MIN_TIMES_D))
     };
+    Unpacked { ints, scales, mins }
+}
+
+/// Q4_K: 256-weight super-blocks of eight sub-blocks, `w = d · sc_j · q −
+/// dmin · m_j` with 6-bit `sc_j`, `m_j`. Each sub-block's integers are `q ·
+/// sc_j` (at most 15 · 63, so a sub-block's 32 products with 16-bit inputs
+/// stay far inside i32), which leaves one float factor `d` per super-block:
+/// a group is two super-blocks, a partial one the row's last.
+impl Group512 for Q4K {
+    const SIGNED: bool = false;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    unsafe fn unpack_group<const WHOLE: bool>(
+        row: *const u8,
+        first: usize,
+        count: usize,
+    ) -> Unpacked {
+        const SUPER: usize = 8;
+        let mut ints = [_mm512_setzero_si512(); GROUP];
+        let (mut scales, mut mins) = ([0.0f32; GROUP], [0.0f32; GROUP]);
+        for s in 0..GROUP / SUPER {
+            if !(WHOLE || s * SUPER < count) {
+                break;
+            }
+            let block = row.add((first / SUPER + s) * QuantType::Q4K.block_bytes());
+            let halves = _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(
+                block as *const i32,
+            )));
+            let (d, dmin) = (
+                _mm_cvtss_f32(halves),
+                _mm_cvtss_f32(_mm_movehdup_ps(halves)),
+            );
+            let packed = std::slice::from_raw_parts(block.add(4), 12);
+            let mut sc = [0i16; SUPER];
+            for j in 0..SUPER {
+                let (scale, min) = q4k_scale_min(packed, j);
+                sc[j] = i16::from(scale);
+                scales[s * SUPER + j] = d;
+                mins[s * SUPER + j] = -(dmin * f32::from(min));
+            }
+            let mask = _mm512_set1_epi16(15);
+            for pair in 0..SUPER / 2 {
+                let at = block.add(16 + 32 * pair) as *const __m256i;
+                let bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(at));
+                let (low, high) = (_mm512_and_si512(bytes, mask), _mm512_srli_epi16::<4>(bytes));
+                let j = s * SUPER + 2 * pair;
+                ints[j] = _mm512_mullo_epi16(low, _mm512_set1_epi16(sc[2 * pair]));
+                ints[j + 1] = _mm512_mullo_epi16(high, _mm512_set1_epi16(sc[2 * pair + 1]));
+            }
+        }
+        Unpacked {
+            ints,
+            scales: _mm512_loadu_ps(scales.as_ptr()),
+            mins: _mm512_loadu_ps(mins.as_ptr()),
+        }
+    }
+}
+
+/// Q6_K: 256-weight super-blocks of eight sub-blocks, `w = d · sc_h · (q −
+/// 32)` with a signed 8-bit `sc_h` per 16 weights and 6-bit `q` (low four bits
+/// in `ql`, high two in `qh`). Each sub-block's integers are `(q − 32) · sc_h`
+/// (at most 32 · 128 in magnitude: a sub-block's 32 products with 16-bit
+/// inputs stay inside i32), leaving one float factor `d` per super-block.
+impl Group512 for Q6K {
+    const SIGNED: bool = true;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    unsafe fn unpack_group<const WHOLE: bool>(
+        row: *const u8,
+        first: usize,
+        count: usize,
+    ) -> Unpacked {
+        const SUPER: usize = 8;
+        let mut ints = [_mm512_setzero_si512(); GROUP];
+        let mut scales = [0.0f32; GROUP];
+        let (mask, offset) = (_mm512_set1_epi16(15), _mm512_set1_epi16(32));
+        for s in 0..GROUP / SUPER {
+            if !(WHOLE || s * SUPER < count) {
+                break;
+            }
+            let block = row.add((first / SUPER + s) * QuantType::Q6K.block_bytes());
+            let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(
+                std::ptr::read_unaligned(block.add(208) as *const u16),
+            ))));
+            let sc = block.add(192) as *const i8;
+            for half in 0..2 {
+                let high_bits = _mm512_cvtepu8_epi16(_mm256_loadu_si256(
+                    block.add(128 + 32 * half) as *const __m256i,
+                ));
+                for chunk in 0..4 {
+                    let low = _mm512_cvtepu8_epi16(_mm256_loadu_si256(
+                        block.add(64 * half + 32 * (chunk & 1)) as *const __m256i,
+                    ));
+                    let low = if chunk >= 2 {
+                        _mm512_srli_epi16::<4>(low)
+                    } else {
+                        _mm512_and_si512(low, mask)
+                    };
+                    let high = _mm512_and_si512(
+                        _mm512_srl_epi16(high_bits, _mm_cvtsi32_si128(2 * chunk as i32)),
+                        _mm512_set1_epi16(3),
+                    );
+                    let q = _mm512_sub_epi16(
+                        _mm512_or_si512(low, _mm512_slli_epi16::<4>(high)),
+                        offset,
+                    );
+                    let at = 8 * half + 2 * chunk;
+                    let factor = _mm512_inserti64x4::<1>(
+                        _mm512_set1_epi16(i16::from(*sc.add(at))),
+                        _mm256_set1_epi16(i16::from(*sc.add(at + 1))),
+                    );
+                    let j = s * SUPER + 4 * half + chunk;
+                    ints[j] = _mm512_mullo_epi16(q, factor);
+                    scales[j] = d;
+                }
+            }
+        }
+        Unpacked {
+            ints,
+            scales: _mm512_loadu_ps(scales.as_ptr()),
+            mins: _mm512_setzero_ps(),
+        }
+    }
+}
+
+/// Sub-blocks `first..first + count` of one weight row into the `R` rows'
+/// accumulators (`WHOLE`: `count` is [`GROUP`], known when compiling, so the
+/// sixteen registers of each step stay registers).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+#[allow(clippy::needless_range_loop)] // index loops name the register blocking
+unsafe fn group<F: Group512, const R: usize, const WHOLE: bool>(
+    row: *const u8,
+    xq: &Q16Rows,
+    first: usize,
+    count: usize,
+    acc: &mut [__m512; R],
+) {
+    let subs = xq.inner / SUB;
+    let lanes: __mmask16 = if WHOLE { 0xffff } else { (1u16 << count) - 1 };
+    let Unpacked { ints, scales, mins } = F::unpack_group::<WHOLE>(row, first, count);
     for r in 0..R {
         let x = xq.q.as_ptr().add(r * xq.inner + first * SUB);
         let mut partial = [_mm512_setzero_si512(); GROUP];
         for j in 0..GROUP {
             if WHOLE || j < count {
                 let xs = _mm512_loadu_si512(x.add(j * SUB) as *const _);
-                partial[j] = _mm512_dpwssd_epi32(_mm512_setzero_si512(), weights[j], xs);
+                partial[j] = _mm512_dpwssd_epi32(_mm512_setzero_si512(), ints[j], xs);
             }
         }
         let sums = _mm512_cvtepi32_ps(reduce_sixteen(&partial));

@@ -9,7 +9,7 @@
 //! the rows of the call:
 //!
 //! - **one row** (a decode step of one sequence; up to [`integer_rows`]: 8
-//!   for Q4_0, Q4_1, Q5_0 and Q8_0 on CPUs with AVX-512 VNNI,
+//!   for Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K on CPUs with AVX-512 VNNI,
 //!   `integer_avx512.rs`, where a call of up to 8 rows is a speculative
 //!   verification, a small decode batch or the routed rows of one expert): the
 //!   row is quantized to 16 bits per block ([`Q16Rows`]) and the products are

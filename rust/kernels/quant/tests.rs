@@ -51,6 +51,30 @@ pub(crate) fn random_weights(
 /// `scale * q` by the 16-bit inputs and `min` by the float ones; the float
 /// path reads float inputs throughout.
 fn reference(shape: &QuantShape, x: &[f32], w: &[u8], row_scales: &[f32]) -> Vec<f64> {
+    reference_of(shape, x, w, row_scales, vnni_folds_offset(shape.kind))
+}
+
+/// Whether the kernels take the AVX-512 VNNI path for `kind`, which folds
+/// Q6_K's offset (-32 per weight) into its integers: it then multiplies the
+/// quantized inputs, where the other integer paths add `min · Σ x` exactly.
+fn vnni_folds_offset(kind: QuantType) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return kind == QuantType::Q6K
+        && super::call::vectorized()
+        && super::integer_avx512::takes(kind);
+    #[cfg(not(target_arch = "x86_64"))]
+    return false;
+}
+
+/// [`reference`], the offsets of the integer path on the quantized inputs
+/// when `folds_offset`.
+fn reference_of(
+    shape: &QuantShape,
+    x: &[f32],
+    w: &[u8],
+    row_scales: &[f32],
+    folds_offset: bool,
+) -> Vec<f64> {
     let integer = shape.rows <= integer_rows(shape.kind);
     let kind = shape.kind;
     let row_bytes = kind.row_bytes(shape.inner).unwrap();
@@ -77,8 +101,13 @@ fn reference(shape: &QuantShape, x: &[f32], w: &[u8], row_scales: &[f32]) -> Vec
                     } else {
                         exact
                     };
+                    let offset_input = if integer && folds_offset {
+                        scaled_input
+                    } else {
+                        exact
+                    };
                     total += f64::from(sub.scale[i / 16]) * f64::from(sub.q[i]) * scaled_input
-                        + f64::from(sub.min[i / 16]) * exact;
+                        + f64::from(sub.min[i / 16]) * offset_input;
                 }
             }
             y[r * shape.outs + o] = total;
@@ -90,6 +119,7 @@ fn reference(shape: &QuantShape, x: &[f32], w: &[u8], row_scales: &[f32]) -> Vec
 fn check(
     seed: u64,
     cases: usize,
+    vnni: bool,
     compute: impl Fn(&QuantShape, &[f32], &[u8], &[f32], &mut [f32]),
 ) {
     // Miri (scripts/sanitize.sh) interprets every load: two small cases a type.
@@ -125,7 +155,8 @@ fn check(
         };
         let mut y = vec![f32::NAN; shape.rows * shape.outs];
         compute(&shape, &x, &w, &row_scales, &mut y);
-        let want = reference(&shape, &x, &w, &row_scales);
+        let folds = vnni && vnni_folds_offset(kind);
+        let want = reference_of(&shape, &x, &w, &row_scales, folds);
         let scale = want.iter().fold(1e-3f64, |m, v| m.max(v.abs()));
         for (i, (got, want)) in y.iter().zip(&want).enumerate() {
             assert!(
@@ -138,14 +169,14 @@ fn check(
 
 #[test]
 fn every_type_matches_a_float64_reference_on_random_shapes() {
-    check(17, 120, |shape, x, w, s, y| {
+    check(17, 120, true, |shape, x, w, s, y| {
         qmatmul(shape, x, w, s, y).unwrap()
     });
 }
 
 #[test]
 fn the_portable_loop_matches_the_reference_too() {
-    check(19, 60, |shape, x, w, s, y| {
+    check(19, 60, false, |shape, x, w, s, y| {
         call::validate(shape, x, w, s, y).unwrap();
         let inputs = Inputs::prepare(shape, x);
         let out = OutPtr::new(y);
