@@ -35,7 +35,9 @@ use std::sync::OnceLock;
 
 use super::activations::Q16Rows;
 use super::call::QuantShape;
-use super::formats::{q4k_scale_min, QuantType, SUB};
+#[cfg(doc)]
+use super::formats::q4k_scale_min;
+use super::formats::{QuantType, SUB};
 use super::unpack_avx2::{Format, Q4K, Q4_0, Q4_1, Q5_0, Q6K, Q8_0};
 use crate::kernels::cpu_matmul::OutPtr;
 
@@ -68,8 +70,8 @@ pub fn available() -> bool {
 /// beat the AVX2 and float paths at 1 to 8 rows on a Zen 4 core (30 products
 /// of 576x1536, or 1536x576 for K-quants, ms; benches/RESULTS.md, 2026-11-28):
 /// Q4_0 one row 1.10 -> 0.79, 2 rows 1.91 -> 1.26; Q4_1 1.01 -> 0.79, 1.85 ->
-/// 1.33; Q5_0 1.63 -> 1.42; Q8_0 2 rows 2.40 -> 1.30; Q4_K 1.15 -> 1.08, 6
-/// rows 3.49 -> 2.53; Q6_K 1.89 -> 0.93, 6 rows 3.93 -> 2.25.
+/// 1.33; Q5_0 1.63 -> 1.42; Q8_0 2 rows 2.40 -> 1.30; Q4_K 1.15 -> 0.69, 6
+/// rows 3.49 -> 1.96; Q6_K 1.89 -> 0.93, 6 rows 3.93 -> 2.25.
 pub fn reads(kind: QuantType) -> bool {
     matches!(
         kind,
@@ -332,7 +334,9 @@ impl Group512 for Q4K {
     ) -> Unpacked {
         const SUPER: usize = 8;
         let mut ints = [_mm512_setzero_si512(); GROUP];
-        let (mut scales, mut mins) = ([0.0f32; GROUP], [0.0f32; GROUP]);
+        // Per super-block: `d` and `dmin`, and the eight 6-bit `m` as bytes.
+        let (mut d, mut dmin, mut m) = ([0.0f32; 2], [0.0f32; 2], [0u64; 2]);
+        let mask = _mm512_set1_epi16(15);
         for s in 0..GROUP / SUPER {
             if !(WHOLE || s * SUPER < count) {
                 break;
@@ -341,34 +345,53 @@ impl Group512 for Q4K {
             let halves = _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(
                 block as *const i32,
             )));
-            let (d, dmin) = (
-                _mm_cvtss_f32(halves),
-                _mm_cvtss_f32(_mm_movehdup_ps(halves)),
-            );
-            let packed = std::slice::from_raw_parts(block.add(4), 12);
-            let mut sc = [0i16; SUPER];
-            for j in 0..SUPER {
-                let (scale, min) = q4k_scale_min(packed, j);
-                sc[j] = i16::from(scale);
-                scales[s * SUPER + j] = d;
-                mins[s * SUPER + j] = -(dmin * f32::from(min));
-            }
-            let mask = _mm512_set1_epi16(15);
+            d[s] = _mm_cvtss_f32(halves);
+            dmin[s] = _mm_cvtss_f32(_mm_movehdup_ps(halves));
+            let (sc, mins) = q4k_scales_and_mins(block.add(4));
+            m[s] = mins;
             for pair in 0..SUPER / 2 {
                 let at = block.add(16 + 32 * pair) as *const __m256i;
                 let bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(at));
                 let (low, high) = (_mm512_and_si512(bytes, mask), _mm512_srli_epi16::<4>(bytes));
+                let factor = |j: usize| _mm512_set1_epi16((sc >> (8 * j) & 0xff) as i16);
                 let j = s * SUPER + 2 * pair;
-                ints[j] = _mm512_mullo_epi16(low, _mm512_set1_epi16(sc[2 * pair]));
-                ints[j + 1] = _mm512_mullo_epi16(high, _mm512_set1_epi16(sc[2 * pair + 1]));
+                ints[j] = _mm512_mullo_epi16(low, factor(2 * pair));
+                ints[j + 1] = _mm512_mullo_epi16(high, factor(2 * pair + 1));
             }
         }
+        // Lanes 0..8 the first super-block's sub-blocks, 8..16 the second's.
+        let per_super =
+            |v: [f32; 2]| _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(v[0]), _mm512_set1_ps(v[1]));
+        let m = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_set_epi64x(
+            m[1] as i64,
+            m[0] as i64,
+        )));
         Unpacked {
             ints,
-            scales: _mm512_loadu_ps(scales.as_ptr()),
-            mins: _mm512_loadu_ps(mins.as_ptr()),
+            scales: per_super(d),
+            mins: _mm512_mul_ps(m, _mm512_sub_ps(_mm512_setzero_ps(), per_super(dmin))),
         }
     }
+}
+
+/// A Q4_K super-block's eight 6-bit sub-block scales and eight 6-bit mins,
+/// each as the bytes of a `u64` (sub-block `j` in byte `j`), from the 12
+/// packed bytes at `at`: sub-blocks 0..4 keep the low six bits of bytes 0..4
+/// (scales) and 4..8 (mins); sub-blocks 4..8 take four bits from bytes 8..12
+/// (low nibble: scale, high nibble: min) and their top two bits from the top
+/// two bits of bytes 0..4 (scale) and 4..8 (min) ([`q4k_scale_min`]'s layout,
+/// read as three little-endian words).
+#[inline]
+unsafe fn q4k_scales_and_mins(at: *const u8) -> (u64, u64) {
+    let word = |k: usize| std::ptr::read_unaligned(at.add(4 * k) as *const u32);
+    let (w0, w1, w2) = (word(0), word(1), word(2));
+    let (low6, low4, top2) = (0x3f3f_3f3fu32, 0x0f0f_0f0fu32, 0x0303_0303u32);
+    let scales_high = (w2 & low4) | (((w0 >> 6) & top2) << 4);
+    let mins_high = ((w2 >> 4) & low4) | (((w1 >> 6) & top2) << 4);
+    (
+        u64::from(w0 & low6) | u64::from(scales_high) << 32,
+        u64::from(w1 & low6) | u64::from(mins_high) << 32,
+    )
 }
 
 /// Q6_K: 256-weight super-blocks of eight sub-blocks, `w = d · sc_h · (q −
@@ -509,6 +532,23 @@ unsafe fn reduce_sixteen(v: &[__m512i; GROUP]) -> __m512i {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::quant::formats::q4k_scale_min;
+    use crate::test_rng::SplitMix64 as TestRng;
+
+    #[test]
+    fn q4k_scales_and_mins_unpack_as_the_reference_does() {
+        let mut rng = TestRng::new(77);
+        for _ in 0..2000 {
+            let packed: Vec<u8> = (0..12).map(|_| rng.below(256) as u8).collect();
+            // SAFETY: 12 readable bytes.
+            let (scales, mins) = unsafe { q4k_scales_and_mins(packed.as_ptr()) };
+            for j in 0..8 {
+                let (scale, min) = q4k_scale_min(&packed, j);
+                assert_eq!((scales >> (8 * j)) as u8, scale, "{packed:?} scale {j}");
+                assert_eq!((mins >> (8 * j)) as u8, min, "{packed:?} min {j}");
+            }
+        }
+    }
 
     #[test]
     fn the_reduction_puts_each_registers_sum_in_its_own_lane() {
