@@ -93,8 +93,9 @@ def test_cpu_kernel_matches_dequantize_then_matmul(kind: str, rows: int) -> None
     path = "qmatmul" if rows < cpu_qmatmul.DEQUANTIZE_ROWS else "dequantize"
     assert f"kvpage_{path}_{kind}" in hlo
     scale = np.abs(want).max()
-    # One row goes through 8-bit inputs (llama.cpp's scheme); more rows stay float.
-    tolerance = 2e-2 if rows == 1 else 1e-5
+    # Up to 8 rows may take the integer path (16-bit inputs, ~2e-5 relative: one row
+    # everywhere, 1-8 rows with AVX-512 VNNI); more rows stay float.
+    tolerance = 1e-4 if rows <= 8 else 1e-5
     assert np.abs(got - want).max() <= tolerance * scale
 
 
