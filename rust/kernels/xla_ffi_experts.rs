@@ -61,6 +61,19 @@ unsafe fn slice_of_mut<'a, T>(view: &View) -> &'a mut [T] {
     }
 }
 
+/// `Err` naming the first of `views` (view, name, rank) whose rank differs.
+fn check_ranks(views: &[(&View, &str, usize)]) -> Result<(), String> {
+    for &(view, name, rank) in views {
+        if view.dims.len() != rank {
+            return Err(format!(
+                "{name} has rank {}, expected {rank}",
+                view.dims.len()
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// A call's routed rows and its result, checked for rank, dtype and shape.
 struct Operands<'a> {
     routed: Routed<'a>,
@@ -78,20 +91,12 @@ unsafe fn operands<'a>(
     y: &View,
     w_row: Option<usize>,
 ) -> Result<Operands<'a>, String> {
-    let ranks = [
+    check_ranks(&[
         (x, "x", 2),
         (w, "w", 3),
         (ids, "expert_ids", 1),
         (y, "y", 2),
-    ];
-    for (view, name, rank) in ranks {
-        if view.dims.len() != rank {
-            return Err(format!(
-                "{name} has rank {}, expected {rank}",
-                view.dims.len()
-            ));
-        }
-    }
+    ])?;
     if x.dtype != DTYPE_F32 || y.dtype != DTYPE_F32 {
         return Err("x and y must be float32".into());
     }
@@ -186,7 +191,7 @@ unsafe fn run_expert_ffn(frame: &CallFrame) -> Result<(), String> {
         unreachable!("eight arguments checked")
     };
     let y = &rets[0];
-    let ranks = [
+    check_ranks(&[
         (x, "x", 2),
         (router, "router", 2),
         (bias, "router_bias", 1),
@@ -195,15 +200,7 @@ unsafe fn run_expert_ffn(frame: &CallFrame) -> Result<(), String> {
         (down, "down", 3),
         (config, "config", 1),
         (y, "y", 2),
-    ];
-    for (view, name, rank) in ranks {
-        if view.dims.len() != rank {
-            return Err(format!(
-                "{name} has rank {}, expected {rank}",
-                view.dims.len()
-            ));
-        }
-    }
+    ])?;
     for (view, name) in [
         (x, "x"),
         (router, "router"),

@@ -49,6 +49,9 @@ pub const VNNI_ROWS: usize = 8;
 /// Sub-blocks reduced together: one 16-lane register of sums.
 const GROUP: usize = 16;
 
+/// Sub-blocks of a K-quant super-block (256 weights): a group holds two.
+const SUPER: usize = 8;
+
 /// Whether this CPU runs the path (and neither `KVPAGE_CPU_AVX512` nor
 /// `KVPAGE_CPU_VNNI` is `0`: A/B measurements; read once per process).
 pub fn available() -> bool {
@@ -332,7 +335,6 @@ impl Group512 for Q4K {
         first: usize,
         count: usize,
     ) -> Unpacked {
-        const SUPER: usize = 8;
         let mut ints = [_mm512_setzero_si512(); GROUP];
         // Per super-block: `d` and `dmin`, and the eight 6-bit `m` as bytes.
         let (mut d, mut dmin, mut m) = ([0.0f32; 2], [0.0f32; 2], [0u64; 2]);
@@ -408,7 +410,6 @@ impl Group512 for Q6K {
         first: usize,
         count: usize,
     ) -> Unpacked {
-        const SUPER: usize = 8;
         let mut ints = [_mm512_setzero_si512(); GROUP];
         let mut scales = [0.0f32; GROUP];
         let (mask, offset) = (_mm512_set1_epi16(15), _mm512_set1_epi16(32));
