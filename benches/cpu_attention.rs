@@ -1,7 +1,8 @@
 //! Criterion bench of the host decode-attention kernel (`rust/kernels/cpu_attention.rs`)
 //! at SmolLM2-135M's shapes (9 query / 3 KV heads, head_dim 64, blocks of 16):
-//! one layer of a decode step, f32 and f16 pools. Bytes read per call are printed so
-//! the figure can be read as bandwidth. Run: `cargo bench --bench cpu_attention`.
+//! one layer of a decode step, f32 and f16 pools (one long row: its KV heads
+//! split across threads). Bytes read per call are printed so the figure can be
+//! read as bandwidth. Run: `cargo bench --bench cpu_attention`.
 
 use std::hint::black_box;
 
@@ -11,7 +12,7 @@ use kvpage_core::kernels::parallel::ScopedThreads;
 
 fn decode_layer(c: &mut Criterion) {
     let mut group = c.benchmark_group("cpu_decode_attention");
-    for (rows, context) in [(1usize, 128usize), (32, 512), (8, 2048)] {
+    for (rows, context) in [(1usize, 128usize), (1, 4096), (32, 512), (8, 2048)] {
         let width = context / 16;
         let shape = DecodeShape {
             rows,

@@ -26,8 +26,11 @@
 //!   a row's live blocks or before its window are never read, and neither are slots
 //!   at or past `kv_len` (they may hold garbage) or before the window.
 //!
-//! A row with `kv_len == 0` gets zeros. Rows are split across threads by their
-//! visible context length; each row's result does not depend on the split.
+//! A row with `kv_len == 0` gets zeros. Work is split across threads by visible
+//! context length: whole rows, or where a call has fewer rows than threads (one
+//! long sequence decoding) each row's KV heads in contiguous ranges, so a lone
+//! row's context is read by every thread instead of one. Each KV head's result
+//! is computed the same way whatever the split, so no output depends on it.
 //!
 //! Options ([`AttentionOptions`], the contract of `python/kvpage/kernels/xla/reference.py`;
 //! the default is none of them, and then the loops are the plain ones):
@@ -41,6 +44,7 @@
 //! - `sinks`: `[q_heads]` logits, each joining its head's softmax denominator once,
 //!   when the row is finished: `out = Σ e^s v / (Σ e^s + e^sink)`.
 
+use std::ops::Range;
 use std::sync::{Mutex, OnceLock};
 
 #[cfg(target_arch = "x86_64")]
@@ -96,9 +100,13 @@ impl DecodeShape {
     }
 }
 
-/// Context tokens below which a call runs on the calling thread only (handing
-/// work to another thread costs more than the work: a few us on XLA's pool).
-const MIN_TOKENS_PER_THREAD: usize = 512;
+/// Context tokens times KV heads (the K/V rows a call reads) per thread added;
+/// below it a call runs on the calling thread only. A hand-off to XLA's pool
+/// costs a few us; splitting from 128 (64 KiB of f32 K and V at head_dim 64)
+/// rather than 512 tokens per thread took in-process decode of SmolLM2 Q4_1
+/// from 212 to 221 tok/s at one request and 375 to 425 at four, and of `kvpage
+/// bench moe`'s model from ~535 to ~580 at one (2026-11-28, benches/RESULTS.md).
+const MIN_ROWS_READ_PER_THREAD: usize = 128;
 
 /// Check the invariants in the module docs; `Err` names the first violation.
 pub fn validate<T>(
@@ -262,11 +270,11 @@ pub fn paged_decode_attention_with<T: KvElement>(
         let kv_len = kv_lens[row] as usize;
         kv_len - options.window_start(kv_len)
     };
-    let total_tokens: usize = (0..shape.rows).map(visible).sum();
+    let total_read: usize = (0..shape.rows).map(visible).sum::<usize>() * shape.kv_heads;
     let threads = parallel
         .threads()
-        .min(shape.rows)
-        .min(total_tokens / MIN_TOKENS_PER_THREAD)
+        .min(shape.rows * shape.kv_heads)
+        .min(total_read / MIN_ROWS_READ_PER_THREAD)
         .max(1);
     let pools = Pools {
         shape: *shape,
@@ -274,50 +282,54 @@ pub fn paged_decode_attention_with<T: KvElement>(
         k_pages,
         v_pages,
     };
-    let mut rows: Vec<(usize, &mut [f32])> = out.chunks_mut(row_len).enumerate().collect();
+    let all_heads = 0..shape.kv_heads;
     if threads == 1 {
-        for (row, dst) in rows {
-            pools.row(
-                row,
-                &q[row * row_len..][..row_len],
-                kv_lens,
-                block_tables,
-                dst,
-            );
+        for (row, dst) in out.chunks_mut(row_len).enumerate() {
+            let q_row = &q[row * row_len..][..row_len];
+            pools.row(row, all_heads.clone(), q_row, kv_lens, block_tables, dst);
         }
         return Ok(());
     }
-    // Longest rows first, each to the least loaded share; one share per thread.
-    rows.sort_by_key(|(row, _)| std::cmp::Reverse(visible(*row)));
-    let mut shares: Vec<(usize, Vec<RowOut>)> = (0..threads).map(|_| (0, Vec::new())).collect();
-    for (row, dst) in rows {
+    // Pieces: whole rows, or each row's KV heads in up to `threads / rows`
+    // contiguous ranges. Longest first, each to the least loaded share.
+    let ranges = threads.div_ceil(shape.rows).min(shape.kv_heads);
+    let head_len = shape.group() * shape.head_dim;
+    let mut pieces: Vec<Piece> = Vec::with_capacity(shape.rows * ranges);
+    for (row, mut dst) in out.chunks_mut(row_len).enumerate() {
+        let mut start = 0;
+        for r in 0..ranges {
+            let end = shape.kv_heads * (r + 1) / ranges;
+            let (part, rest) = dst.split_at_mut((end - start) * head_len);
+            pieces.push((row, start..end, part));
+            (dst, start) = (rest, end);
+        }
+    }
+    pieces.sort_by_key(|(row, heads, _)| std::cmp::Reverse(visible(*row) * heads.len()));
+    let mut shares: Vec<(usize, Vec<Piece>)> = (0..threads).map(|_| (0, Vec::new())).collect();
+    for piece in pieces {
         let lightest = shares
             .iter_mut()
             .min_by_key(|(load, _)| *load)
             .expect("at least one thread");
-        lightest.0 += visible(row) + 1;
-        lightest.1.push((row, dst));
+        lightest.0 += (visible(piece.0) + 1) * piece.1.len();
+        lightest.1.push(piece);
     }
-    let shares: Vec<Mutex<Vec<RowOut>>> = shares
+    let shares: Vec<Mutex<Vec<Piece>>> = shares
         .into_iter()
         .map(|(_, share)| Mutex::new(share))
         .collect();
     let pools = &pools;
     parallel.run(threads, &|unit| {
         let share = std::mem::take(&mut *shares[unit].lock().unwrap_or_else(|e| e.into_inner()));
-        for (row, dst) in share {
-            pools.row(
-                row,
-                &q[row * row_len..][..row_len],
-                kv_lens,
-                block_tables,
-                dst,
-            );
+        for (row, heads, dst) in share {
+            let q_row = &q[row * row_len..][..row_len];
+            pools.row(row, heads, q_row, kv_lens, block_tables, dst);
         }
     })
 }
 
-type RowOut<'o> = (usize, &'o mut [f32]);
+/// A row, a range of its KV heads, and the output of those heads' query heads.
+type Piece<'o> = (usize, Range<usize>, &'o mut [f32]);
 
 struct Pools<'a, T> {
     shape: DecodeShape,
@@ -327,8 +339,17 @@ struct Pools<'a, T> {
 }
 
 impl<T: KvElement> Pools<'_, T> {
-    /// One row: every query head over the row's live blocks (online softmax).
-    fn row(&self, row: usize, q: &[f32], kv_lens: &[i32], tables: &[i32], out: &mut [f32]) {
+    /// KV heads `heads` of one row, each with its query heads, over the row's
+    /// live blocks (online softmax): `q` the whole row, `out` those heads' part.
+    fn row(
+        &self,
+        row: usize,
+        heads: Range<usize>,
+        q: &[f32],
+        kv_lens: &[i32],
+        tables: &[i32],
+        out: &mut [f32],
+    ) {
         let s = &self.shape;
         let kv_len = kv_lens[row] as usize;
         if kv_len == 0 {
@@ -346,7 +367,7 @@ impl<T: KvElement> Pools<'_, T> {
         #[cfg(target_arch = "x86_64")]
         if avx2_fma_f16c() && group <= MAX_GROUP && bs <= MAX_BLOCK && d % 8 == 0 {
             let head_len = s.pages * bs * d;
-            for h in 0..s.kv_heads {
+            for h in heads.clone() {
                 let pages = HeadPages {
                     keys: &self.k_pages[h * head_len..][..head_len],
                     values: &self.v_pages[h * head_len..][..head_len],
@@ -354,7 +375,10 @@ impl<T: KvElement> Pools<'_, T> {
                     head_dim: d,
                     block_size: bs,
                 };
-                let range = h * group * d..(h + 1) * group * d;
+                let (range, local) = (
+                    h * group * d..(h + 1) * group * d,
+                    (h - heads.start) * group * d..(h + 1 - heads.start) * group * d,
+                );
                 // Without options the kernel's option checks fold away.
                 let call = if self.options.any() {
                     group_attention::<T, true>
@@ -369,16 +393,16 @@ impl<T: KvElement> Pools<'_, T> {
                         table,
                         kv_len,
                         &options(h),
-                        &q[range.clone()],
-                        &mut out[range],
+                        &q[range],
+                        &mut out[local],
                     )
                 };
             }
             return;
         }
-        for h in 0..s.kv_heads {
+        for h in heads.clone() {
             let q_group = &q[h * group * d..][..group * d];
-            let out_group = &mut out[h * group * d..][..group * d];
+            let out_group = &mut out[(h - heads.start) * group * d..][..group * d];
             let opts = options(h);
             if group <= MAX_GROUP && d <= MAX_HEAD_DIM && bs <= MAX_BLOCK {
                 if self.options.any() {

@@ -4,7 +4,7 @@
 use std::arch::x86_64::*;
 
 use super::*;
-use crate::kernels::parallel::{ScopedThreads, Sequential};
+use crate::kernels::parallel::{Parallel, ScopedThreads, Sequential};
 use crate::test_rng::SplitMix64 as TestRng;
 
 /// Naive float64 attention over the row's tokens, gathered token by token.
@@ -669,4 +669,77 @@ fn threaded_split_with_a_window_equals_single_thread() {
         out
     };
     assert_eq!(call(&ScopedThreads), call(&Sequential));
+}
+
+/// Claims `threads` threads and runs the units on the caller, last unit first:
+/// the split a call makes for that many threads, without threads.
+struct SplitFor(usize);
+
+impl Parallel for SplitFor {
+    fn threads(&self) -> usize {
+        self.0
+    }
+
+    fn run(&self, units: usize, work: &(dyn Fn(usize) + Sync)) -> Result<(), String> {
+        (0..units).rev().for_each(work);
+        Ok(())
+    }
+}
+
+#[test]
+fn few_rows_split_by_kv_heads_equal_one_thread_bit_for_bit() {
+    let mut rng = TestRng::new(53);
+    for (rows, kv_heads, group) in [(1, 2, 4), (1, 3, 3), (1, 8, 1), (2, 4, 2), (3, 5, 2)] {
+        let shape = DecodeShape {
+            rows,
+            q_heads: kv_heads * group,
+            kv_heads,
+            head_dim: 64,
+            pages: rows * 64,
+            block_size: 16,
+            table_width: 64,
+        };
+        let (q, k, v, mut kv_lens, mut tables) = random_case(&mut rng, shape);
+        // Rows long enough that two threads or more take pieces.
+        kv_lens.iter_mut().for_each(|n| *n = 700 + (*n % 300));
+        tables
+            .iter_mut()
+            .enumerate()
+            .for_each(|(i, p)| *p = ((i * 13) % (rows * 64)) as i32);
+        let finite = |x: &[f32]| -> Vec<f32> {
+            x.iter()
+                .map(|x| if x.is_finite() { *x } else { 0.5 })
+                .collect()
+        };
+        let (k, v) = (finite(&k), finite(&v));
+        let sinks: Vec<f32> = (0..shape.q_heads).map(|h| h as f32 * 0.1 - 0.3).collect();
+        for options in [
+            AttentionOptions::default(),
+            AttentionOptions {
+                sliding_window: Some(600),
+                soft_cap: Some(4.0),
+                sinks: Some(&sinks),
+            },
+        ] {
+            let call = |parallel: &dyn Parallel| {
+                // NaN where a piece would leave an output unwritten.
+                let mut out = vec![f32::NAN; q.len()];
+                paged_decode_attention_with(
+                    parallel, &shape, &options, &q, &k, &v, &kv_lens, &tables, &mut out,
+                )
+                .unwrap();
+                out
+            };
+            let one = call(&Sequential);
+            assert!(one.iter().all(|x| x.is_finite()));
+            for threads in [2, 3, 4, 8] {
+                let split = call(&SplitFor(threads));
+                let same = split
+                    .iter()
+                    .zip(&one)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "rows {rows} kv_heads {kv_heads} threads {threads}");
+            }
+        }
+    }
 }

@@ -46,11 +46,25 @@ class MoEShape:
 
 def _random_blocks(rng: np.random.Generator, shape: tuple[int, ...], kind: str,
                    scale: float) -> np.ndarray:
-    """Random blocks of ``kind`` for a float tensor of ``shape`` (scales ``scale``)."""
+    """Random zero-mean blocks of ``kind`` for a float tensor of ``shape`` (scales
+    ``scale``).
+
+    Zero mean matters: uniform nibbles ``0..15`` are ``q - 8`` with mean ``-0.5``, a
+    shared component in every weight that after a few layers points every token's
+    hidden state the same way, so every sequence greedily emitted the same token and
+    routed to the same experts (a 32-request decode step then read 4 experts, not ~all
+    32). Q4_0 nibbles are drawn from ``1..15`` and Q8_0 integers from ``-127..127``."""
     elems, size = _BLOCK[kind]
     *lead, inner = shape
     rows = int(np.prod(lead))
-    blocks = rng.integers(0, 256, (rows, inner // elems, size), dtype=np.uint8)
+    blocks = np.empty((rows, inner // elems, size), np.uint8)
+    if kind == "Q4_0":
+        low, high = (rng.integers(1, 16, (rows, inner // elems, size - 2), dtype=np.uint8)
+                     for _ in range(2))
+        blocks[..., 2:] = low | (high << 4)
+    else:
+        blocks[..., 2:] = rng.integers(-127, 128, (rows, inner // elems, size - 2),
+                                       dtype=np.int8).view(np.uint8)
     d = np.full((rows, inner // elems), scale, np.float16).view(np.uint8)
     blocks[..., 0:2] = d.reshape(rows, inner // elems, 2)
     return blocks.reshape(*lead, (inner // elems) * size)
