@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import model_fixtures  # noqa: F401  (sys.path / import setup, before kvpage)
+import numpy as np
 import pytest
 from kvpage.bench.moe import expert_traffic
 from kvpage.bench.moe_model import MoEShape, write_random_moe_gguf
@@ -26,10 +27,19 @@ def test_random_moe_file_loads_as_quantized_qwen3_moe_and_generates(tmp_path: Pa
     assert (config.moe.num_experts, config.moe.top_k) == (8, 2)
     experts = params["layers"][0]["mlp"]["experts"]["down_proj"]["weight"]
     assert isinstance(experts, QuantizedWeight) and experts.shape == (8, 64, 32)
-    llm = LLM(str(path), max_model_len=64, max_num_seqs=2, num_gpu_blocks=32, block_size=8)
-    out = llm.generate([{"prompt_token_ids": [3, 4, 5]}],
-                       SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) == 4
+    # Zero-mean weights: a shared component in every weight once made every sequence
+    # emit the same token, so every request of a batch routed to the same experts.
+    for name in ("gate_proj", "down_proj"):
+        w = np.asarray(params["layers"][0]["mlp"]["experts"][name]["weight"].dequantize())
+        assert abs(float(w.mean())) < 0.02 * float(w.std()), name
+    llm = LLM(str(path), max_model_len=64, max_num_seqs=8, num_gpu_blocks=64, block_size=8)
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": rng.integers(0, 257, 6).tolist()} for _ in range(8)]
+    out = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+                       use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 6 for o in out)
+    last = {o.outputs[0].token_ids[-1] for o in out}
+    assert len(last) >= 4, f"greedy continuations collapsed to {sorted(last)}"
 
 
 def test_expert_traffic_is_the_active_experts_at_batch_one() -> None:
