@@ -6,8 +6,14 @@
 //! Per block: the group's scores eight tokens at a time (eight accumulators, one
 //! per token, reduced together), a vectorized `exp` for the block's softmax
 //! weights, then the values into accumulators held in registers, 64 lanes of
-//! the head at a time. K/V rows are read in place from the pool; no row is
-//! copied.
+//! the head at a time. f32 K/V rows are read in place from the pool; f16 and
+//! bf16 rows of a block are widened once into a small f32 buffer that every
+//! query head of the group then reads (each query head widened them itself
+//! before), and the next block's K and V are asked of the cache while this
+//! one is computed (its page is anywhere in the pool, so the hardware
+//! prefetcher cannot guess it). Both together took decode attention from 8.8 %
+//! to 5.8 % of a 32-request step of `kvpage bench moe`'s model (prefetch alone
+//! 6.6 %, widening alone 8.3 %; 2026-11-28, benches/RESULTS.md).
 //!
 //! Invariants (the caller's, checked by [`super::cpu_attention::validate`] and the
 //! dispatch in `cpu_attention.rs`): every page in `table` is inside `keys` and
@@ -51,16 +57,28 @@ pub(super) unsafe fn group_attention<E: KvElement, const OPTIONS: bool>(
     let (group, d, bs) = (pages.group, pages.head_dim, pages.block_size);
     debug_assert!(group <= MAX_GROUP && bs <= MAX_BLOCK && d % 8 == 0);
     debug_assert!(q.len() == group * d && out.len() == group * d);
-    let mut maxes = [f32::NEG_INFINITY; MAX_GROUP];
-    let mut sums = [0.0f32; MAX_GROUP];
-    // One block's weights per query head, padded with -inf to a multiple of 8.
-    let mut weights = [0.0f32; MAX_BLOCK + 8];
     let (start, cap) = if OPTIONS {
         (opts.start, opts.soft_cap)
     } else {
         (0, None)
     };
     out.fill(0.0);
+    // f16 / bf16 rows widened once per block for the whole group (the widening is
+    // exact, so each sum is the same as reading the pool per query head).
+    let widen = group > 1 && std::mem::size_of::<E>() != std::mem::size_of::<f32>();
+    let mut wide = if widen {
+        vec![0.0f32; 2 * bs * d]
+    } else {
+        Vec::new()
+    };
+    let mut scores = Scores {
+        weights: [0.0f32; MAX_BLOCK + 8],
+        maxes: [f32::NEG_INFINITY; MAX_GROUP],
+        sums: [0.0f32; MAX_GROUP],
+        group,
+        d,
+        cap,
+    };
     let first_block = start / bs;
     for (i, &page) in table[first_block..].iter().enumerate() {
         let b = first_block + i;
@@ -69,12 +87,62 @@ pub(super) unsafe fn group_attention<E: KvElement, const OPTIONS: bool>(
         let end = (kv_len - b * bs).min(bs);
         let live = end - first;
         let offset = (page as usize * bs + first) * d;
-        let keys = pages.keys[offset..][..live * d].as_ptr();
-        let values = pages.values[offset..][..live * d].as_ptr();
+        let keys = &pages.keys[offset..][..live * d];
+        let values = &pages.values[offset..][..live * d];
+        // The next block's page is anywhere in the pool: ask for it now.
+        if let Some(&next) = table[first_block..].get(i + 1) {
+            if b + 1 < kv_len.div_ceil(bs) {
+                let at = next as usize * bs * d;
+                let bytes = (kv_len - (b + 1) * bs).min(bs) * d * std::mem::size_of::<E>();
+                prefetch(pages.keys[at..].as_ptr().cast(), bytes);
+                prefetch(pages.values[at..].as_ptr().cast(), bytes);
+            }
+        }
+        if widen {
+            let (wide_keys, wide_values) = wide.split_at_mut(bs * d);
+            widen_into(keys, &mut wide_keys[..live * d]);
+            widen_into(values, &mut wide_values[..live * d]);
+            scores.block(q, wide_keys.as_ptr(), wide_values.as_ptr(), live, out);
+        } else {
+            scores.block(q, keys.as_ptr(), values.as_ptr(), live, out);
+        }
+    }
+    let (maxes, sums) = (scores.maxes, scores.sums);
+    for g in 0..group {
+        let sink = if OPTIONS { opts.sink(g) } else { None };
+        finish(&mut out[g * d..][..d], maxes[g], sums[g], sink);
+    }
+}
+
+/// The online softmax of one KV head's query group across blocks.
+struct Scores {
+    /// One block's weights per query head, padded with -inf to a multiple of 8.
+    weights: [f32; MAX_BLOCK + 8],
+    maxes: [f32; MAX_GROUP],
+    sums: [f32; MAX_GROUP],
+    group: usize,
+    d: usize,
+    cap: Option<f32>,
+}
+
+impl Scores {
+    /// One block's `live` keys and values (rows of `d`) into `out`, each query head
+    /// of the group in turn.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn block<T: KvElement>(
+        &mut self,
+        q: &[f32],
+        keys: *const T,
+        values: *const T,
+        live: usize,
+        out: &mut [f32],
+    ) {
+        let d = self.d;
         let padded = live.next_multiple_of(8);
-        for g in 0..group {
+        for g in 0..self.group {
             let qg = q.as_ptr().add(g * d);
-            let w = weights.as_mut_ptr();
+            let w = self.weights.as_mut_ptr();
             let mut t = 0;
             while t + 8 <= live {
                 _mm256_storeu_ps(w.add(t), dot8(qg, keys.add(t * d), d));
@@ -84,16 +152,16 @@ pub(super) unsafe fn group_attention<E: KvElement, const OPTIONS: bool>(
                 *w.add(t) = dot1(qg, keys.add(t * d), d);
                 t += 1;
             }
-            if let Some(cap) = cap {
-                soft_cap(&mut weights[..live], cap);
+            if let Some(cap) = self.cap {
+                soft_cap(&mut self.weights[..live], cap);
             }
-            weights[live..padded].fill(f32::NEG_INFINITY);
+            self.weights[live..padded].fill(f32::NEG_INFINITY);
             // Online softmax: rescale what the earlier blocks summed.
             let block_max = max_of(w, padded);
-            let new_max = maxes[g].max(block_max);
-            let alpha = (maxes[g] - new_max).exp(); // 0 on the first block
-            maxes[g] = new_max;
-            sums[g] = sums[g] * alpha + exp_in_place(w, padded, new_max);
+            let new_max = self.maxes[g].max(block_max);
+            let alpha = (self.maxes[g] - new_max).exp(); // 0 on the first block
+            self.maxes[g] = new_max;
+            self.sums[g] = self.sums[g] * alpha + exp_in_place(w, padded, new_max);
             let acc = out.as_mut_ptr().add(g * d);
             let mut lane = 0;
             while lane < d {
@@ -101,7 +169,7 @@ pub(super) unsafe fn group_attention<E: KvElement, const OPTIONS: bool>(
                 macro_rules! by_width {
                     ($($n:literal),*) => {
                         match (d - lane).min(64) / 8 {
-                            $($n => accumulate::<E, $n>(acc, alpha, w, values, live, d),)*
+                            $($n => accumulate::<T, $n>(acc, alpha, w, values, live, d),)*
                             _ => unreachable!("1..=8 registers of lanes"),
                         }
                     };
@@ -111,9 +179,25 @@ pub(super) unsafe fn group_attention<E: KvElement, const OPTIONS: bool>(
             }
         }
     }
-    for g in 0..group {
-        let sink = if OPTIONS { opts.sink(g) } else { None };
-        finish(&mut out[g * d..][..d], maxes[g], sums[g], sink);
+}
+
+/// Ask the cache for the `bytes` at `at`, a line at a time.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn prefetch(at: *const i8, bytes: usize) {
+    for line in (0..bytes).step_by(64) {
+        _mm_prefetch::<_MM_HINT_T0>(at.add(line));
+    }
+}
+
+/// `dst[i] = src[i]` as f32, eight at a time (`src.len()` a multiple of 8: whole
+/// rows of a `head_dim` that is).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn widen_into<E: KvElement>(src: &[E], dst: &mut [f32]) {
+    debug_assert!(src.len() == dst.len() && src.len() % 8 == 0);
+    for c in (0..src.len()).step_by(8) {
+        _mm256_storeu_ps(dst.as_mut_ptr().add(c), E::load8(src.as_ptr().add(c)));
     }
 }
 

@@ -237,6 +237,26 @@ fn narrow_pool_reads_as_its_f32_value<T: KvElement>(narrow: fn(f32) -> T, seed: 
                 "case {case}: {a} vs {b}"
             );
         }
+        // And bit for bit the kernel over the same values stored as f32: widening
+        // (per query head or once per block for the group) is exact.
+        let mut from_f32 = vec![f32::NAN; q.len()];
+        let (kw, vw) = (wide(&kn), wide(&vn));
+        paged_decode_attention(
+            &ScopedThreads,
+            &shape,
+            &q,
+            &kw,
+            &vw,
+            &kv_lens,
+            &tables,
+            &mut from_f32,
+        )
+        .unwrap();
+        let same = out
+            .iter()
+            .zip(&from_f32)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "case {case}: {shape:?}");
     }
 }
 

@@ -12,6 +12,13 @@ early the samples happen to stop, and kvpage's steps shrink as rows finish while
 tunix's padded batch does not). Each engine is warmed up on the
 same batch first, then timed over ``--steps`` steps.
 
+``--compare-suffix`` also times kvpage drafting each sample's next tokens from earlier
+samples and prompts (``speculative_config={"method": "suffix"}``; GRPO's samples of one
+prompt share text), once with the drafter's default batch limit (no drafts while more than
+``max_running`` = 8 sequences run, where the step is already full) and once drafting at
+every batch size (and seats for a drafted row per sequence: ``max_num_seqs`` twice the
+batch).
+
 ``--long-prompts 1500`` swaps the questions for prompts of ~1,500 tokens (a ledger, then
 a question about it), the shape where prefill dominates; ``--compare-grouping`` also times
 kvpage with ``group_shared_prefills=False``, where each of a prompt's ``--samples`` copies
@@ -41,6 +48,9 @@ from typing import Any
 import numpy as np
 
 from kvpage.bench.rollout_workloads import prompts as make_prompts
+
+SUFFIX_TOKENS = 5
+"""Drafted tokens per sequence and step with ``--compare-suffix``."""
 
 
 def _peak_rss_gib() -> float:
@@ -80,6 +90,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--compare-batch-invariant", action="store_true",
                    help="also time kvpage with batch_invariant=True (bitwise-stable "
                         "logprobs) and report its cost")
+    p.add_argument("--compare-suffix", action="store_true",
+                   help="also time kvpage drafting from earlier samples (speculative method "
+                        "suffix) with its default batch limit, and drafting at every batch "
+                        "size")
     p.add_argument("--skip-tunix", action="store_true", help="time kvpage only")
     p.add_argument("--json", default=None, help="write the figures to this JSON file")
     p.set_defaults(func=main)
@@ -145,6 +159,20 @@ def main(args: argparse.Namespace) -> int:
         timed = _time_kvpage(invariant, batch, warmup_batch, rollout_config, args.steps)
         figures["kvpage_invariant_tok_s"] = timed["tok_s"]
         del invariant
+    if args.compare_suffix:
+        for key, limit in (("suffix", None), ("suffix_any_batch", rows)):
+            spec = {"method": "suffix", "num_speculative_tokens": SUFFIX_TOKENS}
+            if limit is not None:
+                spec["max_running"] = limit
+            # Drafted rows are sampled rows: drafting beside `rows` running sequences
+            # needs seats for them (`max_num_seqs`).
+            seats = {} if limit is None else {"max_num_seqs": 2 * max(rows, 8)}
+            drafting = KvpageRollout(model, tok, None, rollout_config, speculative_config=spec,
+                                     **{**engine_args, **seats})
+            timed = _time_kvpage(drafting, batch, warmup_batch, rollout_config, args.steps)
+            figures[f"kvpage_{key}_tok_s"] = timed["tok_s"]
+            figures[f"kvpage_{key}_acceptance"] = timed["acceptance"]
+            del drafting
     start = time.perf_counter()
     ours = KvpageRollout(model, tok, None, rollout_config, **engine_args)
     figures["kvpage_kv_gib"] = ours.llm.engine.runner.kv_cache_decision.total_bytes / 2**30
@@ -157,6 +185,9 @@ def main(args: argparse.Namespace) -> int:
         figures["invariant_ratio"] = figures["kvpage_invariant_tok_s"] / figures["kvpage_tok_s"]
     if args.compare_grouping:
         figures["grouping_ratio"] = figures["kvpage_tok_s"] / figures["kvpage_ungrouped_tok_s"]
+    for key in ("suffix", "suffix_any_batch"):
+        if f"kvpage_{key}_tok_s" in figures:
+            figures[f"{key}_ratio"] = figures[f"kvpage_{key}_tok_s"] / figures["kvpage_tok_s"]
     figures["peak_rss_after_kvpage_gib"] = _peak_rss_gib()
 
     # weight sync from the trainer's state (the module's own Params)
@@ -258,6 +289,8 @@ def _time_kvpage(ours: Any, batch: list[str], warmup_batch: list[str], rollout_c
     figures = {"warmup_s": time.perf_counter() - start}
     engine = ours.llm.engine
     tokens, elapsed, compiles, prompt_tokens = 0, 0.0, 0, 0
+    drafted = engine.get_stats().get("spec_decode_num_draft_tokens", 0)
+    accepted = engine.get_stats().get("spec_decode_num_accepted_tokens", 0)
     for _ in range(steps):
         ours.llm.reset_prefix_cache()
         before = compile_counts()
@@ -269,7 +302,11 @@ def _time_kvpage(ours: Any, batch: list[str], warmup_batch: list[str], rollout_c
         prompt_tokens += engine.get_stats()["prompt_tokens_scheduled"] - scheduled
         tokens += _count_tokens(output)
     ours.llm.reset_prefix_cache()
-    figures.update(tok_s=tokens / elapsed, compiles=compiles, prompt_tokens=prompt_tokens / steps)
+    stats = engine.get_stats()
+    drafted = stats.get("spec_decode_num_draft_tokens", 0) - drafted
+    accepted = stats.get("spec_decode_num_accepted_tokens", 0) - accepted
+    figures.update(tok_s=tokens / elapsed, compiles=compiles, prompt_tokens=prompt_tokens / steps,
+                   drafted=drafted, acceptance=accepted / drafted if drafted else None)
     return figures
 
 
@@ -289,6 +326,13 @@ def _print(f: dict[str, Any]) -> None:
               f"{f['kvpage_prompt_tokens']:.0f} prompt tokens computed | off "
               f"{f['kvpage_ungrouped_tok_s']:.1f} tok/s, "
               f"{f['kvpage_ungrouped_prompt_tokens']:.0f} | ratio {f['grouping_ratio']:.2f}x")
+    for key, what in (("suffix", "default batch limit"),
+                      ("suffix_any_batch", "drafting at every batch size")):
+        if f"kvpage_{key}_tok_s" in f:
+            acc = f[f"kvpage_{key}_acceptance"]
+            print(f"  suffix drafts ({what}): {f[f'kvpage_{key}_tok_s']:.1f} tok/s, "
+                  f"{f[f'{key}_ratio']:.2f}x without drafts, acceptance "
+                  + ("- (nothing drafted)" if acc is None else f"{acc:.0%}"))
     if "kvpage_invariant_tok_s" in f:
         print(f"  batch_invariant: {f['kvpage_invariant_tok_s']:.1f} tok/s, "
               f"{f['invariant_ratio']:.2f}x the default engine")
