@@ -195,7 +195,7 @@ unsafe fn prefetch(at: *const i8, bytes: usize) {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn widen_into<E: KvElement>(src: &[E], dst: &mut [f32]) {
-    debug_assert!(src.len() == dst.len() && src.len() % 8 == 0);
+    debug_assert!(src.len() == dst.len() && src.len().is_multiple_of(8));
     for c in (0..src.len()).step_by(8) {
         _mm256_storeu_ps(dst.as_mut_ptr().add(c), E::load8(src.as_ptr().add(c)));
     }
