@@ -209,7 +209,7 @@ def main(args: argparse.Namespace) -> int:
         return_logprobs=True, eos_tokens=list(config.eos_token_ids) or None,
     )
     sample = ours.generate(prompts[: 2 if args.long_prompts else 4], check)
-    width = max(len(t) for t in sample.tokens)
+    width = max(1, *(len(t) for t in sample.tokens))  # every sample may stop at once
     completions = np.zeros((len(sample.tokens), width), np.int32)
     for r, t in enumerate(sample.tokens):
         completions[r, : len(t)] = t
@@ -221,7 +221,7 @@ def main(args: argparse.Namespace) -> int:
     ))
     diffs = [np.abs(lp - forward[r, : len(lp)]).max() for r, lp in enumerate(sample.logprobs)
              if len(lp)]
-    figures["logprob_max_abs_diff"] = float(max(diffs))
+    figures["logprob_max_abs_diff"] = float(max(diffs)) if diffs else None
     figures["logprob_temperature"] = temp
     del ours
 
@@ -342,8 +342,9 @@ def _print(f: dict[str, Any]) -> None:
           f"{f['kvpage_sync_arrays_copied']} arrays copied, {f['kvpage_sync_compiles']} "
           "compiles" + (f" | tunix {f['tunix_sync_ms']:.1f} ms" if "tunix_sync_ms" in f
                         else ""))
+    diff = f["logprob_max_abs_diff"]
     print(f"  logprobs (processed, T={f['logprob_temperature']}) vs tunix's teacher-forced "
-          f"forward: max |diff| {f['logprob_max_abs_diff']:.2e}")
+          "forward: " + ("no token sampled" if diff is None else f"max |diff| {diff:.2e}"))
     print(f"  peak RSS {f['peak_rss_gib']:.2f} GiB (after kvpage's part: "
           f"{f['peak_rss_after_kvpage_gib']:.2f} GiB); KV memory: kvpage "
           f"{f['kvpage_kv_gib']:.2f} GiB"
