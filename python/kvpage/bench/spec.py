@@ -21,7 +21,8 @@ of them mixed at ``--mix-concurrency``. Greedy, stopping at EOS or the workload'
 cap. Printed per workload and server: output tokens per second, the ratio to the same
 engine without speculation, the draft acceptance rate, the mean tokens per verification
 (1 + accepted drafts), and whether every output equals the one without speculation.
-Not yet here: the GRPO-shaped workload of the suffix drafter (not built yet).
+The GRPO-shaped workload of the suffix drafter (sampled rollouts, a prompt's samples
+drafting from each other) is ``kvpage bench rollout --compare-suffix``.
 """
 
 from __future__ import annotations
