@@ -32,7 +32,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kvpage.model.row_reductions import log_softmax
+from kvpage.model.row_reductions import first_max_index, log_softmax
 from kvpage.sampling.categorical import draw_categorical
 from kvpage.sampling.device_params import GREEDY_EPSILON
 from kvpage.sampling.token_bitmask import apply_token_bitmask
@@ -274,8 +274,14 @@ def sample(
         if token_bitmask is not None:  # never leave a row without a candidate
             dead = jnp.all(logits == -jnp.inf, axis=-1, keepdims=True)
             logits = jnp.where(dead, grammar_logits, logits)
-    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     is_greedy = inputs.temperature < GREEDY_EPSILON
+    # A pass over the vocabulary that sampled-only steps (RL rollouts) skip.
+    greedy_tokens = jax.lax.cond(
+        jnp.any(is_greedy),
+        first_max_index,
+        lambda x: jnp.zeros(x.shape[0], jnp.int32),
+        logits,
+    )
     random_tokens, drawn_from = jax.lax.cond(
         jnp.all(is_greedy),
         lambda x: (greedy_tokens, x),
