@@ -668,3 +668,7 @@ fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
 #[cfg(test)]
 #[path = "cpu_attention_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "cpu_attention_split_tests.rs"]
+mod split_tests;
