@@ -57,6 +57,10 @@ pub(super) unsafe fn group_attention<E: KvElement, const OPTIONS: bool>(
     let (group, d, bs) = (pages.group, pages.head_dim, pages.block_size);
     debug_assert!(group <= MAX_GROUP && bs <= MAX_BLOCK && d % 8 == 0);
     debug_assert!(q.len() == group * d && out.len() == group * d);
+    debug_assert!(
+        table.len() == kv_len.div_ceil(bs),
+        "the row's live blocks only"
+    );
     let (start, cap) = if OPTIONS {
         (opts.start, opts.soft_cap)
     } else {
@@ -89,14 +93,13 @@ pub(super) unsafe fn group_attention<E: KvElement, const OPTIONS: bool>(
         let offset = (page as usize * bs + first) * d;
         let keys = &pages.keys[offset..][..live * d];
         let values = &pages.values[offset..][..live * d];
-        // The next block's page is anywhere in the pool: ask for it now.
+        // The next block's page is anywhere in the pool: ask for it now (`table`
+        // holds the row's live blocks only).
         if let Some(&next) = table[first_block..].get(i + 1) {
-            if b + 1 < kv_len.div_ceil(bs) {
-                let at = next as usize * bs * d;
-                let bytes = (kv_len - (b + 1) * bs).min(bs) * d * std::mem::size_of::<E>();
-                prefetch(pages.keys[at..].as_ptr().cast(), bytes);
-                prefetch(pages.values[at..].as_ptr().cast(), bytes);
-            }
+            let at = next as usize * bs * d;
+            let bytes = (kv_len - (b + 1) * bs).min(bs) * d * std::mem::size_of::<E>();
+            prefetch(pages.keys[at..].as_ptr().cast(), bytes);
+            prefetch(pages.values[at..].as_ptr().cast(), bytes);
         }
         if widen {
             let (wide_keys, wide_values) = wide.split_at_mut(bs * d);
