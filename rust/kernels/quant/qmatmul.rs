@@ -8,10 +8,10 @@
 //! sub-blocks are unpacked in registers and multiplied there. Two paths, by
 //! the rows of the call:
 //!
-//! - **one row** (a decode step of one sequence; up to [`integer_rows`]: 8
-//!   for Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K on CPUs with AVX-512 VNNI,
-//!   `integer_avx512.rs`, where a call of up to 8 rows is a speculative
-//!   verification, a small decode batch or the routed rows of one expert): the
+//! - **one row** (a decode step of one sequence; up to [`integer_rows`] on
+//!   CPUs with AVX-512 VNNI: 32 for Q4_0, Q4_1 and Q8_0, `lanes_avx512.rs`, 8
+//!   for Q5_0, Q4_K and Q6_K, `integer_avx512.rs`; such a call is a speculative
+//!   verification, a decode batch or the routed rows of one expert): the
 //!   row is quantized to 16 bits per block ([`Q16Rows`]) and the products are
 //!   integer multiply-adds (`pmaddwd`); per sub-block `s` of 32 weights the
 //!   kernel adds
@@ -49,12 +49,18 @@ use super::formats::{dequantize_row, unpack, QuantType, SubBlock, SUB};
 #[cfg(target_arch = "x86_64")]
 use super::integer_avx512::{self, VNNI_ROWS};
 #[cfg(target_arch = "x86_64")]
+use super::lanes_avx512::{self, LANES_ROWS};
+#[cfg(target_arch = "x86_64")]
 use super::qmatmul_avx2 as avx2;
 use crate::kernels::cpu_matmul::OutPtr;
 
 /// Calls of at most this many rows take the integer path (module docs): one,
-/// or [`VNNI_ROWS`] where the AVX-512 VNNI kernel reads `kind`.
+/// or [`LANES_ROWS`] / [`VNNI_ROWS`] where an AVX-512 VNNI kernel reads `kind`.
 pub fn integer_rows(kind: QuantType) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if vectorized() && lanes_avx512::takes(kind) {
+        return LANES_ROWS;
+    }
     #[cfg(target_arch = "x86_64")]
     if vectorized() && integer_avx512::takes(kind) {
         return VNNI_ROWS;
@@ -125,6 +131,9 @@ pub unsafe fn tile(
     #[cfg(target_arch = "x86_64")]
     if vectorized() {
         return match &inputs.integer {
+            Some(xq) if lanes_avx512::takes(shape.kind) => {
+                lanes_avx512::tile(shape, xq, w, y, start, end)
+            }
             Some(xq) if integer_avx512::takes(shape.kind) => {
                 integer_avx512::tile(shape, xq, w, y, start, end)
             }

@@ -196,7 +196,7 @@ fn a_row_does_not_depend_on_the_other_rows_of_a_multi_row_call() {
     for kind in QuantType::ALL {
         let shape = QuantShape {
             kind,
-            rows: 20,
+            rows: 40, // past every integer path's rows: `all` takes a float path
             inner: 512,
             outs: 37,
         };
@@ -223,7 +223,19 @@ fn a_row_does_not_depend_on_the_other_rows_of_a_multi_row_call() {
         };
         // Row groups and the panel (16 rows and more) sum in the same order; the
         // integer path (up to `integer_rows` rows) sums each row alone.
-        for (first, count) in [(0, 2), (8, 3), (3, 8), (5, 9), (0, 16), (4, 16), (2, 17)] {
+        let cases = [
+            (0, 2),
+            (8, 3),
+            (3, 8),
+            (5, 9),
+            (0, 16),
+            (4, 16),
+            (2, 17),
+            (1, 32),
+            (3, 33),
+            (0, 36),
+        ];
+        for (first, count) in cases {
             let y = rows_of(first, count);
             if count <= integer_rows(kind) {
                 for r in 0..count {
@@ -241,7 +253,7 @@ fn a_row_does_not_depend_on_the_other_rows_of_a_multi_row_call() {
         }
         // One row on the float path (the batch-invariant targets) equals that row of
         // the multi-row call, bit for bit.
-        for row in [0, 7, 19] {
+        for row in [0, 7, 19, 39] {
             let one = QuantShape { rows: 1, ..shape };
             let xs = &x[row * shape.inner..][..shape.inner];
             let inputs = Inputs::float_path(xs);

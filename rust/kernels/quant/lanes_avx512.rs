@@ -1,0 +1,484 @@
+//! The integer path with AVX-512 VNNI, weight rows in lanes: one to
+//! [`LANES_ROWS`] input rows against a tile of sixteen weight rows, lane `o`
+//! of every register holding weight row `o`, so no sum is ever reduced across
+//! lanes.
+//!
+//! The row-at-a-time kernel (`integer_avx512.rs`) puts one weight row's
+//! sub-block in a register and reduces its sixteen lanes of partial sums with
+//! a transpose-and-add tree for every input row: ~45 shuffles and adds per 512
+//! weights per input row, as many instructions as the products. Here a
+//! sub-block of the tile's sixteen rows is transposed once, as bytes, before
+//! it is widened: register `p` holds weights `2p` and `2p + 1` of all sixteen
+//! rows as 16-bit pairs, so one `vpdpwssd` with the input pair `(x[2p], x[2p +
+//! 1])` broadcast adds a product pair to each row's sum, and sixteen of them
+//! leave the sub-block's sixteen exact integer sums in one register. The
+//! transposition is paid once per tile and sub-block whatever the input rows;
+//! each input row then costs sixteen `vpdpwssd`, a conversion and one or two
+//! fused multiply-adds per 512 weights.
+//!
+//! Per sub-block `s` and weight row `o` the kernel adds `factor[o, s] · d_x[s]
+//! · Σ q · q_x + offset[o, s] · Σ x`, sub-block after sub-block, the same
+//! instructions in the same order for an input row whatever the other rows of
+//! the call: a row's result is the same alone or among [`LANES_ROWS`] (a
+//! speculative verification's rows equal the decode step's, bit for bit, and
+//! so does a decode batch of up to 32 sequences).
+//!
+//! It reads Q4_0, Q4_1 and Q8_0 ([`reads`]); the other formats keep the
+//! row-at-a-time kernel. Measured on a Zen 4 core (benches/RESULTS.md,
+//! 2026-11-28): against the row-at-a-time kernel up to 8 rows and the float
+//! panel above, Q4_0 576x1536 products ran 1.4x faster at one row and 1.7-2.0x
+//! at 2-32; SmolLM2's decode 1.05x at one request and 1.2x at four; bench moe's
+//! 32 requests 1.2x. At one row with an inner size of whole groups of 512
+//! (where the row-at-a-time kernel has no partial group) it is ~10 % slower:
+//! Q4_0 1024x512, and bench moe at one request (0.92x); Q4_K was 0.8x at one
+//! row, so it is not read here.
+//!
+//! A tile's sixteen rows are sixteen streams, more than the hardware
+//! prefetcher follows; the kernel asks for its bytes itself ([`TileRows::prefetch`]).
+//!
+//! Every function here needs AVX-512 F, BW and VNNI: `integer_avx512::available`
+//! checks them.
+
+use std::arch::x86_64::*;
+use std::ops::Range;
+use std::sync::OnceLock;
+
+use super::activations::Q16Rows;
+use super::call::{QuantShape, OUTS_PER_TILE};
+use super::formats::{QuantType, SUB};
+use super::integer_avx512;
+use crate::kernels::cpu_matmul::OutPtr;
+
+/// Calls of at most this many rows take this path where it reads the format
+/// (more rows: the float panel).
+pub const LANES_ROWS: usize = 32;
+
+/// Weight rows of a tile, one per lane.
+const LANES: usize = 16;
+const _: () = assert!(OUTS_PER_TILE == LANES);
+
+/// Whether calls of `kind` on this CPU take this path: the instructions
+/// (`integer_avx512::available`), a format it [`reads`], and
+/// `KVPAGE_CPU_LANES` not `0` (A/B measurements; read once per process).
+pub fn takes(kind: QuantType) -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    reads(kind)
+        && integer_avx512::available()
+        && *ON.get_or_init(|| std::env::var("KVPAGE_CPU_LANES").map_or(true, |v| v != "0"))
+}
+
+/// Whether this path reads `kind`.
+pub fn reads(kind: QuantType) -> bool {
+    matches!(kind, QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q4_1)
+}
+
+/// The tile's weight rows: row `o` at `base + offsets[o]`; rows past the
+/// tile's last repeat it (their lanes are computed and dropped), so every
+/// read lies inside the tile.
+struct TileRows {
+    base: *const u8,
+    offsets: [usize; LANES],
+}
+
+impl TileRows {
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn new(base: *const u8, row_bytes: usize, count: usize) -> TileRows {
+        let offsets: [usize; LANES] = std::array::from_fn(|o| o.min(count - 1) * row_bytes);
+        TileRows { base, offsets }
+    }
+
+    /// Ask the cache for the bytes of `blocks` (`block_bytes` each) of row
+    /// `o`, clipped to the row's `row_bytes`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn prefetch(
+        &self,
+        o: usize,
+        blocks: Range<usize>,
+        block_bytes: usize,
+        row_bytes: usize,
+    ) {
+        let from = blocks.start * block_bytes;
+        let to = (blocks.end * block_bytes).min(row_bytes);
+        if from >= to {
+            return;
+        }
+        let row = self.base.add(self.offsets[o]);
+        let mut at = from;
+        while at < to {
+            _mm_prefetch::<_MM_HINT_T0>(row.add(at) as *const i8);
+            at += 64;
+        }
+        _mm_prefetch::<_MM_HINT_T0>(row.add(to - 1) as *const i8);
+    }
+
+    /// The four bytes at `at` of every row, lane `o` row `o`'s.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn dwords(&self, at: usize) -> __m512i {
+        let z: [__m512i; 4] = std::array::from_fn(|_| _mm512_setzero_si512());
+        let mut z = z;
+        for (a, z) in z.iter_mut().enumerate() {
+            let row = |l: usize| self.base.add(self.offsets[4 * l + a] + at) as *const i32;
+            let mut v = _mm512_castsi128_si512(_mm_cvtsi32_si128(std::ptr::read_unaligned(row(0))));
+            v = _mm512_mask_set1_epi32(v, 0x0010, std::ptr::read_unaligned(row(1)));
+            v = _mm512_mask_set1_epi32(v, 0x0100, std::ptr::read_unaligned(row(2)));
+            *z = _mm512_mask_set1_epi32(v, 0x1000, std::ptr::read_unaligned(row(3)));
+        }
+        _mm512_unpacklo_epi64(
+            _mm512_unpacklo_epi32(z[0], z[1]),
+            _mm512_unpacklo_epi32(z[2], z[3]),
+        )
+    }
+
+    /// The sixteen bytes at `at` of every row, transposed: register `q`, lane
+    /// `o` holds row `o`'s bytes `4q..4q + 4`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn bytes16(&self, at: usize) -> [__m512i; 4] {
+        // (No closures: they would not inherit this function's target features.)
+        let mut z = [_mm512_setzero_si512(); 4];
+        for (a, z) in z.iter_mut().enumerate() {
+            let row = |l: usize| self.base.add(self.offsets[4 * l + a] + at) as *const __m128i;
+            let mut v = _mm512_castsi128_si512(_mm_loadu_si128(row(0)));
+            v = _mm512_inserti32x4::<1>(v, _mm_loadu_si128(row(1)));
+            v = _mm512_inserti32x4::<2>(v, _mm_loadu_si128(row(2)));
+            *z = _mm512_inserti32x4::<3>(v, _mm_loadu_si128(row(3)));
+        }
+        let (a0, a1) = (
+            _mm512_unpacklo_epi32(z[0], z[1]),
+            _mm512_unpackhi_epi32(z[0], z[1]),
+        );
+        let (a2, a3) = (
+            _mm512_unpacklo_epi32(z[2], z[3]),
+            _mm512_unpackhi_epi32(z[2], z[3]),
+        );
+        [
+            _mm512_unpacklo_epi64(a0, a2),
+            _mm512_unpackhi_epi64(a0, a2),
+            _mm512_unpacklo_epi64(a1, a3),
+            _mm512_unpackhi_epi64(a1, a3),
+        ]
+    }
+}
+
+/// The `vpshufb` index that puts, in every dword, bytes `first` and `first +
+/// 1` into the low bytes of its two 16-bit lanes (`high`: their high bytes);
+/// the other bytes zero (an index with its top bit set writes a zero).
+const fn spread_index(first: i8, high: bool) -> [i8; 64] {
+    let mut index = [-128i8; 64];
+    let mut d = 0;
+    while d < 16 {
+        let byte = 4 * (d as i8 % 4) + first; // the index is within a 128-bit lane
+        let at = 4 * d + high as usize;
+        index[at] = byte;
+        index[at + 2] = byte + 1;
+        d += 1;
+    }
+    index
+}
+
+const SPREAD: [[[i8; 64]; 2]; 2] = [
+    [spread_index(0, false), spread_index(2, false)],
+    [spread_index(0, true), spread_index(2, true)],
+];
+
+/// Per dword of `dwords`, bytes `2 * k` and `2 * k + 1` as the low bytes of two
+/// 16-bit lanes (`HIGH`: as their high bytes).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn spread<const HIGH: bool>(dwords: __m512i, k: usize) -> __m512i {
+    let index = &SPREAD[HIGH as usize][k];
+    _mm512_shuffle_epi8(dwords, _mm512_loadu_si512(index.as_ptr() as *const _))
+}
+
+/// The pairs of 4-bit weights in sixteen bytes of every row, `t` as
+/// [`TileRows::bytes16`] gives them: register `2q + k` of the first result
+/// holds, per lane, the low nibbles of bytes `4q + 2k` and `4q + 2k + 1`;
+/// of the second, their high nibbles.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn nibble_pairs(t: &[__m512i; 4]) -> ([__m512i; 8], [__m512i; 8]) {
+    let mask = _mm512_set1_epi16(15);
+    let (mut low, mut high) = ([_mm512_setzero_si512(); 8], [_mm512_setzero_si512(); 8]);
+    for (q, &t) in t.iter().enumerate() {
+        for k in 0..2 {
+            let bytes = spread::<false>(t, k);
+            low[2 * q + k] = _mm512_and_si512(bytes, mask);
+            high[2 * q + k] = _mm512_srli_epi16::<4>(bytes);
+        }
+    }
+    (low, high)
+}
+
+/// A format this path reads: blocks of 32 weights.
+trait Lanes {
+    const KIND: QuantType;
+    /// Whether the offsets are nonzero.
+    const OFFSETS: bool;
+    /// Per lane `o`, block `b` of row `o`: the float factor of its integer
+    /// sums and its offset per unit of `Σ x`.
+    unsafe fn factors(rows: &TileRows, b: usize) -> (__m512, __m512);
+    /// Block `b`: register `p`, lane `o` holds row `o`'s weights `2p` and `2p
+    /// + 1` as 16-bit integers.
+    unsafe fn pairs(rows: &TileRows, b: usize) -> [__m512i; 16];
+}
+
+struct Q4_0;
+struct Q4_1;
+struct Q8_0;
+
+/// The `f16` scale of the 32-weight block at `at` of every row (and the `f16`
+/// after it).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn halves(rows: &TileRows, at: usize) -> (__m512, __m512) {
+    let head = rows.dwords(at);
+    (
+        _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head)),
+        _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(head))),
+    )
+}
+
+/// The pairs of the 32 nibbles (weight `i` low in byte `i`, `i + 16` high)
+/// at `at` of every row.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn block_nibbles(rows: &TileRows, at: usize) -> [__m512i; 16] {
+    let (low, high) = nibble_pairs(&rows.bytes16(at));
+    std::array::from_fn(|p| if p < 8 { low[p] } else { high[p - 8] })
+}
+
+impl Lanes for Q4_0 {
+    const KIND: QuantType = QuantType::Q4_0;
+    const OFFSETS: bool = true;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn factors(rows: &TileRows, b: usize) -> (__m512, __m512) {
+        let (d, _) = halves(rows, b * Self::KIND.block_bytes());
+        (d, _mm512_mul_ps(d, _mm512_set1_ps(-8.0)))
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn pairs(rows: &TileRows, b: usize) -> [__m512i; 16] {
+        block_nibbles(rows, b * Self::KIND.block_bytes() + 2)
+    }
+}
+
+impl Lanes for Q4_1 {
+    const KIND: QuantType = QuantType::Q4_1;
+    const OFFSETS: bool = true;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn factors(rows: &TileRows, b: usize) -> (__m512, __m512) {
+        let (d, m) = halves(rows, b * Self::KIND.block_bytes());
+        (d, m)
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn pairs(rows: &TileRows, b: usize) -> [__m512i; 16] {
+        block_nibbles(rows, b * Self::KIND.block_bytes() + 4)
+    }
+}
+
+impl Lanes for Q8_0 {
+    const KIND: QuantType = QuantType::Q8_0;
+    const OFFSETS: bool = false;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn factors(rows: &TileRows, b: usize) -> (__m512, __m512) {
+        let (d, _) = halves(rows, b * Self::KIND.block_bytes());
+        (d, _mm512_setzero_ps())
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn pairs(rows: &TileRows, b: usize) -> [__m512i; 16] {
+        let mut pairs = [_mm512_setzero_si512(); 16];
+        let at = b * Self::KIND.block_bytes() + 2;
+        for half in 0..2 {
+            for (q, t) in rows.bytes16(at + 16 * half).into_iter().enumerate() {
+                for k in 0..2 {
+                    // Signed bytes into the high bytes, shifted down with their sign.
+                    let high = spread::<true>(t, k);
+                    pairs[8 * half + 2 * q + k] = _mm512_srai_epi16::<8>(high);
+                }
+            }
+        }
+        pairs
+    }
+}
+
+/// Weight rows `start..end` (at most one tile) of `y`, every row of `xq`.
+///
+/// # Safety
+/// `integer_avx512::available()` and [`reads`]`(shape.kind)`; `xq` quantized
+/// from an `x` that passed validation with `w` and `y` for `shape` (these
+/// formats have no row scales), with at most [`LANES_ROWS`] rows; `end - start`
+/// in `1..=16`; no other thread writes rows `start..end`.
+pub(super) unsafe fn tile(
+    shape: &QuantShape,
+    xq: &Q16Rows,
+    w: &[u8],
+    y: OutPtr,
+    start: usize,
+    end: usize,
+) {
+    match shape.kind {
+        QuantType::Q8_0 => tile_of::<Q8_0>(shape, xq, w, y, start, end),
+        QuantType::Q4_0 => tile_of::<Q4_0>(shape, xq, w, y, start, end),
+        QuantType::Q4_1 => tile_of::<Q4_1>(shape, xq, w, y, start, end),
+        kind => unreachable!("the lanes path does not read {}", kind.name()),
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn tile_of<F: Lanes>(
+    shape: &QuantShape,
+    xq: &Q16Rows,
+    w: &[u8],
+    y: OutPtr,
+    start: usize,
+    end: usize,
+) {
+    debug_assert!(xq.rows <= LANES_ROWS && start < end && end - start <= LANES);
+    let row_bytes = shape.kind.row_bytes(shape.inner).expect("validated");
+    let count = end - start;
+    let rows = TileRows::new(w.as_ptr().add(start * row_bytes), row_bytes, count);
+    let mut acc = [_mm512_setzero_ps(); LANES_ROWS];
+    let blocks = shape.inner / F::KIND.block_elems();
+    // Sixteen rows read side by side are sixteen streams, more than the
+    // hardware prefetcher follows (a product from DRAM ran at half the
+    // row-at-a-time kernel's speed). So the kernel asks for its bytes itself:
+    // the first `2 * LANES` blocks of every row at the start (already cached
+    // when the tile before ran on this thread: it asked for them, spread over
+    // its blocks), then at block `b` row `b % 16`'s blocks of the group of
+    // sixteen after next, 17 to 32 blocks before they are read.
+    let bb = F::KIND.block_bytes();
+    let first = 0..2 * LANES;
+    for o in 0..count {
+        rows.prefetch(o, first.clone(), bb, row_bytes);
+    }
+    let after_next = end + LANES;
+    let next_count = shape.outs.saturating_sub(after_next).min(LANES);
+    let next = TileRows::new(
+        w.as_ptr().add(after_next.min(shape.outs - 1) * row_bytes),
+        row_bytes,
+        next_count.max(1),
+    );
+    for b in 0..blocks {
+        let o = b % LANES;
+        let ahead = b - o + 2 * LANES;
+        rows.prefetch(o, ahead..ahead + LANES, bb, row_bytes);
+        for o in b * next_count / blocks..(b + 1) * next_count / blocks {
+            next.prefetch(o, first.clone(), bb, row_bytes);
+        }
+        let (factor, offset) = F::factors(&rows, b);
+        let pairs = F::pairs(&rows, b);
+        let mut r = 0;
+        while r < xq.rows {
+            let step = Step {
+                pairs: &pairs,
+                factor,
+                offset,
+                xq,
+                s: b,
+                first: r,
+            };
+            // Two rows' products in four chains (or one row's in four): enough
+            // to hide `vpdpwssd`'s latency; more rows a step ran slower (spills).
+            r += match xq.rows - r {
+                1 => step.run::<1, 4, F>(&mut acc),
+                _ => step.run::<2, 2, F>(&mut acc),
+            };
+        }
+    }
+    let lanes: __mmask16 = if count == LANES {
+        0xffff
+    } else {
+        (1u16 << count) - 1
+    };
+    for (r, acc) in acc.iter().enumerate().take(xq.rows) {
+        _mm512_mask_storeu_ps(y.at(r * shape.outs + start), lanes, *acc);
+    }
+}
+
+/// One sub-block of the tile against input rows `first..first + R`.
+struct Step<'a> {
+    pairs: &'a [__m512i; 16],
+    factor: __m512,
+    offset: __m512,
+    xq: &'a Q16Rows,
+    s: usize,
+    first: usize,
+}
+
+impl Step<'_> {
+    /// Add the sub-block to rows `first..first + R` of `acc`, each row's
+    /// sixteen `vpdpwssd` in `C` chains (integer adds: any split gives the
+    /// same sums); returns `R`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    #[allow(clippy::needless_range_loop)] // index loops name the register blocking
+    unsafe fn run<const R: usize, const C: usize, F: Lanes>(
+        &self,
+        acc: &mut [__m512; LANES_ROWS],
+    ) -> usize {
+        let (xq, s) = (self.xq, self.s);
+        let subs = xq.inner / SUB;
+        let mut chains = [[_mm512_setzero_si512(); C]; R];
+        for p in 0..16 {
+            for i in 0..R {
+                let at = (self.first + i) * xq.inner + s * SUB + 2 * p;
+                let x = _mm512_set1_epi32(std::ptr::read_unaligned(
+                    xq.q.as_ptr().add(at) as *const i32
+                ));
+                chains[i][p % C] = _mm512_dpwssd_epi32(chains[i][p % C], self.pairs[p], x);
+            }
+        }
+        for i in 0..R {
+            let mut sum = chains[i][0];
+            for c in 1..C {
+                sum = _mm512_add_epi32(sum, chains[i][c]);
+            }
+            let r = self.first + i;
+            let at = r * subs + s;
+            let scale = _mm512_mul_ps(self.factor, _mm512_set1_ps(xq.d[at]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[r]);
+            if F::OFFSETS {
+                acc[r] = _mm512_fmadd_ps(self.offset, _mm512_set1_ps(xq.sums[at]), acc[r]);
+            }
+        }
+        R
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sixteen_rows_bytes_transpose_into_lanes() {
+        if !super::super::integer_avx512::available() {
+            return;
+        }
+        let row_bytes = 40;
+        for count in [16, 11, 1] {
+            let w: Vec<u8> = (0..count * row_bytes)
+                .map(|i| (i * 7 % 251) as u8)
+                .collect();
+            // SAFETY: `available` checked the instructions; reads stay in `w`.
+            let got: [[u32; 16]; 4] = unsafe {
+                let rows = TileRows::new(w.as_ptr(), row_bytes, count);
+                std::mem::transmute(rows.bytes16(3))
+            };
+            for (q, lanes) in got.iter().enumerate() {
+                for (o, value) in lanes.iter().enumerate() {
+                    let at = o.min(count - 1) * row_bytes + 3 + 4 * q;
+                    let want = u32::from_le_bytes(w[at..at + 4].try_into().unwrap());
+                    assert_eq!(*value, want, "count {count} register {q} lane {o}");
+                }
+            }
+        }
+    }
+}
