@@ -92,7 +92,7 @@ impl TileRows {
     /// `o`, clipped to the row's `row_bytes`.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    unsafe fn prefetch(
+    unsafe fn prefetch<const HINT: i32>(
         &self,
         o: usize,
         blocks: Range<usize>,
@@ -107,10 +107,10 @@ impl TileRows {
         let row = self.base.add(self.offsets[o]);
         let mut at = from;
         while at < to {
-            _mm_prefetch::<_MM_HINT_T0>(row.add(at) as *const i8);
+            _mm_prefetch::<HINT>(row.add(at) as *const i8);
             at += 64;
         }
-        _mm_prefetch::<_MM_HINT_T0>(row.add(to - 1) as *const i8);
+        _mm_prefetch::<HINT>(row.add(to - 1) as *const i8);
     }
 
     /// The four bytes at `at` of every row, lane `o` row `o`'s.
@@ -357,7 +357,7 @@ unsafe fn tile_of<F: Lanes>(
     let bb = F::KIND.block_bytes();
     let first = 0..2 * LANES;
     for o in 0..count {
-        rows.prefetch(o, first.clone(), bb, row_bytes);
+        rows.prefetch::<_MM_HINT_T0>(o, first.clone(), bb, row_bytes);
     }
     let after_next = end + LANES;
     let next_count = shape.outs.saturating_sub(after_next).min(LANES);
@@ -369,9 +369,9 @@ unsafe fn tile_of<F: Lanes>(
     for b in 0..blocks {
         let o = b % LANES;
         let ahead = b - o + 2 * LANES;
-        rows.prefetch(o, ahead..ahead + LANES, bb, row_bytes);
+        rows.prefetch::<_MM_HINT_T0>(o, ahead..ahead + LANES, bb, row_bytes);
         for o in b * next_count / blocks..(b + 1) * next_count / blocks {
-            next.prefetch(o, first.clone(), bb, row_bytes);
+            next.prefetch::<_MM_HINT_T1>(o, first.clone(), bb, row_bytes);
         }
         let (factor, offset) = F::factors(&rows, b);
         let pairs = F::pairs(&rows, b);
@@ -403,6 +403,23 @@ unsafe fn tile_of<F: Lanes>(
     }
 }
 
+/// `acc + Σ pairs of a · b` per 32-bit lane, as one `vpdpwssd`. Written in
+/// assembly: LLVM's generic x86-64 tuning splits the intrinsic into
+/// `vpmaddwd` + `vpaddd`, two instructions where the CPU has one.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn dpwssd(acc: __m512i, a: __m512i, b: __m512i) -> __m512i {
+    let mut acc = acc;
+    std::arch::asm!(
+        "vpdpwssd {acc}, {a}, {b}",
+        acc = inout(zmm_reg) acc,
+        a = in(zmm_reg) a,
+        b = in(zmm_reg) b,
+        options(pure, nomem, nostack, preserves_flags),
+    );
+    acc
+}
+
 /// One sub-block of the tile against input rows `first..first + R`.
 struct Step<'a> {
     pairs: &'a [__m512i; 16],
@@ -427,13 +444,19 @@ impl Step<'_> {
         let (xq, s) = (self.xq, self.s);
         let subs = xq.inner / SUB;
         let mut chains = [[_mm512_setzero_si512(); C]; R];
-        for p in 0..16 {
-            for i in 0..R {
-                let at = (self.first + i) * xq.inner + s * SUB + 2 * p;
-                let x = _mm512_set1_epi32(std::ptr::read_unaligned(
-                    xq.q.as_ptr().add(at) as *const i32
-                ));
-                chains[i][p % C] = _mm512_dpwssd_epi32(chains[i][p % C], self.pairs[p], x);
+        // Chain `c` takes pairs `c, c + C, ...`: the inner loops have constant
+        // trips, so they unroll and the chains stay in registers (indexed by
+        // `p % C` they were kept on the stack).
+        for g in 0..16 / C {
+            for c in 0..C {
+                let p = g * C + c;
+                for i in 0..R {
+                    let at = (self.first + i) * xq.inner + s * SUB + 2 * p;
+                    let x = _mm512_set1_epi32(std::ptr::read_unaligned(
+                        xq.q.as_ptr().add(at) as *const i32
+                    ));
+                    chains[i][c] = dpwssd(chains[i][c], self.pairs[p], x);
+                }
             }
         }
         for i in 0..R {
