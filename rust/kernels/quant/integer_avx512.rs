@@ -21,7 +21,7 @@
 //! other rows of the call, so a row's result is the same alone or among
 //! [`VNNI_ROWS`] (a speculative verification's rows equal the decode step's,
 //! bit for bit). It reads Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K ([`reads`]);
-//! calls of Q4_0, Q4_1 and Q8_0 take `lanes_avx512.rs` instead where it is on
+//! calls of Q4_0, Q4_1, Q5_0 and Q8_0 take `lanes_avx512.rs` instead where it is on
 //! (`KVPAGE_CPU_LANES=0` turns it off). Q5_1 and int8 keep the AVX2 one-row
 //! path and the float panel. The
 //! K-quants' integer sub-block scales are multiplied into the 16-bit weights
