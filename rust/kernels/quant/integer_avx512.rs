@@ -103,7 +103,7 @@ pub fn takes(kind: QuantType) -> bool {
 /// The formats read here start each 32-weight block with its `f16 d` (Q4_1:
 /// then its `f16 m`); weight `i` is `d * q[i] + MIN_TIMES_D * d` (Q4_1:
 /// `d * q[i] + m`). The sixteen scales of a group are converted at once.
-trait Unpack512: Format {
+pub(super) trait Unpack512: Format {
     const MIN_TIMES_D: f32;
     /// An `f16 m` follows `d` and is the offset (`MIN_TIMES_D` unused).
     const M_FIELD: bool = false;

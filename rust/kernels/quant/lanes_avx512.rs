@@ -46,7 +46,8 @@ use std::sync::OnceLock;
 use super::activations::Q16Rows;
 use super::call::{QuantShape, OUTS_PER_TILE};
 use super::formats::{QuantType, SUB};
-use super::integer_avx512;
+use super::integer_avx512::{self, Unpack512};
+use super::unpack_avx2::{Format, Q4_0, Q4_1, Q5_0, Q8_0};
 use crate::kernels::cpu_matmul::OutPtr;
 
 /// Calls of at most this many rows take this path where it reads the format
@@ -215,23 +216,26 @@ unsafe fn nibble_pairs(t: &[__m512i; 4]) -> ([__m512i; 8], [__m512i; 8]) {
     (low, high)
 }
 
-/// A format this path reads: blocks of 32 weights.
-trait Lanes {
-    const KIND: QuantType;
-    /// Whether the offsets are nonzero.
-    const OFFSETS: bool;
-    /// Per lane `o`, block `b` of row `o`: the float factor of its integer
-    /// sums and its offset per unit of `Σ x`.
-    unsafe fn factors(rows: &TileRows, b: usize) -> (__m512, __m512);
+/// A format this path reads: blocks of 32 weights, led by the `f16` scale
+/// (and Q4_1's `f16` offset) whose meaning [`Unpack512`] states.
+trait Lanes: Unpack512 {
     /// Block `b`: register `p`, lane `o` holds row `o`'s weights `2p` and `2p
     /// + 1` as 16-bit integers.
     unsafe fn pairs(rows: &TileRows, b: usize) -> [__m512i; 16];
 }
 
-struct Q4_0;
-struct Q4_1;
-struct Q5_0;
-struct Q8_0;
+/// Per lane `o`, block `b` of row `o`: the float factor of its integer sums
+/// and its offset per unit of `Σ x`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn factors<F: Lanes>(rows: &TileRows, b: usize) -> (__m512, __m512) {
+    let (d, m) = halves(rows, b * F::KIND.block_bytes());
+    if F::M_FIELD {
+        (d, m)
+    } else {
+        (d, _mm512_mul_ps(d, _mm512_set1_ps(F::MIN_TIMES_D)))
+    }
+}
 
 /// The `f16` scale of the 32-weight block at `at` of every row (and the `f16`
 /// after it).
@@ -255,14 +259,6 @@ unsafe fn block_nibbles(rows: &TileRows, at: usize) -> [__m512i; 16] {
 }
 
 impl Lanes for Q4_0 {
-    const KIND: QuantType = QuantType::Q4_0;
-    const OFFSETS: bool = true;
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    unsafe fn factors(rows: &TileRows, b: usize) -> (__m512, __m512) {
-        let (d, _) = halves(rows, b * Self::KIND.block_bytes());
-        (d, _mm512_mul_ps(d, _mm512_set1_ps(-8.0)))
-    }
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     unsafe fn pairs(rows: &TileRows, b: usize) -> [__m512i; 16] {
@@ -271,14 +267,6 @@ impl Lanes for Q4_0 {
 }
 
 impl Lanes for Q4_1 {
-    const KIND: QuantType = QuantType::Q4_1;
-    const OFFSETS: bool = true;
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    unsafe fn factors(rows: &TileRows, b: usize) -> (__m512, __m512) {
-        let (d, m) = halves(rows, b * Self::KIND.block_bytes());
-        (d, m)
-    }
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     unsafe fn pairs(rows: &TileRows, b: usize) -> [__m512i; 16] {
@@ -289,14 +277,6 @@ impl Lanes for Q4_1 {
 /// Q5_0: `d`, then the 32 fifth bits (`u32 qh`, bit `i` weight `i`), then
 /// Q4_0's nibbles; `w = d · (q − 16)`.
 impl Lanes for Q5_0 {
-    const KIND: QuantType = QuantType::Q5_0;
-    const OFFSETS: bool = true;
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    unsafe fn factors(rows: &TileRows, b: usize) -> (__m512, __m512) {
-        let (d, _) = halves(rows, b * Self::KIND.block_bytes());
-        (d, _mm512_mul_ps(d, _mm512_set1_ps(-16.0)))
-    }
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     unsafe fn pairs(rows: &TileRows, b: usize) -> [__m512i; 16] {
@@ -328,14 +308,6 @@ impl Lanes for Q5_0 {
 }
 
 impl Lanes for Q8_0 {
-    const KIND: QuantType = QuantType::Q8_0;
-    const OFFSETS: bool = false;
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    unsafe fn factors(rows: &TileRows, b: usize) -> (__m512, __m512) {
-        let (d, _) = halves(rows, b * Self::KIND.block_bytes());
-        (d, _mm512_setzero_ps())
-    }
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     unsafe fn pairs(rows: &TileRows, b: usize) -> [__m512i; 16] {
@@ -419,7 +391,7 @@ unsafe fn tile_of<F: Lanes>(
         for o in b * next_count / blocks..(b + 1) * next_count / blocks {
             next.prefetch::<_MM_HINT_T1>(o, first.clone(), bb, row_bytes);
         }
-        let (factor, offset) = F::factors(&rows, b);
+        let (factor, offset) = factors::<F>(&rows, b);
         let pairs = F::pairs(&rows, b);
         let mut r = 0;
         while r < xq.rows {
@@ -514,7 +486,7 @@ impl Step<'_> {
             let at = r * subs + s;
             let scale = _mm512_mul_ps(self.factor, _mm512_set1_ps(xq.d[at]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[r]);
-            if F::OFFSETS {
+            if !F::SIGNED {
                 acc[r] = _mm512_fmadd_ps(self.offset, _mm512_set1_ps(xq.sums[at]), acc[r]);
             }
         }
