@@ -13,7 +13,8 @@
 //! - `q`: `[rows, q_heads, head_dim]` f32, already multiplied by the softmax scale;
 //! - `k_pages`, `v_pages`: `[kv_heads, pages, block_size, head_dim]`, f32, f16 or bf16;
 //! - `kv_lens`: `[rows]`, the tokens of each row's context (0: row not computed);
-//! - `block_tables`: `[rows, table_width]` page ids;
+//! - `block_tables`: `[rows, table_width]` page ids (or `[n, table_width]` with
+//!   `AttentionOptions::table_rows` naming each row's table row);
 //! - `out`: `[rows, q_heads, head_dim]` f32. Query head `h * group + g` reads KV
 //!   head `h` (`group = q_heads / kv_heads`).
 //!
@@ -75,12 +76,22 @@ pub struct AttentionOptions<'a> {
     pub soft_cap: Option<f32>,
     /// One logit per query head that joins the softmax denominator, `[q_heads]`.
     pub sinks: Option<&'a [f32]>,
+    /// `[rows]`: the row of `block_tables` each query row reads, so that the
+    /// query tokens of one sequence (a prompt chunk, a speculative verification)
+    /// share its table row; `None`: row `r` reads table row `r`. Not an attention
+    /// feature: it changes no math.
+    pub table_rows: Option<&'a [i32]>,
 }
 
 impl AttentionOptions<'_> {
     /// Whether any option is set (else the kernels run their plain loops).
     pub fn any(&self) -> bool {
         self.sliding_window.is_some() || self.soft_cap.is_some() || self.sinks.is_some()
+    }
+
+    /// The row of `block_tables` query row `row` reads.
+    pub fn table_row(&self, row: usize) -> usize {
+        self.table_rows.map_or(row, |rows| rows[row] as usize)
     }
 
     /// First position the query of a row of `kv_len` tokens sees.
@@ -162,11 +173,44 @@ pub fn validate_with<T>(
         ("k_pages", k_pages.len(), pool_len),
         ("v_pages", v_pages.len(), pool_len),
         ("kv_lens", kv_lens.len(), s.rows),
-        ("block_tables", block_tables.len(), s.rows * s.table_width),
     ];
     for (name, got, want) in sizes {
         if got != want {
             return Err(format!("{name} has {got} elements, its shape says {want}"));
+        }
+    }
+    let table_rows = match options.table_rows {
+        None => s.rows,
+        Some(rows) => {
+            if rows.len() != s.rows {
+                return Err(format!(
+                    "table_rows has {} elements, rows is {}",
+                    rows.len(),
+                    s.rows
+                ));
+            }
+            if s.table_width == 0 || !block_tables.len().is_multiple_of(s.table_width) {
+                return Err(format!(
+                    "block_tables has {} elements, not whole rows of {}",
+                    block_tables.len(),
+                    s.table_width
+                ));
+            }
+            block_tables.len() / s.table_width
+        }
+    };
+    if block_tables.len() != table_rows * s.table_width {
+        return Err(format!(
+            "block_tables has {} elements, its shape says {}",
+            block_tables.len(),
+            table_rows * s.table_width
+        ));
+    }
+    if let Some(rows) = options.table_rows {
+        if let Some(&bad) = rows.iter().find(|&&r| r < 0 || r as usize >= table_rows) {
+            return Err(format!(
+                "table row {bad} outside the {table_rows} rows of block_tables"
+            ));
         }
     }
     if options.sliding_window == Some(0) {
@@ -195,7 +239,8 @@ pub fn validate_with<T>(
             ));
         }
         let first = options.window_start(kv_len as usize) / s.block_size;
-        let table = &block_tables[row * s.table_width..][..s.blocks_of(kv_len as usize)];
+        let table =
+            &block_tables[options.table_row(row) * s.table_width..][..s.blocks_of(kv_len as usize)];
         if let Some(&page) = table[first..]
             .iter()
             .find(|&&p| p < 0 || p as usize >= s.pages)
@@ -356,7 +401,7 @@ impl<T: KvElement> Pools<'_, T> {
             out.fill(0.0);
             return;
         }
-        let table = &tables[row * s.table_width..][..s.blocks_of(kv_len)];
+        let table = &tables[self.options.table_row(row) * s.table_width..][..s.blocks_of(kv_len)];
         let (group, d, bs) = (s.group(), s.head_dim, s.block_size);
         let start = self.options.window_start(kv_len);
         let options = |h: usize| HeadOptions {

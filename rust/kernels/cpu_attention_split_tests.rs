@@ -91,6 +91,7 @@ fn threaded_split_with_a_window_equals_single_thread() {
         sliding_window: Some(150),
         soft_cap: Some(5.0),
         sinks: Some(&sinks),
+        table_rows: None,
     };
     let call = |parallel: &dyn Parallel| {
         let mut out = vec![0.0; q.len()];
@@ -151,6 +152,7 @@ fn few_rows_split_by_kv_heads_equal_one_thread_bit_for_bit() {
                 sliding_window: Some(600),
                 soft_cap: Some(4.0),
                 sinks: Some(&sinks),
+                table_rows: None,
             },
         ] {
             let call = |parallel: &dyn Parallel| {

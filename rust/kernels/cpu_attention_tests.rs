@@ -438,6 +438,7 @@ fn options_match_naive_attention_and_skip_blocks_outside_the_window() {
             sliding_window: window,
             soft_cap: [None, Some(0.7), Some(3.0)][case % 3],
             sinks: (case % 4 != 0).then_some(&sinks[..]),
+            table_rows: None,
         };
         let mut out = vec![f32::NAN; q.len()];
         paged_decode_attention_with(
@@ -591,5 +592,74 @@ fn sink_of_minus_infinity_is_no_sink_and_options_are_checked() {
     ];
     for (options, what) in errors {
         assert!(run(options, &mut out).unwrap_err().contains(what), "{what}");
+    }
+}
+
+/// Query rows that name their table row (`table_rows`) give, bit for bit, what the
+/// same rows give with each one's table copied out; a bad table row is an error.
+#[test]
+fn table_rows_equal_copied_tables_and_are_checked() {
+    let mut rng = TestRng::new(11);
+    for case in 0..40 {
+        let sequences = 1 + rng.below(4);
+        let shape = DecodeShape {
+            rows: 1 + rng.below(12),
+            q_heads: 4,
+            kv_heads: 2,
+            head_dim: [8, 64][case % 2],
+            pages: 4 + rng.below(12),
+            block_size: [4, 16][rng.below(2)],
+            table_width: 1 + rng.below(5),
+        };
+        let tables: Vec<i32> = (0..sequences * shape.table_width)
+            .map(|_| rng.below(shape.pages) as i32)
+            .collect();
+        let rows: Vec<i32> = (0..shape.rows)
+            .map(|_| rng.below(sequences) as i32)
+            .collect();
+        let copied: Vec<i32> = rows
+            .iter()
+            .flat_map(|&r| tables[r as usize * shape.table_width..][..shape.table_width].to_vec())
+            .collect();
+        let (q, mut k, mut v, kv_lens, _) = random_case(&mut rng, shape);
+        // Its garbage marks slots of its own tables; these tables read others.
+        for x in k.iter_mut().chain(v.iter_mut()).filter(|x| !x.is_finite()) {
+            *x = 0.25;
+        }
+        let run = |options: &AttentionOptions, tables: &[i32]| {
+            let mut out = vec![f32::NAN; q.len()];
+            paged_decode_attention_with(
+                &ScopedThreads,
+                &shape,
+                options,
+                &q,
+                &k,
+                &v,
+                &kv_lens,
+                tables,
+                &mut out,
+            )
+            .map(|()| out)
+        };
+        let shared = AttentionOptions {
+            table_rows: Some(&rows),
+            ..AttentionOptions::default()
+        };
+        let want = run(&AttentionOptions::default(), &copied).unwrap();
+        assert_eq!(run(&shared, &tables).unwrap(), want, "case {case}");
+        let mut bad = rows.clone();
+        bad[0] = sequences as i32;
+        let out_of_range = AttentionOptions {
+            table_rows: Some(&bad),
+            ..AttentionOptions::default()
+        };
+        assert!(run(&out_of_range, &tables)
+            .unwrap_err()
+            .contains("table row"));
+        let short = AttentionOptions {
+            table_rows: Some(&rows[1..]),
+            ..AttentionOptions::default()
+        };
+        assert!(run(&short, &tables).unwrap_err().contains("table_rows"));
     }
 }

@@ -12,7 +12,10 @@
 //! (`DEQUANTIZE_ROWS`, `python/kvpage/kernels/host/cpu_qmatmul.py`); float products take row
 //! groups of 8.
 
-use super::cpu_attention::{paged_decode_attention, Bf16, DecodeShape, KvElement, F16};
+use super::cpu_attention::{
+    paged_decode_attention, paged_decode_attention_with, AttentionOptions, Bf16, DecodeShape,
+    KvElement, F16,
+};
 use super::cpu_matmul::{self, matmul_nt, MatmulShape, OutPtr};
 use super::guard_page::{Edge, Guarded};
 use super::parallel::{Parallel, ScopedThreads, Sequential};
@@ -262,6 +265,27 @@ fn attention_reads_nothing_past_its_buffers<T: KvElement + Copy>(narrow: fn(f32)
                 .unwrap();
                 let at = format!("{rows} rows, head_dim {head_dim}, {edge:?}");
                 assert_eq!(out.as_slice(), &want[..], "{at}");
+                // Each query row naming its table row (all rows' tables are alike).
+                let table_rows: Vec<i32> = (0..rows as i32).rev().collect();
+                let grows = Guarded::new(&table_rows, edge);
+                let options = AttentionOptions {
+                    table_rows: Some(grows.as_slice()),
+                    ..AttentionOptions::default()
+                };
+                let mut out = Guarded::new(&vec![f32::NAN; q.len()], edge);
+                paged_decode_attention_with(
+                    threads,
+                    &shape,
+                    &options,
+                    gq.as_slice(),
+                    gk.as_slice(),
+                    gv.as_slice(),
+                    glens.as_slice(),
+                    gtables.as_slice(),
+                    out.as_mut_slice(),
+                )
+                .unwrap();
+                assert_eq!(out.as_slice(), &want[..], "{at}, table_rows");
             }
         }
     }

@@ -23,7 +23,9 @@ use crate::kernels::cpu_attention::{
 /// Three more arguments turn on the options ([`AttentionOptions`]; all three or
 /// none): `sliding_window` s32 (one element, 0 = none), `soft_cap` f32 (one element,
 /// 0 = none) and `sinks [Hq]` f32 (a sink of -inf adds nothing to its denominator,
-/// so a caller with a window but no sinks passes -inf).
+/// so a caller with a window but no sinks passes -inf). A ninth, `table_rows [S]`
+/// s32, names the row of `block_tables [N, M]` each query row reads (the query
+/// tokens of one sequence share its row).
 ///
 /// # Safety
 /// Called by XLA with a valid call frame.
@@ -37,15 +39,21 @@ pub unsafe extern "C" fn kvpage_paged_decode_attention(frame: *mut c_void) -> *m
 }
 
 /// The ABI of [`kvpage_paged_decode_attention`]: 2 takes the three option
-/// arguments (Python checks this before passing them to a core built earlier).
+/// arguments, 3 also `table_rows` (Python checks this before passing them to a
+/// core built earlier).
 #[no_mangle]
 pub extern "C" fn kvpage_paged_decode_attention_abi() -> i32 {
-    2
+    3
 }
 
 unsafe fn run_paged_decode_attention(frame: &CallFrame) -> Result<(), String> {
-    let with_options = frame.args.size == 8;
-    let args = buffers(&frame.args, "arguments", if with_options { 8 } else { 5 })?;
+    let count = match frame.args.size {
+        9 => 9,
+        8 => 8,
+        _ => 5,
+    };
+    let with_options = count >= 8;
+    let args = buffers(&frame.args, "arguments", count)?;
     let mut rets = buffers(&frame.rets, "results", 1)?;
     let [q, k, v, kv_lens, tables] = &args[..5] else {
         unreachable!("five arguments checked")
@@ -84,7 +92,19 @@ unsafe fn run_paged_decode_attention(frame: &CallFrame) -> Result<(), String> {
         block_size: k.dims[2],
         table_width: tables.dims[1],
     };
-    if k.dims[3] != shape.head_dim || tables.dims[0] != shape.rows {
+    let table_rows = if count == 9 {
+        let rows = &args[8];
+        if rows.dtype != DTYPE_S32 || rows.dims != [shape.rows] {
+            return Err(format!("table_rows must be int32 [{}]", shape.rows));
+        }
+        Some(std::slice::from_raw_parts(
+            rows.data as *const i32,
+            rows.len(),
+        ))
+    } else {
+        None
+    };
+    if k.dims[3] != shape.head_dim || (table_rows.is_none() && tables.dims[0] != shape.rows) {
         return Err(format!(
             "inconsistent shapes: q {:?}, pages {:?}, block_tables {:?}",
             q.dims, k.dims, tables.dims
@@ -96,7 +116,7 @@ unsafe fn run_paged_decode_attention(frame: &CallFrame) -> Result<(), String> {
     let (q_s, lens_s, tables_s) = (slice_f32(q), slice_i32(kv_lens), slice_i32(tables));
     let mut options = AttentionOptions::default();
     if with_options {
-        let [window, cap, sinks] = &args[5..] else {
+        let [window, cap, sinks] = &args[5..8] else {
             unreachable!("eight arguments checked")
         };
         if window.dtype != DTYPE_S32 || window.len() != 1 {
@@ -116,7 +136,9 @@ unsafe fn run_paged_decode_attention(frame: &CallFrame) -> Result<(), String> {
         options = AttentionOptions {
             sliding_window: (window > 0).then_some(window as usize),
             soft_cap: (cap != 0.0).then_some(cap),
-            sinks: Some(slice_f32(sinks)),
+            // All -inf is no sink: the plain loops where no option is set.
+            sinks: Some(slice_f32(sinks)).filter(|s| s.iter().any(|&x| x != f32::NEG_INFINITY)),
+            table_rows,
         };
     }
     let pool = XlaPool { frame };

@@ -158,6 +158,30 @@ def test_a_draft_model_with_another_vocabulary_is_refused(tiny_model_dir: Path,
         make_llm(tiny_model_dir, draft_model_spec(draft))
 
 
+def test_drafts_longer_than_max_num_seqs_are_verified_in_one_step(
+    tiny_model_dir: Path,
+) -> None:
+    """``num_speculative_tokens`` 7 with 4 seats: one sequence still verifies up to 7
+    drafts a step (the heads take ``1 + num_speculative_tokens`` rows), losslessly."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = make_llm(tiny_model_dir, None).generate([PROMPTS[0]], params, use_tqdm=False)
+    llm = make_llm(tiny_model_dir, {**SPEC, "num_speculative_tokens": 7})
+    assert llm.engine.config.max_sampled_rows == 8
+    runner = llm.engine.runner
+    sampled: list[int] = []
+    dispatch = runner.dispatch
+
+    def counting(plan: Any, *args: Any, **kwargs: Any) -> Any:
+        sampled.append(len(plan.sample_rows))
+        return dispatch(plan, *args, **kwargs)
+
+    runner.dispatch = counting
+    got = llm.generate([PROMPTS[0]], params, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    assert max(sampled) > 4  # more sampled rows than seats
+    assert llm.engine._ctx.scheduler.stats()["num_referenced_blocks"] == 0
+
+
 def test_the_device_keeps_rows_while_drafts_agree() -> None:
     # Two sequences: one verifying drafts [7, 8] at tokens 10..12, one plain row at 20.
     tokens = np.zeros(32, np.int32)

@@ -307,17 +307,24 @@ def test_host_kernel_ignores_blocks_outside_the_window() -> None:
 
 @needs_host_kernel
 def test_host_kernel_takes_five_operands_without_options() -> None:
+    """A decode step without options is the plain five-operand call; a step with
+    prefill rows adds the table row of each query token (nine operands)."""
     case = _case()
-    plain = _xla(True).lower(*case.args).as_text()
-    windowed = _xla(True).lower(*case.args, sliding_window=5).as_text()
+    decode = make_case(3, [1, 1, 1], [40, 9, 17], num_kv_heads=2, group=2, head_dim=16,
+                       block_size=8)
+    lower = functools.partial(xla_paged_attention, sm_scale=SM_SCALE)
+    plain = jax.jit(functools.partial(lower, decode_only=True)).lower(*decode.args).as_text()
+    windowed = jax.jit(functools.partial(lower, decode_only=True, sliding_window=5)).lower(
+        *decode.args).as_text()
+    mixed = _xla(True).lower(*case.args).as_text()
     call = "custom_call @kvpage_paged_decode_attention("
-    assert plain.count(call) == windowed.count(call) == 1
+    assert plain.count(call) == windowed.count(call) == mixed.count(call) == 1
 
     def operands(text: str) -> int:
         line = text[text.index(call) :].split("\n", 1)[0]
         return line[len(call) :].split(")", 1)[0].count("%")
 
-    assert operands(plain) == 5 and operands(windowed) == 8
+    assert operands(plain) == 5 and operands(windowed) == 8 and operands(mixed) == 9
 
 
 # --------------------------------------------------------------------------

@@ -32,6 +32,8 @@ def _attention(host_kernel: bool, decode_only: bool = False):
     [
         ([1, 1, 1, 1], [1, 16, 17, 300]),  # decode only, block boundaries
         ([1, 5, 1, 1], [40, 9, 2, 129]),  # decodes mixed with a prefill chunk
+        # past HOST_KERNEL_MAX_TOKENS: decode rows on the kernel, the chunk in lax loops
+        ([1, 300, 1], [40, 310, 17]),
     ],
 )
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])

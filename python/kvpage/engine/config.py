@@ -169,6 +169,15 @@ speculative_config`): e.g. ``{"method": "ngram", "num_speculative_tokens": 5}``;
             )
         return max_model_len
 
+    @property
+    def max_sampled_rows(self) -> int:
+        """Most sampled rows a step carries: ``max_num_seqs``, or one more than the drafted
+        tokens when that is larger, so that one sequence verifies all its drafts whatever
+        ``max_num_seqs`` is (the Rust scheduler's ``SchedulerConfig::max_sampled_rows``)."""
+        spec = self.speculative_config
+        drafts = spec.num_speculative_tokens if isinstance(spec, SpeculativeConfig) else 0
+        return max(self.max_num_seqs, 1 + drafts)
+
     def step_token_budget(self, max_model_len: int) -> int:
         """Most tokens one step carries (the scheduler's and the runner's
         ``max_num_batched_tokens``): ``max_num_batched_tokens``, at least one per

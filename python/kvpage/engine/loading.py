@@ -109,6 +109,7 @@ def build_model_runner(
         max_model_len,
         config.attention_backend,
         max_num_seqs=config.max_num_seqs,
+        max_sampled_rows=config.max_sampled_rows,
         max_num_batched_tokens=config.step_token_budget(max_model_len),
         max_logprobs=config.max_logprobs,
         seed=config.seed,

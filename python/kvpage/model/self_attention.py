@@ -85,8 +85,8 @@ def per_token_attention(
     live = tokens < meta.cu_q_lens[meta.num_seqs[0]]
     kv_lens = jnp.where(live, positions + 1, 0).astype(jnp.int32)
     return cpu_paged_decode_attention(
-        q, k_pages, v_pages, kv_lens, meta.block_tables[rows], sm_scale=sm_scale,
-        otherwise=otherwise, **options)
+        q, k_pages, v_pages, kv_lens, meta.block_tables, sm_scale=sm_scale,
+        otherwise=otherwise, table_rows=rows.astype(jnp.int32), **options)
 
 
 def self_attention(

@@ -90,6 +90,8 @@ class ModelRunner:
         max_model_len: longest sequence (prompt + output); fixes the block-table width.
         attention_backend: ``None``/``"reference"`` or a ``kvpage.kernels`` backend name.
         max_num_seqs: seats of the sampling table; ``sample_rows`` index them.
+        max_sampled_rows: most sampled rows a step carries (default ``max_num_seqs``;
+            more with speculative decoding: one sequence verifying its drafts).
         max_num_batched_tokens: most tokens in one step.
         token_buckets / seq_buckets: padded sizes for T and max(S, S'); default powers
             of two up to the maxima (policy: :mod:`kvpage.runner.buckets`).
@@ -131,6 +133,7 @@ class ModelRunner:
         attention_backend: str | None = None,
         *,
         max_num_seqs: int = 256,
+        max_sampled_rows: int | None = None,
         max_num_batched_tokens: int = 2048,
         token_buckets: Sequence[int] | None = None,
         seq_buckets: Sequence[int] | None = None,
@@ -199,6 +202,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
         self.max_num_seqs = max_num_seqs
+        self.max_sampled_rows = max(max_num_seqs, max_sampled_rows or 0)
         self.max_logprobs = max_logprobs
         self.max_fused_copies = max_fused_copies
         self.max_token_seq_ratio = max_token_seq_ratio
@@ -218,7 +222,8 @@ class ModelRunner:
             "token_buckets",
         )
         self.seq_buckets = normalize_buckets(
-            seq_buckets or default_buckets(platform, max_num_seqs, "seqs"), "seq_buckets"
+            seq_buckets or default_buckets(platform, self.max_sampled_rows, "seqs"),
+            "seq_buckets",
         )
         self.padding = PaddingValues(
             scratch_slot=self.kv_spec.scratch_slot,
@@ -391,7 +396,8 @@ class ModelRunner:
     def check(self, plan: StepPlanLike, num_sampled: int) -> None:
         """Range-check ``plan`` (:func:`check_plan`) unless ``validate_plans`` is off."""
         if self.validate_plans:
-            check_plan(plan, num_sampled, self.kv_spec, self.max_num_seqs, self.max_model_len)
+            check_plan(plan, num_sampled, self.kv_spec, self.max_num_seqs, self.max_model_len,
+                       self.max_sampled_rows)
 
     def raise_if_params_deleted(self, exc: Exception) -> None:
         """A step failed: say so plainly when it was because the params were donated."""

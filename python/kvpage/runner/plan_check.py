@@ -14,10 +14,11 @@ from kvpage.runner.step_plan import StepPlanLike
 
 def check_plan(
     plan: StepPlanLike, num_sampled: int, kv_spec: KVCacheSpec, max_num_seqs: int,
-    max_model_len: int,
+    max_model_len: int, max_sampled_rows: int | None = None,
 ) -> None:
     """Range-check a plan against the runner's limits on the host (cheap numpy checks), so
-    a bad plan is a ValueError naming the problem, never an out-of-range device access."""
+    a bad plan is a ValueError naming the problem, never an out-of-range device access.
+    ``max_sampled_rows`` (default ``max_num_seqs``): the most sampled rows of a step."""
     t, s = int(plan.num_tokens), int(plan.num_seqs)
     if len(plan.token_ids) < t or len(plan.positions) < t or len(plan.slot_mapping) < t:
         raise ValueError("plan token arrays are shorter than num_tokens")
@@ -25,10 +26,10 @@ def check_plan(
         raise ValueError("plan sequence arrays are shorter than num_seqs")
     if int(plan.cu_q_lens[s]) != t or int(plan.cu_q_lens[0]) != 0:
         raise ValueError("cu_q_lens must start at 0 and end at num_tokens")
-    if num_sampled > max_num_seqs:
-        raise ValueError(
-            f"{num_sampled} sampled rows exceed max_num_seqs={max_num_seqs}"
-        )
+    most = max(max_num_seqs, max_sampled_rows or 0)
+    if num_sampled > most:
+        raise ValueError(f"{num_sampled} sampled rows exceed {most} (max_num_seqs="
+                         f"{max_num_seqs}, with drafts {max_sampled_rows})")
     if len(plan.sample_rows) != num_sampled:
         raise ValueError("sample_rows and logits_indices differ in length")
     if len(plan.copy_src) != len(plan.copy_dst):

@@ -162,6 +162,17 @@ impl Default for SchedulerConfig {
     }
 }
 
+impl SchedulerConfig {
+    /// Most sampled rows a step may carry: `max_num_seqs`, or one row more
+    /// than the drafted tokens when that is larger, so that one sequence can
+    /// verify all its drafts whatever `max_num_seqs` is (the runner sizes its
+    /// heads by this; `kvpage.engine.config.EngineConfig.max_sampled_rows`).
+    pub fn max_sampled_rows(&self) -> usize {
+        self.max_num_seqs
+            .max(1 + self.speculative.num_speculative_tokens)
+    }
+}
+
 /// Counters cheap enough to read every step.
 #[derive(Debug, Clone, Default)]
 pub struct SchedulerStats {

@@ -40,7 +40,8 @@
 //! allows it (`Scheduler::disable_speculation`: the engine turns it off for
 //! penalties, whose counts would need the drafts), and it has generated a
 //! token (the row completing a prompt may fork its samples). The drafts count against
-//! the token budget, the sampled rows stay within `max_num_seqs`, and a
+//! the token budget, the sampled rows stay within `max_sampled_rows()`
+//! (`max_num_seqs`, or `1 + num_speculative_tokens` if larger), and a
 //! sequence drafts `spec_k` tokens: `num_speculative_tokens` after a step that
 //! accepted every draft, one more than it accepted otherwise.
 //!
@@ -152,7 +153,7 @@ impl Scheduler {
         }
         let room = self
             .config
-            .max_num_seqs
+            .max_sampled_rows()
             .saturating_sub(self.running.len() + self.pending_fork_seats);
         if self.drafter_misses >= COLD_DRAFTER_MISSES {
             // A drafter that keeps missing probes with one sequence at a time.

@@ -7,9 +7,12 @@ largest cost of a CPU step; the Rust kernel (``rust/kernels/cpu_attention.rs``, 
 
 Contract: ``q [S, Hq, D]`` (one query token per row), the paged pools, ``kv_lens [S]``
 (0 for rows not computed: they get zeros) and ``block_tables [S, M]``; result
-``[S, Hq, D]`` float32, equal to the reference's decode rows. Only the ``cpu`` platform
-has the target: :func:`cpu_paged_decode_attention` takes the function to lower on any
-other platform (``lax.platform_dependent``), so one traced program still lowers for GPUs.
+``[S, Hq, D]`` float32, equal to the reference's decode rows. With ``table_rows``
+(int32 ``[S]``, ABI 3) row ``r`` reads ``block_tables[table_rows[r]]``, so the query
+tokens of one sequence share its table row instead of a gathered copy each. Only the
+``cpu`` platform has the target: :func:`cpu_paged_decode_attention` takes the function to
+lower on any other platform (``lax.platform_dependent``), so one traced program still
+lowers for GPUs.
 
 Options (``reference.py``): with ``sliding_window``, ``logit_soft_cap`` or ``sinks`` the
 call takes three more operands, ``sliding_window`` int32 ``[1]`` (0: none),
@@ -43,11 +46,16 @@ def available() -> bool:
     return os.environ.get("KVPAGE_CPU_ATTENTION", "1") != "0" and register(TARGET)
 
 
-def supports_options() -> bool:
-    """Whether the compiled core's kernel takes the window / soft-cap / sinks operands."""
+def kernel_abi() -> int:
+    """The operand layout the compiled core's kernel takes (0: none reported)."""
     library = core_library()
     abi = None if library is None else getattr(library, "kvpage_paged_decode_attention_abi", None)
-    return abi is not None and abi() >= 2
+    return 0 if abi is None else int(abi())
+
+
+def supports_options() -> bool:
+    """Whether the compiled core's kernel takes the window / soft-cap / sinks operands."""
+    return kernel_abi() >= 2
 
 
 def cpu_paged_decode_attention(
@@ -62,14 +70,21 @@ def cpu_paged_decode_attention(
     sliding_window: int | None = None,
     logit_soft_cap: float | None = None,
     sinks: jax.Array | None = None,
+    table_rows: jax.Array | None = None,
 ) -> jax.Array:
     """Decode rows' attention ``[S, Hq, D]`` float32: the Rust kernel when lowered for
-    CPU, ``otherwise()`` (same result) when lowered for any other platform."""
+    CPU, ``otherwise()`` (same result) when lowered for any other platform.
+
+    ``table_rows`` (int32 ``[S]``): the row of ``block_tables`` (then ``[N, M]``) each
+    query row reads; None: its own."""
     if not available() or k_pages.dtype not in (jnp.float32, jnp.float16, jnp.bfloat16):
         return otherwise()
     with_options = not (sliding_window is None and logit_soft_cap is None and sinks is None)
     if with_options and not supports_options():
         return otherwise()
+    if table_rows is not None and kernel_abi() < 3:  # a core built before table_rows
+        block_tables, table_rows = block_tables[table_rows], None
+    with_options |= table_rows is not None
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
 
     def on_cpu() -> jax.Array:
@@ -88,6 +103,8 @@ def cpu_paged_decode_attention(
                 if sinks is None
                 else sinks.astype(jnp.float32),
             ]
+        if table_rows is not None:
+            operands.append(table_rows.astype(jnp.int32))
         return call(*operands)
 
     return lax.platform_dependent(cpu=on_cpu, default=otherwise)

@@ -6,11 +6,20 @@ gathers a per-token copy of the whole padded table (``[T, max_blocks * B, Hkv, D
 so its FLOPs and scratch follow ``max_model_len``. This one is flash attention written
 with ``lax`` loops whose trip counts are read from the step's live lengths:
 
-* Decode rows (``q_len == 1``) are computed together. On CPU by kvpage's Rust kernel
-  (``cpu_decode_attention.py``: XLA:CPU's gather of paged blocks is slow); elsewhere
-  (and with ``host_decode_kernel=False``) by one loop over KV chunks of
-  ``decode_chunk_blocks`` blocks, trip count ``ceil(max decode kv_len / chunk)``; each
-  iteration gathers ``[S, chunk]`` K/V and updates an online softmax per row.
+* On CPU, in steps of up to :data:`HOST_KERNEL_MAX_TOKENS` tokens, every query token
+  is a row of kvpage's Rust decode kernel
+  (``cpu_decode_attention.py``: XLA:CPU's gather of paged blocks is slow): a prefill
+  chunk's token ``i`` reads its sequence's first ``context + i + 1`` positions, so a
+  speculative verification's rows and a prompt's equal what decode steps at those
+  positions would give. Against the ``lax`` loops below, per layer of Qwen2.5-0.5B's
+  shape (14 query / 2 KV heads of 64), 2026-11-28 (``benches/RESULTS.md``): 8 tokens of
+  one sequence at 600 positions 0.41 vs 0.58 ms, 64 tokens of 8 sequences 1.46 vs 16.8
+  ms, 128 tokens of one at 1,000 positions 4.4 vs 7.7 ms. In larger steps, decode rows
+  (``q_len == 1``) go to the same kernel together and prefill rows to the loops below.
+* Elsewhere (and with ``host_decode_kernel=False``), decode rows are
+  computed together by one loop over KV chunks of ``decode_chunk_blocks`` blocks, trip
+  count ``ceil(max decode kv_len / chunk)``; each iteration gathers ``[S, chunk]`` K/V
+  and updates an online softmax per row.
 * Rows with ``q_len > 1`` (prefill chunks) are looped over one at a time (trip count:
   how many there are), their queries in tiles of ``q_tile`` tokens, and each tile
   over the KV chunks (``kv_chunk_blocks`` blocks) its causal window reaches
@@ -52,6 +61,12 @@ DEFAULT_DECODE_CHUNK_BLOCKS = 2
 """KV blocks per chunk for decode rows; small chunks keep the ``[S, chunk]`` gather in
 cache (measured fastest on a 2-core x86 CPU at 64 rows x 100 and x 1000 tokens)."""
 DEFAULT_Q_TILE = 128
+HOST_KERNEL_MAX_TOKENS = 256
+"""Steps of up to this many query tokens run every token as a host-kernel row (module
+docs); larger ones (long prompt chunks) the ``lax`` loops, whose ``q_tile`` queries share
+each K/V chunk: a 512-token chunk at 1,500 positions took 24-25 ms there against 29-32
+per token, a 2,048-token prompt 57-62 against 68-71 (Qwen2.5-0.5B's heads, per layer,
+2026-11-28)."""
 
 
 def _ceil_div(a: jax.Array, b: int) -> jax.Array:
@@ -229,6 +244,24 @@ def _prefill_rows(
     return lax.fori_loop(0, num_rows, row_body, jnp.zeros_like(q))
 
 
+def _token_rows(
+    num_tokens: int,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Each query token as a decode row: its KV length (its position + 1; 0 for padding
+    tokens) and its sequence's row of the block tables."""
+    num_rows = block_tables.shape[0]
+    tokens = jnp.arange(num_tokens, dtype=jnp.int32)
+    rows = jnp.clip(jnp.searchsorted(cu_q_lens, tokens, side="right") - 1, 0, num_rows - 1)
+    live = tokens < cu_q_lens[num_seqs[0]]
+    # The row's last token sees kv_len positions; each earlier one, one fewer.
+    token_kv = kv_lens[rows] - (cu_q_lens[rows + 1] - 1 - tokens)
+    return jnp.where(live, token_kv, 0).astype(jnp.int32), rows.astype(jnp.int32)
+
+
 def xla_paged_attention(
     q: jax.Array,
     k_pages: jax.Array,
@@ -252,17 +285,68 @@ def xla_paged_attention(
 
     ``sliding_window``, ``logit_soft_cap``, ``sinks``: as in ``reference.py``.
 
-    ``host_decode_kernel``: on CPU, decode rows go through kvpage's Rust kernel
-    (``cpu_decode_attention.py``) instead of the ``lax`` loop; same result.
+    ``host_decode_kernel``: on CPU, every query token is a decode row of kvpage's Rust
+    kernel (``cpu_decode_attention.py``), reading its sequence's KV up to its own
+    position, instead of the ``lax`` loops; same result (module docs).
 
     ``decode_only=True`` promises every live row has ``q_len <= 1`` and skips the
     prefill loop (it would run zero times anyway; the flag only shrinks the program).
     """
+    check_attention_options(sliding_window, logit_soft_cap, sinks, q.shape[1])
+
+    def in_lax(host_decode_rows: bool = False) -> jax.Array:
+        return _lax_attention(
+            q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
+            sm_scale=sm_scale, decode_only=decode_only, kv_chunk_blocks=kv_chunk_blocks,
+            decode_chunk_blocks=decode_chunk_blocks, q_tile=q_tile,
+            sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, sinks=sinks,
+            host_decode_rows=host_decode_rows,
+        )  # fmt: skip
+
+    if not host_decode_kernel:
+        return in_lax()
+    if q.shape[0] > HOST_KERNEL_MAX_TOKENS:
+        return in_lax(host_decode_rows=True)
+    if decode_only and q.shape[0] == block_tables.shape[0]:  # token r is row r
+        live = jnp.arange(block_tables.shape[0], dtype=jnp.int32) < num_seqs[0]
+        token_kv_lens, table_rows = jnp.where(live, kv_lens, 0).astype(jnp.int32), None
+    else:
+        token_kv_lens, table_rows = _token_rows(
+            q.shape[0], kv_lens, block_tables, cu_q_lens, num_seqs
+        )
+    out = cpu_paged_decode_attention(
+        q, k_pages, v_pages, token_kv_lens, block_tables, sm_scale=sm_scale,
+        otherwise=lambda: in_lax().astype(jnp.float32), sliding_window=sliding_window,
+        logit_soft_cap=logit_soft_cap, sinks=sinks, table_rows=table_rows,
+    )  # fmt: skip
+    return out.astype(q.dtype)
+
+
+def _lax_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    decode_only: bool,
+    kv_chunk_blocks: int,
+    decode_chunk_blocks: int,
+    q_tile: int,
+    sliding_window: int | None,
+    logit_soft_cap: float | None,
+    sinks: jax.Array | None,
+    host_decode_rows: bool = False,
+) -> jax.Array:
+    """The ``lax`` loops: decode rows together (``host_decode_rows``: by the host kernel
+    on CPU), prefill rows one at a time."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, _, _ = k_pages.shape
     num_rows, width = block_tables.shape
     group = num_q_heads // num_kv_heads
-    check_attention_options(sliding_window, logit_soft_cap, sinks, num_q_heads)
     chunk_blocks = max(1, min(kv_chunk_blocks, width))
     decode_blocks = max(1, min(decode_chunk_blocks, width))
     multiple = chunk_blocks * decode_blocks // math.gcd(chunk_blocks, decode_blocks)
@@ -290,7 +374,7 @@ def xla_paged_attention(
     decode_tokens = jnp.clip(q_starts, 0, num_tokens - 1)
     decode_kv_lens = jnp.where(is_decode, kv_lens, 0)
 
-    def decode_in_xla() -> jax.Array:
+    def decode_in_xla() -> jax.Array:  # [S, Hq, D]
         return (
             _decode_rows(
                 qf[decode_tokens].transpose(1, 0, 2, 3),
@@ -305,19 +389,12 @@ def xla_paged_attention(
             .reshape(num_rows, num_q_heads, head_dim)
         )
 
-    if host_decode_kernel:
+    if host_decode_rows:
         decode_out = cpu_paged_decode_attention(
-            q[decode_tokens],
-            k_pages,
-            v_pages,
-            decode_kv_lens,
-            block_tables,
-            sm_scale=sm_scale,
-            otherwise=decode_in_xla,
-            sliding_window=sliding_window,
-            logit_soft_cap=logit_soft_cap,
-            sinks=sinks,
-        )
+            q[decode_tokens], k_pages, v_pages, decode_kv_lens, block_tables,
+            sm_scale=sm_scale, otherwise=decode_in_xla, sliding_window=sliding_window,
+            logit_soft_cap=logit_soft_cap, sinks=sinks,
+        )  # fmt: skip
     else:
         decode_out = decode_in_xla()
     decode_out = decode_out.reshape(num_rows, num_kv_heads, group, head_dim)
