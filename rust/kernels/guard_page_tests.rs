@@ -7,7 +7,7 @@
 //! those of the same call on ordinary buffers.
 //!
 //! The row-count paths: quantized products take the integer path at
-//! `integer_rows` (1 row; with AVX-512 VNNI up to 32 for Q8_0, Q4_0, Q4_1 and Q5_0, 8 for Q4_K and Q6_K), row groups of up to 10 below 16 rows, the panel from
+//! `integer_rows` (1 row; with AVX-512 VNNI up to 32), row groups of up to 10 below 16 rows, the panel from
 //! 16 (from 2 with AVX-512; `KVPAGE_CPU_AVX512=0` runs the row groups), and from 128 rows the step dequantizes and XLA multiplies
 //! (`DEQUANTIZE_ROWS`, `python/kvpage/kernels/host/cpu_qmatmul.py`); float products take row
 //! groups of 8.

@@ -45,8 +45,15 @@ use crate::kernels::cpu_matmul::OutPtr;
 
 /// Calls of at most this many rows take this path where it is [`available`]
 /// for the format (more rows: the float panel, which shares each expanded
-/// sub-block across more rows).
-pub const VNNI_ROWS: usize = 8;
+/// sub-block across more rows). As many as `lanes_avx512.rs` takes, so that a
+/// speculative verification of up to 31 drafts gives every row the sums it gets
+/// alone on every format the two kernels read.
+pub const VNNI_ROWS: usize = 32;
+
+/// Input rows one pass over a tile's weight rows multiplies (their sixteen-lane
+/// accumulators stay in registers); more rows take several passes, the tile's
+/// weights then coming from cache.
+const PASS_ROWS: usize = 8;
 
 /// Sub-blocks reduced together: one 16-lane register of sums.
 const GROUP: usize = 16;
@@ -182,18 +189,21 @@ pub(super) unsafe fn tile(
     start: usize,
     end: usize,
 ) {
+    debug_assert!((1..=VNNI_ROWS).contains(&shape.rows));
     macro_rules! rows {
         ($format:ty) => {
-            match shape.rows {
-                1 => rows_tile::<$format, 1>(shape, xq, w, y, start, end),
-                2 => rows_tile::<$format, 2>(shape, xq, w, y, start, end),
-                3 => rows_tile::<$format, 3>(shape, xq, w, y, start, end),
-                4 => rows_tile::<$format, 4>(shape, xq, w, y, start, end),
-                5 => rows_tile::<$format, 5>(shape, xq, w, y, start, end),
-                6 => rows_tile::<$format, 6>(shape, xq, w, y, start, end),
-                7 => rows_tile::<$format, 7>(shape, xq, w, y, start, end),
-                8 => rows_tile::<$format, 8>(shape, xq, w, y, start, end),
-                rows => unreachable!("the VNNI path takes 1..={VNNI_ROWS} rows, not {rows}"),
+            for base in (0..shape.rows).step_by(PASS_ROWS) {
+                let pass = Pass { base, y };
+                match (shape.rows - base).min(PASS_ROWS) {
+                    1 => rows_tile::<$format, 1>(shape, xq, w, pass, start, end),
+                    2 => rows_tile::<$format, 2>(shape, xq, w, pass, start, end),
+                    3 => rows_tile::<$format, 3>(shape, xq, w, pass, start, end),
+                    4 => rows_tile::<$format, 4>(shape, xq, w, pass, start, end),
+                    5 => rows_tile::<$format, 5>(shape, xq, w, pass, start, end),
+                    6 => rows_tile::<$format, 6>(shape, xq, w, pass, start, end),
+                    7 => rows_tile::<$format, 7>(shape, xq, w, pass, start, end),
+                    _ => rows_tile::<$format, PASS_ROWS>(shape, xq, w, pass, start, end),
+                }
             }
         };
     }
@@ -208,12 +218,19 @@ pub(super) unsafe fn tile(
     }
 }
 
+/// Input rows `base..base + R` of a call, and its output.
+#[derive(Clone, Copy)]
+struct Pass {
+    base: usize,
+    y: OutPtr,
+}
+
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 unsafe fn rows_tile<F: Group512, const R: usize>(
     shape: &QuantShape,
     xq: &Q16Rows,
     w: &[u8],
-    y: OutPtr,
+    pass: Pass,
     start: usize,
     end: usize,
 ) {
@@ -221,26 +238,31 @@ unsafe fn rows_tile<F: Group512, const R: usize>(
     for out in start..end {
         super::qmatmul_avx2::prefetch_ahead(w, (out + 1) * row_bytes, row_bytes);
         let row = w.as_ptr().add(out * row_bytes);
-        let sums = row_dots::<F, R>(row, xq);
+        let sums = row_dots::<F, R>(row, xq, pass.base);
         for (r, value) in sums.iter().enumerate() {
-            *y.at(r * shape.outs + out) = *value;
+            *pass.y.at((pass.base + r) * shape.outs + out) = *value;
         }
     }
 }
 
-/// One weight row against the `R` rows of `xq`: whole groups of [`GROUP`]
-/// sub-blocks, then the partial last one (its missing sub-blocks add zeros).
+/// One weight row against rows `base..base + R` of `xq`: whole groups of
+/// [`GROUP`] sub-blocks, then the partial last one (its missing sub-blocks add
+/// zeros).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-unsafe fn row_dots<F: Group512, const R: usize>(row: *const u8, xq: &Q16Rows) -> [f32; R] {
+unsafe fn row_dots<F: Group512, const R: usize>(
+    row: *const u8,
+    xq: &Q16Rows,
+    base: usize,
+) -> [f32; R] {
     let subs = xq.inner / SUB;
     let mut acc = [_mm512_setzero_ps(); R];
     let whole = subs / GROUP;
     for g in 0..whole {
-        group::<F, R, true>(row, xq, g * GROUP, GROUP, &mut acc);
+        group::<F, R, true>(row, xq, base, g * GROUP, GROUP, &mut acc);
     }
     if !subs.is_multiple_of(GROUP) {
-        group::<F, R, false>(row, xq, whole * GROUP, subs % GROUP, &mut acc);
+        group::<F, R, false>(row, xq, base, whole * GROUP, subs % GROUP, &mut acc);
     }
     let mut out = [0.0f32; R];
     for (value, acc) in out.iter_mut().zip(acc) {
@@ -464,8 +486,8 @@ impl Group512 for Q6K {
     }
 }
 
-/// Sub-blocks `first..first + count` of one weight row into the `R` rows'
-/// accumulators (`WHOLE`: `count` is [`GROUP`], known when compiling, so the
+/// Sub-blocks `first..first + count` of one weight row into the accumulators
+/// of input rows `base..base + R` (`WHOLE`: `count` is [`GROUP`], known when compiling, so the
 /// sixteen registers of each step stay registers).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
@@ -473,6 +495,7 @@ impl Group512 for Q6K {
 unsafe fn group<F: Group512, const R: usize, const WHOLE: bool>(
     row: *const u8,
     xq: &Q16Rows,
+    base: usize,
     first: usize,
     count: usize,
     acc: &mut [__m512; R],
@@ -481,7 +504,7 @@ unsafe fn group<F: Group512, const R: usize, const WHOLE: bool>(
     let lanes: __mmask16 = if WHOLE { 0xffff } else { (1u16 << count) - 1 };
     let Unpacked { ints, scales, mins } = F::unpack_group::<WHOLE>(row, first, count);
     for r in 0..R {
-        let x = xq.q.as_ptr().add(r * xq.inner + first * SUB);
+        let x = xq.q.as_ptr().add((base + r) * xq.inner + first * SUB);
         let mut partial = [_mm512_setzero_si512(); GROUP];
         for j in 0..GROUP {
             if WHOLE || j < count {
@@ -490,7 +513,7 @@ unsafe fn group<F: Group512, const R: usize, const WHOLE: bool>(
             }
         }
         let sums = _mm512_cvtepi32_ps(reduce_sixteen(&partial));
-        let at = r * subs + first;
+        let at = (base + r) * subs + first;
         let d_x = _mm512_maskz_loadu_ps(lanes, xq.d.as_ptr().add(at));
         acc[r] = _mm512_fmadd_ps(sums, _mm512_mul_ps(scales, d_x), acc[r]);
         if !F::SIGNED {

@@ -22,7 +22,7 @@
 //! - [`qmatmul`]: the product and its portable loops; `qmatmul_avx2.rs` its
 //!   AVX2 kernels, [`lanes_avx512`] the integer path of up to 32 rows with
 //!   AVX-512 VNNI for Q4_0, Q4_1, Q5_0 and Q8_0 (sixteen weight rows in the lanes
-//!   of a register), [`integer_avx512`] the one of up to 8 rows for Q5_0,
+//!   of a register), [`integer_avx512`] the one of up to 32 rows (passes of 8) for
 //!   Q4_K and Q6_K (sixteen sub-blocks' sums reduced together), `panel_avx512.rs` the AVX-512 register blocks of its panel
 //!   path (the same sums, bit for bit), `panel_block.rs` the block both read.
 //! - [`dequantize`]: the float weights, for products of many rows.

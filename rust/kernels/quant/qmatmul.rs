@@ -9,7 +9,7 @@
 //! the rows of the call:
 //!
 //! - **one row** (a decode step of one sequence; up to [`integer_rows`] on
-//!   CPUs with AVX-512 VNNI: 32 for Q4_0, Q4_1, Q5_0 and Q8_0, `lanes_avx512.rs`, 8
+//!   CPUs with AVX-512 VNNI: 32 for Q4_0, Q4_1, Q5_0 and Q8_0, `lanes_avx512.rs`, and
 //!   for Q4_K and Q6_K, `integer_avx512.rs`; such a call is a speculative
 //!   verification, a decode batch or the routed rows of one expert): the
 //!   row is quantized to 16 bits per block ([`Q16Rows`]) and the products are
