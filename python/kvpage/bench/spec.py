@@ -260,7 +260,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--draft-layers", type=int, default=0, metavar="N",
                    help="without --draft-model: draft with the target's first N layers (an "
                         "early-exit draft file written by kvpage.bench.draft_gguf)")
-    p.add_argument("--num-speculative-tokens", type=int, default=5,
+    p.add_argument("--num-speculative-tokens", type=int, default=15,
                    help="most drafted tokens per step (both engines)")
     p.add_argument("--mix-concurrency", type=int, default=8,
                    help="requests in flight for the mixed workload")

@@ -96,7 +96,7 @@ class EngineConfig:
 
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     """Speculative decoding (vLLM's ``--speculative-config``, :mod:`kvpage.engine.\
-speculative_config`): e.g. ``{"method": "ngram", "num_speculative_tokens": 5}``; a dict or
+speculative_config`): e.g. ``{"method": "ngram", "num_speculative_tokens": 15}``; a dict or
     its JSON text becomes a :class:`SpeculativeConfig`. None: off."""
     kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
     """Publish what the prefix cache stores and drops for cache-aware routers (vLLM's
@@ -344,7 +344,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=d.seed, help="engine seed")
     g.add_argument(
         "--speculative-config", default=None, metavar="JSON",
-        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 5, '
+        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 15, '
         '"prompt_lookup_max": 4}\', or \'{"method": "draft_model", "model": "DRAFT"}\' '
         '(default: off)',
     )

@@ -33,8 +33,11 @@ class SpeculativeConfig:
     model: str | None = None
     """``"draft_model"``: the draft model (an HF directory or a .gguf file, as the target's
     ``model``)."""
-    num_speculative_tokens: int = 5
-    """Most drafted tokens per sequence and step."""
+    num_speculative_tokens: int = 15
+    """Most drafted tokens per sequence and step (each sequence adapts its own count:
+    ``docs/speculative.md``). 15, not vLLM's usual 5: on a CPU a verification of 16 tokens
+    costs ~1.6x one of 6 (Qwen2.5-Coder-0.5B: 70 vs 45 ms), and code edits keep 14 tokens
+    a verification (``kvpage bench spec``, 2026-11-28, ``benches/RESULTS.md``)."""
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     max_running: int = 8
