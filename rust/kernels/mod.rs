@@ -2,7 +2,7 @@
 //!
 //! - [`cpu_attention`]: paged decode attention on the host CPU: one query
 //!   token per row, K/V read straight from the paged pool; its AVX2 kernel in
-//!   `cpu_attention_avx2.rs`; the pool element types and buffer limits both
+//!   `cpu_attention_avx2.rs`, its plan checks in `cpu_attention_checks.rs`; the pool element types and buffer limits both
 //!   share in `kv_element.rs`, the per-head window / soft-cap / sink extras in
 //!   `head_options.rs` (both depend on them, they on neither).
 //! - [`cpu_matmul`]: linear layers of few rows (decode steps): `y = x · wᵀ`.
@@ -42,6 +42,7 @@
 pub mod cpu_attention;
 #[cfg(target_arch = "x86_64")]
 mod cpu_attention_avx2;
+mod cpu_attention_checks;
 pub mod cpu_matmul;
 pub mod expert_ffn;
 #[cfg(test)]
