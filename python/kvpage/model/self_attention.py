@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from kvpage.kernels.host.cpu_decode_attention import cpu_paged_decode_attention
+from kvpage.kernels.xla.xla_paged_attention import token_rows
 from kvpage.model.attention import AttentionBackend
 from kvpage.model.config import SLIDING_ATTENTION, ModelConfig
 from kvpage.model.linear import linear
@@ -70,23 +71,21 @@ def qk_norms(config: ModelConfig, attn: dict[str, Any], q: jax.Array, k: jax.Arr
 
 
 def per_token_attention(
-    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, positions: jax.Array,
-    meta: AttentionMetadata, sm_scale: float, otherwise: Any, options: dict[str, Any],
+    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: AttentionMetadata,
+    sm_scale: float, otherwise: Any, options: dict[str, Any],
 ) -> jax.Array:
     """Batch-invariant attention (CPU): every query token is its own row of the host
     decode kernel, reading its sequence's blocks up to its own position, so its result
     depends only on its query and its context, never on the step's other rows or on
     how many tokens its own row has (a prompt scored in one chunk, a decode step, a
-    speculative verify row). ``otherwise()`` on other platforms."""
-    num_tokens = q.shape[0]
-    tokens = jnp.arange(num_tokens, dtype=jnp.int32)
-    rows = jnp.clip(jnp.searchsorted(meta.cu_q_lens, tokens, side="right") - 1, 0,
-                    meta.block_tables.shape[0] - 1)
-    live = tokens < meta.cu_q_lens[meta.num_seqs[0]]
-    kv_lens = jnp.where(live, positions + 1, 0).astype(jnp.int32)
+    speculative verify row), at every step size and with any backend. ``otherwise()``
+    on other platforms."""
+    kv_lens, table_rows = token_rows(
+        q.shape[0], meta.kv_lens, meta.block_tables, meta.cu_q_lens, meta.num_seqs
+    )
     return cpu_paged_decode_attention(
         q, k_pages, v_pages, kv_lens, meta.block_tables, sm_scale=sm_scale,
-        otherwise=otherwise, table_rows=rows.astype(jnp.int32), **options)
+        otherwise=otherwise, table_rows=table_rows, **options)
 
 
 def self_attention(
@@ -127,7 +126,7 @@ def self_attention(
                               decode_only=decode_only, **options)
 
     if batch_invariant_enabled():
-        out = per_token_attention(q, k_pages, v_pages, positions, meta, scale, attend,
+        out = per_token_attention(q, k_pages, v_pages, meta, scale, attend,
                                   options).astype(q.dtype)
     else:
         out = attend()

@@ -244,7 +244,7 @@ def _prefill_rows(
     return lax.fori_loop(0, num_rows, row_body, jnp.zeros_like(q))
 
 
-def _token_rows(
+def token_rows(
     num_tokens: int,
     kv_lens: jax.Array,
     block_tables: jax.Array,
@@ -311,7 +311,7 @@ def xla_paged_attention(
         live = jnp.arange(block_tables.shape[0], dtype=jnp.int32) < num_seqs[0]
         token_kv_lens, table_rows = jnp.where(live, kv_lens, 0).astype(jnp.int32), None
     else:
-        token_kv_lens, table_rows = _token_rows(
+        token_kv_lens, table_rows = token_rows(
             q.shape[0], kv_lens, block_tables, cu_q_lens, num_seqs
         )
     out = cpu_paged_decode_attention(
