@@ -114,8 +114,8 @@ def self_attention(
         cos, sin = table_rope_cos_sin(config, positions, length, rope)
     else:
         cos, sin = config_rope_cos_sin(config, positions, meta.cu_q_lens, meta.kv_lens, rope)
-    q = apply_rope(q, cos, sin)
-    k = apply_rope(k, cos, sin)
+    q = apply_rope(q, cos, sin, exact=True)
+    k = apply_rope(k, cos, sin, exact=True)
     k_pages, v_pages = backend.write_kv(pool[0], pool[1], k, v, meta.slot_mapping)
     scale = config.query_scale if config.query_scale is not None else d**-0.5
     options = kernel_options(config, layer_type, attn)

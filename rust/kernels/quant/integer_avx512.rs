@@ -21,9 +21,9 @@
 //! other rows of the call, so a row's result is the same alone or among
 //! [`VNNI_ROWS`] (a speculative verification's rows equal the decode step's,
 //! bit for bit). It reads Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K ([`reads`]);
-//! calls of Q4_0, Q4_1, Q5_0 and Q8_0 take `lanes_avx512.rs` instead where it is on
-//! (`KVPAGE_CPU_LANES=0` turns it off). Q5_1 and int8 keep the AVX2 one-row
-//! path and the float panel. The
+//! calls of Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 take `lanes_avx512.rs` instead where it is
+//! on (`KVPAGE_CPU_LANES=0` turns it off; Q5_1 is read only there). int8 keeps the
+//! AVX2 one-row path and the float panel. The
 //! K-quants' integer sub-block scales are multiplied into the 16-bit weights
 //! (`q · sc`), so their float factor is one per 256-weight super-block; Q6_K's
 //! `-32` offset goes into the integers too, so its offset multiplies the
@@ -40,7 +40,7 @@ use super::call::QuantShape;
 #[cfg(doc)]
 use super::formats::q4k_scale_min;
 use super::formats::{QuantType, SUB};
-use super::unpack_avx2::{Format, Q4K, Q4_0, Q4_1, Q5_0, Q6K, Q8_0};
+use super::unpack_avx2::{Format, Q4K, Q4_0, Q4_1, Q5_0, Q5_1, Q6K, Q8_0};
 use crate::kernels::cpu_matmul::OutPtr;
 
 /// Calls of at most this many rows take this path where it is [`available`]
@@ -172,6 +172,16 @@ impl Unpack512 for Q5_0 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
     unsafe fn ints(block: *const u8) -> __m512i {
         with_fifth_bits(nibbles(block.add(6)), block.add(2))
+    }
+}
+
+impl Unpack512 for Q5_1 {
+    const MIN_TIMES_D: f32 = 0.0;
+    const M_FIELD: bool = true;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    unsafe fn ints(block: *const u8) -> __m512i {
+        with_fifth_bits(nibbles(block.add(8)), block.add(4))
     }
 }
 

@@ -23,7 +23,7 @@
 //! speculative verification's rows equal the decode step's, bit for bit, and
 //! so does a decode batch of up to 32 sequences).
 //!
-//! It reads Q4_0, Q4_1, Q5_0 and Q8_0 ([`reads`]); the other formats keep the
+//! It reads Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 ([`reads`]); the other formats keep the
 //! row-at-a-time kernel. Measured on a Zen 4 core (benches/RESULTS.md,
 //! 2026-11-28): against the row-at-a-time kernel up to 8 rows and the float
 //! panel above, Q4_0 576x1536 products ran 1.4x faster at one row and 1.7-2.0x
@@ -47,7 +47,7 @@ use super::activations::Q16Rows;
 use super::call::{QuantShape, OUTS_PER_TILE};
 use super::formats::{QuantType, SUB};
 use super::integer_avx512::{self, Unpack512};
-use super::unpack_avx2::{Format, Q4_0, Q4_1, Q5_0, Q8_0};
+use super::unpack_avx2::{Format, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
 use crate::kernels::cpu_matmul::OutPtr;
 
 /// Calls of at most this many rows take this path where it reads the format
@@ -72,7 +72,7 @@ pub fn takes(kind: QuantType) -> bool {
 pub fn reads(kind: QuantType) -> bool {
     matches!(
         kind,
-        QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q5_0
+        QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q5_0 | QuantType::Q5_1
     )
 }
 
@@ -281,30 +281,51 @@ impl Lanes for Q5_0 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     unsafe fn pairs(rows: &TileRows, b: usize) -> [__m512i; 16] {
         let at = b * Self::KIND.block_bytes();
-        let mut pairs = block_nibbles(rows, at + 6);
-        // Per row, `qh`'s low half (weights 0..16) in both 16-bit lanes of its
-        // dword, and its high half (16..32): pair `p`'s two lanes then test
-        // bits `2p % 16` and `2p % 16 + 1` of the same half.
-        let qh = rows.dwords(at + 2);
-        let halves = [
-            _mm512_or_si512(
-                _mm512_and_si512(qh, _mm512_set1_epi32(0xffff)),
-                _mm512_slli_epi32::<16>(qh),
-            ),
-            _mm512_or_si512(
-                _mm512_srli_epi32::<16>(qh),
-                _mm512_and_si512(qh, _mm512_set1_epi32(0xffff_0000u32 as i32)),
-            ),
-        ];
-        let sixteen = _mm512_set1_epi16(16);
-        for (p, pair) in pairs.iter_mut().enumerate() {
-            let bit = 2 * (p % 8);
-            let bits = _mm512_set1_epi32((1 << bit) | (1 << (bit + 17)));
-            let set = _mm512_test_epi16_mask(halves[p / 8], bits);
-            *pair = _mm512_mask_add_epi16(*pair, set, *pair, sixteen);
-        }
-        pairs
+        with_fifth_bits(rows, at + 2, block_nibbles(rows, at + 6))
     }
+}
+
+/// Q5_1: `d`, `m`, then `qh` and the nibbles as Q5_0's; `w = d · q + m`.
+impl Lanes for Q5_1 {
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn pairs(rows: &TileRows, b: usize) -> [__m512i; 16] {
+        let at = b * Self::KIND.block_bytes();
+        with_fifth_bits(rows, at + 4, block_nibbles(rows, at + 8))
+    }
+}
+
+/// `pairs` with 16 added to each weight whose bit is set in its row's `u32`
+/// at `qh_at` (bit `i` weight `i`).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn with_fifth_bits(
+    rows: &TileRows,
+    qh_at: usize,
+    mut pairs: [__m512i; 16],
+) -> [__m512i; 16] {
+    // Per row, `qh`'s low half (weights 0..16) in both 16-bit lanes of its
+    // dword, and its high half (16..32): pair `p`'s two lanes then test
+    // bits `2p % 16` and `2p % 16 + 1` of the same half.
+    let qh = rows.dwords(qh_at);
+    let halves = [
+        _mm512_or_si512(
+            _mm512_and_si512(qh, _mm512_set1_epi32(0xffff)),
+            _mm512_slli_epi32::<16>(qh),
+        ),
+        _mm512_or_si512(
+            _mm512_srli_epi32::<16>(qh),
+            _mm512_and_si512(qh, _mm512_set1_epi32(0xffff_0000u32 as i32)),
+        ),
+    ];
+    let sixteen = _mm512_set1_epi16(16);
+    for (p, pair) in pairs.iter_mut().enumerate() {
+        let bit = 2 * (p % 8);
+        let bits = _mm512_set1_epi32((1 << bit) | (1 << (bit + 17)));
+        let set = _mm512_test_epi16_mask(halves[p / 8], bits);
+        *pair = _mm512_mask_add_epi16(*pair, set, *pair, sixteen);
+    }
+    pairs
 }
 
 impl Lanes for Q8_0 {
@@ -346,6 +367,7 @@ pub(super) unsafe fn tile(
         QuantType::Q4_0 => tile_of::<Q4_0>(shape, xq, w, y, start, end),
         QuantType::Q4_1 => tile_of::<Q4_1>(shape, xq, w, y, start, end),
         QuantType::Q5_0 => tile_of::<Q5_0>(shape, xq, w, y, start, end),
+        QuantType::Q5_1 => tile_of::<Q5_1>(shape, xq, w, y, start, end),
         kind => unreachable!("the lanes path does not read {}", kind.name()),
     }
 }
