@@ -121,7 +121,11 @@ def register_host_kernels() -> None:
 
     names = [cpu_decode_attention.TARGET, cpu_matmul.TARGET, LAZY_ZEROS_TARGET]
     for kind in cpu_qmatmul.KINDS:
-        names += [cpu_qmatmul.target(kind), f"kvpage_dequantize_{kind}"]
+        # batch_invariant steps call the invariant variants: without them every stored
+        # executable of an invariant engine was refused ("No FFI handler registered")
+        # and compiled again at each start.
+        names += [cpu_qmatmul.target(kind), f"kvpage_dequantize_{kind}",
+                  f"kvpage_qmatmul_invariant_{kind}"]
     names += cpu_expert_matmul.targets()
     for name in names:
         register(name)
