@@ -189,3 +189,19 @@ def test_the_store_is_off_without_a_cache_or_when_asked(
         assert ExecutableStore.for_compilation_cache({}, jax.devices()[0]) is not None
         monkeypatch.setenv("KVPAGE_EXECUTABLE_STORE", "0")
         assert ExecutableStore.for_compilation_cache({}, jax.devices()[0]) is None
+
+
+def test_every_handler_a_stored_piece_may_call_is_registered_before_a_load(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A batch_invariant engine's pieces call kvpage_qmatmul_invariant_<kind>: left out,
+    # each of its stored pieces was refused ("No FFI handler registered") and compiled.
+    from kvpage.kernels.host import _host_ffi, cpu_qmatmul
+    from kvpage.runner import executable_store
+
+    names: list[str] = []
+    monkeypatch.setattr(_host_ffi, "register", lambda name: names.append(name) or True)
+    executable_store.register_host_kernels()
+    for kind in cpu_qmatmul.KINDS:
+        assert {cpu_qmatmul.target(kind), f"kvpage_qmatmul_invariant_{kind}",
+                f"kvpage_dequantize_{kind}"} <= set(names), kind
