@@ -9,14 +9,19 @@ own intra-op thread pool.
 
 Policy: ``MIN_ROWS <= T <= max_rows()`` rows, float32 operands, ``cpu`` platform, a CPU
 the core has a vectorized kernel for (elsewhere XLA's dot is faster than the portable
-loop, which stays for tests: ``KVPAGE_CPU_MATMUL=1`` forces it, up to ``MAX_ROWS``). One
-row stays with XLA (its GEMV is as fast), and so do prefill-sized products (its GEMM
-is). The upper bound follows the kernel's vector width (:data:`MAX_ROWS_BY_LANES`),
-measured with 120 chained products of SmolLM2's MLP shape on 2-core EPYCs
+loop, which stays for tests: ``KVPAGE_CPU_MATMUL=1`` forces it, up to ``MAX_ROWS``).
+Prefill-sized products stay with XLA (its GEMM is faster). One row takes the kernel too:
+it is as fast as XLA's GEMV (9.5-10.0 against 9.3-9.9 ms for the chain below,
+2026-11-28), and a row then gets the same sums alone as among up to ``max_rows()`` rows,
+so a speculative verification's rows equal the decode step's bit for bit (XLA's GEMV
+and this kernel round differently). The upper bound follows the kernel's vector width
+(:data:`MAX_ROWS_BY_LANES`), measured with 120 chained products of SmolLM2's MLP shape
+on 2-core EPYCs
 (``benches/cpu_matmul_chain.py``):
 
 * AVX-512 (16 lanes): XLA 14 / 29 / 34 / 40 / 47 / 73 ms at T = 1 / 2 / 4 / 8 / 16 / 32,
-  this kernel 17 / 19 / 21 / 24 / 34 / 62 ms: up to 32 rows.
+  this kernel 17 / 19 / 21 / 24 / 34 / 62 ms: up to 32 rows (at T = 1 equal since:
+  above).
 * AVX2 + FMA (8 lanes, half the registers): XLA 26 / 28 / 35 ms at T = 2 / 4 / 8,
   this kernel 14 / 16 / 24 ms (quiet machine); at T = 16 / 32, with the machine busy,
   XLA 80 / 119 ms, this kernel 78 / 147 ms: up to 8 rows.
@@ -41,7 +46,7 @@ from jax import lax
 from kvpage.kernels.host._host_ffi import core_library, register
 
 TARGET = "kvpage_matmul_nt"
-MIN_ROWS = 2
+MIN_ROWS = 1
 MAX_ROWS = 32
 # The kernel's f32 lanes (``kvpage_matmul_nt_lanes``) -> the most rows it beats XLA at.
 MAX_ROWS_BY_LANES = {16: 32, 8: 8}
