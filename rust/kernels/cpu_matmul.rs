@@ -74,6 +74,14 @@ impl OutPtr {
     pub unsafe fn at(self, index: usize) -> *mut f32 {
         self.0.add(index)
     }
+
+    /// The buffer from element `index` on (a block of rows of `y`).
+    ///
+    /// # Safety
+    /// `index` is within the buffer (or its end).
+    pub unsafe fn from(self, index: usize) -> OutPtr {
+        OutPtr(self.0.add(index))
+    }
 }
 
 /// Number of tiles of [`OUTS_PER_TILE`] weight rows a call splits into.

@@ -224,3 +224,14 @@ handlers! {
 pub extern "C" fn kvpage_qmatmul_vectorized() -> i32 {
     i32::from(call::vectorized())
 }
+
+/// The rows the integer path reads at once for the format of FFI code `code`
+/// here ([`qmatmul::integer_rows`]; from 2 on, any row count takes it in
+/// blocks of that many), or 0 for an unknown code.
+#[no_mangle]
+pub extern "C" fn kvpage_qmatmul_integer_rows(code: i32) -> i32 {
+    usize::try_from(code)
+        .ok()
+        .and_then(|code| QuantType::ALL.get(code))
+        .map_or(0, |kind| qmatmul::integer_rows(*kind) as i32)
+}

@@ -179,7 +179,7 @@ def _quantized_matmul_nt(
         if batch_invariant_enabled():
             return cpu_qmatmul.qmatmul_call(flat, w.blocks, w.row_scales, w.kind,
                                             live_rows_of(rows), invariant=True)
-        if rows < cpu_qmatmul.DEQUANTIZE_ROWS:
+        if rows < cpu_qmatmul.dequantize_rows(w.kind):
             return cpu_qmatmul.qmatmul_call(
                 flat, w.blocks, w.row_scales, w.kind, live_rows_of(rows)
             )

@@ -69,25 +69,47 @@ pub fn integer_rows(kind: QuantType) -> usize {
     1
 }
 
+/// Whether a call of `rows` rows of `kind` takes the integer path (in blocks
+/// of [`integer_rows`] rows past them; see [`Inputs::prepare`]).
+pub fn takes_integer_path(kind: QuantType, rows: usize) -> bool {
+    let block = integer_rows(kind);
+    rows <= block || block >= 2
+}
+
 /// The inputs of one call as the kernels read them: the float rows, and for
-/// the integer path their 16-bit form.
+/// the integer path their 16-bit form, in blocks of at most
+/// [`integer_rows`] rows (empty: the float path).
 pub struct Inputs<'a> {
     pub x: &'a [f32],
-    pub integer: Option<Q16Rows>,
+    pub integer: Vec<Q16Rows>,
 }
 
 impl<'a> Inputs<'a> {
-    /// Prepare `x` (validated for `shape`) for the path its row count takes.
+    /// Prepare `x` (validated for `shape`) for the path its row count takes: the
+    /// integer path up to [`integer_rows`] rows, and past them, where a kernel
+    /// reads several rows at once (AVX-512 VNNI), the same kernel on blocks of
+    /// that many rows, so a row's result never depends on the call's other rows
+    /// (a verification among a batch's rows equals the decode step's) and the
+    /// float panel is left to kernels of one row.
     pub fn prepare(shape: &QuantShape, x: &'a [f32]) -> Self {
-        let integer = (shape.rows <= integer_rows(shape.kind))
-            .then(|| Q16Rows::quantize(x, shape.rows, shape.inner));
+        let integer = if takes_integer_path(shape.kind, shape.rows) {
+            let row_block = integer_rows(shape.kind) * shape.inner;
+            x.chunks(row_block)
+                .map(|rows| Q16Rows::quantize(rows, rows.len() / shape.inner, shape.inner))
+                .collect()
+        } else {
+            Vec::new()
+        };
         Inputs { x, integer }
     }
 
     /// `x` for the float path whatever its row count: each row's result is then
     /// the same whichever rows share the call (batch-invariant inference).
     pub fn float_path(x: &'a [f32]) -> Self {
-        Inputs { x, integer: None }
+        Inputs {
+            x,
+            integer: Vec::new(),
+        }
     }
 }
 
@@ -130,18 +152,48 @@ pub unsafe fn tile(
     }
     #[cfg(target_arch = "x86_64")]
     if vectorized() {
-        return match &inputs.integer {
-            Some(xq) if lanes_avx512::takes(shape.kind) => {
-                lanes_avx512::tile(shape, xq, w, y, start, end)
+        if inputs.integer.is_empty() {
+            return avx2::float_tile(shape, inputs.x, w, row_scales, y, start, end);
+        }
+        for (block, xq, y) in row_blocks(shape, inputs, y) {
+            if lanes_avx512::takes(shape.kind) {
+                lanes_avx512::tile(&block, xq, w, y, start, end);
+            } else if integer_avx512::takes(shape.kind) {
+                integer_avx512::tile(&block, xq, w, y, start, end);
+            } else {
+                avx2::integer_tile(&block, xq, w, row_scales, y, start, end);
             }
-            Some(xq) if integer_avx512::takes(shape.kind) => {
-                integer_avx512::tile(shape, xq, w, y, start, end)
-            }
-            Some(xq) => avx2::integer_tile(shape, xq, w, row_scales, y, start, end),
-            None => avx2::float_tile(shape, inputs.x, w, row_scales, y, start, end),
-        };
+        }
+        return;
     }
     portable_tile(shape, inputs, w, row_scales, y, start, end)
+}
+
+/// The integer path's blocks of rows: each block's shape, 16-bit rows and
+/// place in `y`.
+///
+/// # Safety
+/// `y` holds `shape.rows * shape.outs` elements.
+unsafe fn row_blocks<'i>(
+    shape: &QuantShape,
+    inputs: &'i Inputs,
+    y: OutPtr,
+) -> impl Iterator<Item = (QuantShape, &'i Q16Rows, OutPtr)> {
+    let outs = shape.outs;
+    let shape = *shape;
+    inputs.integer.iter().scan(0, move |first, xq| {
+        // SAFETY: the blocks' rows add up to `shape.rows`.
+        let at = unsafe { y.from(*first * outs) };
+        *first += xq.rows;
+        Some((
+            QuantShape {
+                rows: xq.rows,
+                ..shape
+            },
+            xq,
+            at,
+        ))
+    })
 }
 
 /// Rows `start..end` of the weights through the portable loops.
@@ -157,9 +209,11 @@ unsafe fn portable_tile(
     start: usize,
     end: usize,
 ) {
-    match &inputs.integer {
-        Some(xq) => portable_integer_tile(shape, xq, w, row_scales, y, start, end),
-        None => portable_float_tile(shape, inputs.x, w, row_scales, y, start, end),
+    if inputs.integer.is_empty() {
+        return portable_float_tile(shape, inputs.x, w, row_scales, y, start, end);
+    }
+    for (block, xq, y) in row_blocks(shape, inputs, y) {
+        portable_integer_tile(&block, xq, w, row_scales, y, start, end);
     }
 }
 

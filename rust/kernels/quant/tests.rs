@@ -6,7 +6,7 @@ use super::activations::Q16Rows;
 use super::call::{self, QuantShape};
 use super::dequantize;
 use super::formats::{self, f16_to_f32, QuantType, SUB};
-use super::qmatmul::{self, integer_rows, qmatmul, Inputs};
+use super::qmatmul::{self, integer_rows, qmatmul, takes_integer_path, Inputs};
 use crate::kernels::cpu_matmul::OutPtr;
 use crate::test_rng::SplitMix64 as TestRng;
 
@@ -75,7 +75,7 @@ fn reference_of(
     row_scales: &[f32],
     folds_offset: bool,
 ) -> Vec<f64> {
-    let integer = shape.rows <= integer_rows(shape.kind);
+    let integer = takes_integer_path(shape.kind, shape.rows);
     let kind = shape.kind;
     let row_bytes = kind.row_bytes(shape.inner).unwrap();
     let per_block = kind.block_elems() / SUB;
@@ -222,7 +222,8 @@ fn a_row_does_not_depend_on_the_other_rows_of_a_multi_row_call() {
             y
         };
         // Row groups and the panel (16 rows and more) sum in the same order; the
-        // integer path (up to `integer_rows` rows) sums each row alone.
+        // integer path (up to `integer_rows` rows, and past them in blocks of that
+        // many where a kernel reads several rows) sums each row alone.
         let cases = [
             (0, 2),
             (8, 3),
@@ -237,7 +238,7 @@ fn a_row_does_not_depend_on_the_other_rows_of_a_multi_row_call() {
         ];
         for (first, count) in cases {
             let y = rows_of(first, count);
-            if count <= integer_rows(kind) {
+            if takes_integer_path(kind, count) {
                 for r in 0..count {
                     let alone = rows_of(first + r, 1);
                     assert_eq!(
@@ -252,7 +253,14 @@ fn a_row_does_not_depend_on_the_other_rows_of_a_multi_row_call() {
             }
         }
         // One row on the float path (the batch-invariant targets) equals that row of
-        // the multi-row call, bit for bit.
+        // the multi-row call on the float path, bit for bit.
+        let mut all = vec![0.0; shape.rows * shape.outs];
+        let inputs = Inputs::float_path(&x);
+        let out = OutPtr::new(&mut all);
+        for index in 0..call::tiles(&shape) {
+            // SAFETY: shapes as validated by the multi-row call; one thread.
+            unsafe { qmatmul::tile(&shape, &inputs, &w, &s, out, index) };
+        }
         for row in [0, 7, 19, 39] {
             let one = QuantShape { rows: 1, ..shape };
             let xs = &x[row * shape.inner..][..shape.inner];
@@ -474,7 +482,12 @@ fn products_of_many_sub_blocks_match_the_reference_at_every_integer_row_count() 
     for kind in QuantType::ALL {
         for subs in [8usize, 16, 18, 28, 40, 48] {
             let inner = (subs * SUB).next_multiple_of(kind.block_elems());
-            for rows in 1..=integer_rows(kind).max(2) {
+            let blocks = if integer_rows(kind) >= 2 {
+                vec![33, 70]
+            } else {
+                vec![]
+            };
+            for rows in (1..=integer_rows(kind).max(2)).chain(blocks) {
                 let shape = QuantShape {
                     kind,
                     rows,

@@ -2,27 +2,29 @@
 
 Owns :func:`qmatmul_call` and :func:`dequantize_call` (the Rust core's
 ``rust/kernels/quant``, exported by ``rust/kernels/xla_ffi_quant.rs``) and the row count
-where one hands over to the other (:data:`DEQUANTIZE_ROWS`):
+where one hands over to the other (:func:`dequantize_rows`):
 
 * ``kvpage_qmatmul_<kind>``: ``x [T, K] . dequant(w) [N, K]^T`` read straight from the
-  stored blocks (one row: 16-bit inputs and integer multiply-adds; more rows: each
-  sub-block expanded to float once in registers and shared by the rows). Only the
-  first ``live_rows`` rows (a device scalar) are computed, the others are zeros: a
-  padded step's padding rows cost nothing.
+  stored blocks: the integer path (16-bit inputs, integer multiply-adds) for one row,
+  and with AVX-512 VNNI for any row count in blocks of 32 (:func:`integer_rows`);
+  otherwise each sub-block expanded to float once in registers and shared by the rows.
+  Only the first ``live_rows`` rows (a device scalar) are computed, the others are
+  zeros: a padded step's padding rows cost nothing.
 * ``kvpage_dequantize_<kind>``: the float weight ``[N, K]``, which XLA's GEMM then
-  multiplies: for prefill-sized products, where that GEMM beats the kernel's register
-  blocking. 30 chained SmolLM2 layers' matmuls (7 weights, cache-resident), Q4_1 kernel
-  vs XLA float32 on the 2-core AVX2 EPYC: 35 / 45 ms at T = 16, 72 / 68 ms at T = 32,
-  574 / 341 ms at T = 256. In a real step the expansion writes every weight as float32
-  (540 MB for SmolLM2), which a decode step pays each time: 64 requests x 64 tokens
-  (64-row decode steps) ran at 134 tok/s dequantizing from 64 rows, 188 tok/s from 128
-  (float32 weights: 206). So products of 128 rows or more (prefill chunks, big decode
-  batches) dequantize.
+  multiplies: for prefill-sized products, where that GEMM beats the kernel. In a real
+  step the expansion writes every weight as float32 (540 MB for SmolLM2), which a
+  decode step pays each time.
 
-Only the ``cpu`` platform has the targets; callers put these calls in the ``cpu`` branch
-of ``lax.platform_dependent`` (``kvpage/model/linear_kernels.py``), so one traced program
-still lowers for GPUs. The calls have no derivative. ``KVPAGE_CPU_MATMUL_PORTABLE=1``
-(read by the core) makes them use the portable loops instead of AVX2.
+Where the hand-over lies (:func:`dequantize_rows`):
+* without the VNNI blocks: 128 rows. 30 chained SmolLM2 layers' matmuls (7 weights,
+  cache-resident), Q4_1 kernel vs XLA float32 on a 2-core AVX2 EPYC: 35 / 45 ms at
+  T = 16, 72 / 68 ms at T = 32, 574 / 341 ms at T = 256; 64 requests x 64 tokens ran at
+  134 tok/s dequantizing from 64 rows, 188 tok/s from 128 (float32 weights: 206).
+* with them: 512 rows. One layer's three MLP products, cache-resident, p25 of 15, on a
+  2-core Zen 4 (2026-11-28, benches/RESULTS.md), kernel / dequantize + GEMM, ms: SmolLM2
+  Q4_1 0.66 / 1.07 at 64 rows, 1.33 / 1.83 at 128, 2.85 / 3.50 at 256, 5.89 / 6.77 at
+  512, 26.1 / 25.0 at 2,048; Qwen2.5-Coder-0.5B (Q5_0, Q4_K / Q6_K) 5.3 / 18.6 at 64,
+  10.4 / 22.5 at 128, 42.2 / 41.7 at 512, 206 / 141 at 2,048.
 """
 
 from __future__ import annotations
@@ -38,6 +40,23 @@ from kvpage.quant import formats
 # Every format, in the order of Rust's QuantType::ALL (the table: kvpage.quant.formats).
 KINDS: tuple[str, ...] = formats.KINDS
 DEQUANTIZE_ROWS = 128
+"""Products of this many rows or more dequantize where the core has no multi-row integer
+kernel for the format (module docs)."""
+BLOCKED_DEQUANTIZE_ROWS = 512
+"""The same where it has one (:func:`integer_rows` from 2 on)."""
+
+
+@functools.cache
+def integer_rows(kind: str) -> int:
+    """The rows the core's integer path reads at once for ``kind`` on this CPU (1: one
+    row, else any count in blocks of that many; 0 without the core)."""
+    probe = getattr(core_library(), "kvpage_qmatmul_integer_rows", None)
+    return int(probe(KINDS.index(kind))) if probe is not None and kind in KINDS else 0
+
+
+def dequantize_rows(kind: str) -> int:
+    """Products of ``kind`` with this many rows or more dequantize (module docs)."""
+    return BLOCKED_DEQUANTIZE_ROWS if integer_rows(kind) >= 2 else DEQUANTIZE_ROWS
 
 
 def target(kind: str) -> str:
