@@ -39,9 +39,9 @@ def _row_sums(x: jax.Array) -> jax.Array:
 def tree_row_sums(x: jax.Array) -> jax.Array:
     """Sums of ``x`` over its last axis (kept) by pairwise halving: the row is
     zero-padded to a power of two, then its first half is added to its second until one
-    element is left. Each step is an elementwise add, which XLA neither reassociates
-    nor vectorizes across a row, so a row's sum has one order whatever the array's
-    shape (XLA:CPU's own reductions take their order from it)."""
+    element is left. Each step is an elementwise add of two elements, which XLA does
+    not reassociate, so a row's sum has one order whatever the array's shape
+    (XLA:CPU's own reductions take their order from it)."""
     n = x.shape[-1]
     width = 1 << max(n - 1, 0).bit_length()
     if width != n:
