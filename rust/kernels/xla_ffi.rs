@@ -253,14 +253,24 @@ unsafe fn error(frame: &CallFrame, code: i32, message: &str) -> *mut c_void {
 /// A unit is claimed by exactly one thread (its segment's `next`); the caller
 /// returns only after every unit is `finished`. A task that starts late claims
 /// nothing and never touches `work`, which lives on the caller's stack.
+///
+/// A thread adds its count of finished units to `finished` once, when it has
+/// nothing left to claim, and `finished` has a cache line of its own: counted
+/// per unit, by both threads, on the line holding `work`, that one `lock inc`
+/// took 91 % of this function's samples, ~10 % of a one-request MoE decode's
+/// (`perf annotate`, 2026-11-28; benches/RESULTS.md).
 struct SharedJob {
     segments: Vec<Segment>,
     /// Segments handed out so far (the caller takes the first).
     started: AtomicUsize,
-    finished: AtomicUsize,
+    finished: Finished,
     panicked: AtomicBool,
     work: *const (dyn Fn(usize) + Sync),
 }
+
+/// Units finished so far, on a cache line of its own.
+#[repr(align(64))]
+struct Finished(AtomicUsize);
 
 /// Units `next..end` of one thread's share, on a cache line of its own.
 #[repr(align(64))]
@@ -286,7 +296,7 @@ impl SharedJob {
         Self {
             segments,
             started: AtomicUsize::new(0),
-            finished: AtomicUsize::new(0),
+            finished: Finished(AtomicUsize::new(0)),
             panicked: AtomicBool::new(false),
             work,
         }
@@ -296,6 +306,7 @@ impl SharedJob {
     fn claim_until_done(&self) {
         let count = self.segments.len();
         let first = self.started.fetch_add(1, Ordering::Relaxed) % count;
+        let mut done = 0;
         for segment in (first..count).chain(0..first).map(|s| &self.segments[s]) {
             loop {
                 let unit = segment.next.fetch_add(1, Ordering::Relaxed);
@@ -307,8 +318,11 @@ impl SharedJob {
                 if catch_unwind(AssertUnwindSafe(|| work(unit))).is_err() {
                     self.panicked.store(true, Ordering::Relaxed);
                 }
-                self.finished.fetch_add(1, Ordering::Release);
+                done += 1;
             }
+        }
+        if done > 0 {
+            self.finished.0.fetch_add(done, Ordering::Release);
         }
     }
 }
@@ -408,7 +422,7 @@ unsafe fn parallel_for(
     }
     job.claim_until_done();
     let mut spins = 0u32;
-    while job.finished.load(Ordering::Acquire) < units {
+    while job.finished.0.load(Ordering::Acquire) < units {
         spins += 1;
         if spins < 1 << 12 {
             std::hint::spin_loop();
@@ -526,7 +540,7 @@ mod tests {
                     scope.spawn(|| job.claim_until_done());
                 }
             });
-            assert_eq!(job.finished.load(Ordering::Relaxed), units);
+            assert_eq!(job.finished.0.load(Ordering::Relaxed), units);
             assert!(counts.iter().all(|c| c.load(Ordering::Relaxed) == 1));
         }
     }
