@@ -28,7 +28,7 @@
 //! Invariants:
 //! - every size, `top_k` and the formats are checked before any weight is
 //!   read or any result written;
-//! - only the weight rows of routed experts are read;
+//! - only the weight rows of routed experts are read (or prefetched);
 //! - ties in the router logits go to the lower expert id (as `lax.top_k`);
 //! - each element of `y` is written once; results do not depend on the
 //!   number of threads.
@@ -270,6 +270,28 @@ impl<'a> Products<'a> {
         ));
         qmatmul::tile(shape, &self.inputs[i], w, &[], y, tile);
     }
+
+    /// Ask the cache (L2) for the weight rows of tile `tile` of routed expert
+    /// `i` in `w`: a hint, which never faults.
+    fn prefetch(&self, routing: &Routing, w: &[u8], i: usize, tile: usize) {
+        let shape = &self.shapes[i];
+        let row_bytes = shape.kind.row_bytes(shape.inner).expect("validated");
+        let start = tile * quant_call::OUTS_PER_TILE;
+        let end = (start + quant_call::OUTS_PER_TILE).min(shape.outs);
+        let base = routing.experts[i] * shape.outs * row_bytes;
+        let bytes = &w[base + start * row_bytes..base + end * row_bytes];
+        #[cfg(target_arch = "x86_64")]
+        for line in bytes.chunks(64) {
+            // SAFETY: a prefetch of an address inside `w`.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
+                    line.as_ptr().cast(),
+                )
+            };
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = bytes;
+    }
 }
 
 /// `y[t] = Σ_j gate_tj · down_e(swiglu(gate_e(x_t), up_e(x_t)))` over token
@@ -321,6 +343,17 @@ pub fn expert_ffn(
         };
         // SAFETY: shapes validated; each (which, expert, tile) is one unit.
         unsafe { first.tile(&routing, w, out, i, tile) };
+        // The kernel asks for the tile after next of its own matrix; where
+        // that tile is another matrix's (an expert's gate or up, elsewhere in
+        // memory), ask for it here, or that matrix starts cold (a one-token
+        // layer 120-153 -> 111-112 us with `SharedJob`'s counting, 2026-11-28;
+        // benches/RESULTS.md).
+        let ahead = index + 2;
+        if ahead < 2 * routed * tiles && ahead / tiles != index / tiles {
+            let (which, i) = (ahead / (routed * tiles), ahead / tiles % routed);
+            let w = if which == 0 { weights.gate } else { weights.up };
+            first.prefetch(&routing, w, i, ahead % tiles);
+        }
     };
     parallel.run(2 * routed * tiles, &unit)?;
     for (g, u) in gate_y.iter_mut().zip(&up_y) {
@@ -342,6 +375,10 @@ pub fn expert_ffn(
                 index % tiles,
             )
         };
+        let ahead = index + 2;
+        if ahead < routed * tiles && ahead / tiles != index / tiles {
+            second.prefetch(&routing, weights.down, ahead / tiles, ahead % tiles);
+        }
     };
     parallel.run(routed * tiles, &unit)?;
     // Each token's experts in `j` order, weighted.
