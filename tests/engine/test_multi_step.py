@@ -147,3 +147,29 @@ def test_multi_step_decode_without_a_device_equals_one_step_per_call() -> None:
     multi, calls = run(4)
     assert calls > 0 and len(single) == 6
     assert multi == single
+
+
+def test_a_sink_gets_a_call_s_deltas_while_the_next_multi_step_call_runs(
+    engines: tuple[LLM, LLM],
+) -> None:
+    _, multi = engines
+    engine = multi.engine
+    events: list[tuple[str, str, list[int]]] = []  # (where, text, token ids), in order
+
+    def record(where: str, outputs: list[Any]) -> None:
+        events.extend((where, o.outputs[0].text, list(o.outputs[0].token_ids)) for o in outputs)
+
+    params = SamplingParams(temperature=0.0, max_tokens=21, ignore_eos=True)
+    engine.set_overlapped_output_sink(lambda outputs: record("sink", outputs))
+    try:
+        engine.add_request("early", PROMPTS[0], params, delta=True)
+        while engine.has_unfinished_requests():
+            record("step", engine.step())
+    finally:
+        engine.set_overlapped_output_sink(None)
+    full = multi.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0]
+    assert "".join(text for _, text, _ in events) == full.text
+    assert [t for _, _, ids in events for t in ids] == full.token_ids
+    # The prompt's first token and the calls' tokens went out during the next call.
+    assert events[0][0] == "sink" and events[0][2] == full.token_ids[:1]
+    assert [where for where, _, _ in events].count("sink") >= 21 // 4

@@ -50,6 +50,10 @@ class FakeEngine:
         self.fail_next = False
         self.threads: set[str] = set()
         self._requests: dict[str, list[Any]] = {}
+        self.sink: Any = None  # set by AsyncLLMEngine
+        self.hold: threading.Event | None = None
+        """When set: a step hands its outputs to the sink, then waits on this event, as a
+        call's text is made while the next multi-step call runs."""
 
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None,
                     priority: int = 0, cache_salt: str | None = None, *, delta: bool = False,
@@ -93,7 +97,15 @@ class FakeEngine:
                 outputs.append(self._output(request_id, [7], "length" if finished else None))
             if finished:
                 del self._requests[request_id]
+        if self.hold is not None and outputs:
+            if self.sink is not None:
+                self.sink(outputs)
+                outputs = []
+            self.hold.wait(10)
         return outputs
+
+    def set_overlapped_output_sink(self, sink: Any) -> None:
+        self.sink = sink
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
@@ -150,6 +162,22 @@ def test_deltas_reach_the_stream_from_the_engine_thread(engine: AsyncLLMEngine,
     assert [o.finished for o in outputs] == [False] * 4 + [True]
     assert outputs[-1].outputs[0].finish_reason == "length"
     assert fake.threads == {"kvpage-engine"}  # the event loop never touched the engine
+
+
+def test_deltas_made_during_a_call_reach_the_stream_before_it_returns(
+    engine: AsyncLLMEngine, fake: FakeEngine
+) -> None:
+    fake.hold = threading.Event()
+
+    async def main() -> tuple[RequestOutput, list[RequestOutput]]:
+        stream = await engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=2))
+        first = await asyncio.wait_for(stream.__anext__(), 5)  # the step is still held
+        fake.hold.set()
+        return first, await _drain(stream)
+
+    first, rest = asyncio.run(main())
+    assert first.outputs[0].token_ids == [7] and not first.finished
+    assert [o.finished for o in rest] == [True]
 
 
 def test_a_step_reaches_the_event_loop_in_one_call(engine: AsyncLLMEngine,

@@ -8,7 +8,8 @@ This file owns the engine thread and everything that crosses into it:
   into a lock-protected inbox that the engine thread applies between steps;
 * each request's ``RequestOutput`` deltas reach its ``RequestStream`` (an
   async iterator over an ``asyncio.Queue``) via ``loop.call_soon_threadsafe``,
-  one call per event loop per step;
+  one call per event loop per step (a multi-step call's, as soon as they are
+  made, while the device runs the next call);
 * a step that fails inside the engine fails only its own requests (the
   engine returns them with ``error`` set; their streams get
   ``RequestFailedError``); anything that escapes ``step()`` fails every
@@ -127,6 +128,7 @@ class AsyncLLMEngine:
         self.error: BaseException | None = None
         """Set if the engine thread itself crashed (not a failed step)."""
         self._escaped_failures = 0
+        engine.set_overlapped_output_sink(self._deliver_early)
         if start:
             self.start()
 
@@ -391,6 +393,16 @@ class AsyncLLMEngine:
             with self._cond:  # nothing fits yet: don't spin, wake on new work
                 if not self._inbox:
                     self._cond.wait(_IDLE_BACKOFF_S)
+
+    def _deliver_early(self, outputs: list[RequestOutput]) -> None:
+        """The last device call's outputs, made while the engine waits for the next
+        call (``LLMEngine.set_overlapped_output_sink``): to their streams now, not when
+        that call returns."""
+        self._deliver(outputs)
+        try:
+            self.metrics.on_outputs(outputs)
+        except Exception:  # metrics must never stop the engine
+            logger.exception("updating metrics failed")
 
     def _deliver(self, outputs: Iterable[RequestOutput]) -> None:
         """Hand a step's outputs to their streams: one call into each event

@@ -4,6 +4,7 @@ wait for a dispatched device call that measures it (:class:`DeviceWait`)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -50,9 +51,10 @@ class StepTiming:
 class DeviceWait:
     """Waits for each dispatched device call. With ``overlap_host_work`` the text of
     the previous step is made meanwhile, so the device does not wait for
-    detokenization; outputs then trail the device by one step."""
+    detokenization; outputs then trail the device by one call, or, with a ``sink``
+    while a multi-step call runs, leave as soon as they are made."""
 
-    __slots__ = ("_ctx", "_last_result_time", "_outputs", "timing")
+    __slots__ = ("_ctx", "_last_result_time", "_outputs", "sink", "timing")
 
     def __init__(self, ctx: EngineContext, outputs: EngineOutputs) -> None:
         self._ctx = ctx
@@ -60,6 +62,10 @@ class DeviceWait:
         self.timing = StepTiming()
         """``LLMEngine.timing`` (replaceable, e.g. a fresh one per benchmark run)."""
         self._last_result_time: float | None = None
+        self.sink: Callable[[list[RequestOutput]], None] | None = None
+        """Where the last call's outputs go the moment they are made while the device
+        runs a multi-step call (``LLMEngine.set_overlapped_output_sink``); None, or a
+        one-step call: into the step's list."""
 
     def wait(
         self, pending: PendingResult, outputs: list[RequestOutput], num_steps: int = 1
@@ -71,7 +77,11 @@ class DeviceWait:
         if self._last_result_time is not None:
             self.timing.record_host_gap(dispatched - self._last_result_time)
         if self._ctx.config.overlap_host_work:
-            outputs += self._outputs.process_text()
+            made = self._outputs.process_text()
+            if self.sink is not None and made and num_steps > 1:
+                self.sink(made)
+            else:
+                outputs += made
         result = pending.result()
         self._last_result_time = time.perf_counter()
         for _ in range(num_steps):
