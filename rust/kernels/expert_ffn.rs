@@ -294,6 +294,24 @@ impl<'a> Products<'a> {
     }
 }
 
+/// The (matrix, tile) of unit `index + 2` of a region of `matrices` matrices
+/// of `tiles` tiles each (unit = matrix * tiles + tile), where it lies in
+/// another matrix than unit `index`.
+///
+/// The kernel asks for the tile after next of its own matrix; where that tile
+/// is another matrix's (another routed expert, elsewhere in memory), the
+/// caller asks for it, or that matrix starts cold (a one-token layer 120-153
+/// -> 111-112 us with `SharedJob`'s counting, 2026-11-28; benches/RESULTS.md).
+fn after_next_in_another_matrix(
+    index: usize,
+    matrices: usize,
+    tiles: usize,
+) -> Option<(usize, usize)> {
+    let ahead = index + 2;
+    (ahead < matrices * tiles && ahead / tiles != index / tiles)
+        .then_some((ahead / tiles, ahead % tiles))
+}
+
 /// `y[t] = Σ_j gate_tj · down_e(swiglu(gate_e(x_t), up_e(x_t)))` over token
 /// `t`'s routed experts `e` (module docs), zeros for the padding tokens.
 pub fn expert_ffn(
@@ -343,16 +361,13 @@ pub fn expert_ffn(
         };
         // SAFETY: shapes validated; each (which, expert, tile) is one unit.
         unsafe { first.tile(&routing, w, out, i, tile) };
-        // The kernel asks for the tile after next of its own matrix; where
-        // that tile is another matrix's (an expert's gate or up, elsewhere in
-        // memory), ask for it here, or that matrix starts cold (a one-token
-        // layer 120-153 -> 111-112 us with `SharedJob`'s counting, 2026-11-28;
-        // benches/RESULTS.md).
-        let ahead = index + 2;
-        if ahead < 2 * routed * tiles && ahead / tiles != index / tiles {
-            let (which, i) = (ahead / (routed * tiles), ahead / tiles % routed);
-            let w = if which == 0 { weights.gate } else { weights.up };
-            first.prefetch(&routing, w, i, ahead % tiles);
+        if let Some((matrix, tile)) = after_next_in_another_matrix(index, 2 * routed, tiles) {
+            let w = if matrix < routed {
+                weights.gate
+            } else {
+                weights.up
+            };
+            first.prefetch(&routing, w, matrix % routed, tile);
         }
     };
     parallel.run(2 * routed * tiles, &unit)?;
@@ -375,9 +390,8 @@ pub fn expert_ffn(
                 index % tiles,
             )
         };
-        let ahead = index + 2;
-        if ahead < routed * tiles && ahead / tiles != index / tiles {
-            second.prefetch(&routing, weights.down, ahead / tiles, ahead % tiles);
+        if let Some((i, tile)) = after_next_in_another_matrix(index, routed, tiles) {
+            second.prefetch(&routing, weights.down, i, tile);
         }
     };
     parallel.run(routed * tiles, &unit)?;
@@ -393,4 +407,26 @@ pub fn expert_ffn(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::after_next_in_another_matrix;
+
+    #[test]
+    fn the_unit_after_next_is_named_only_across_a_matrix_boundary() {
+        // 3 matrices of 4 tiles: units 0..12.
+        let named: Vec<_> = (0..12)
+            .map(|i| after_next_in_another_matrix(i, 3, 4))
+            .collect();
+        let mut want = vec![None; 12];
+        want[2] = Some((1, 0));
+        want[3] = Some((1, 1));
+        want[6] = Some((2, 0));
+        want[7] = Some((2, 1));
+        assert_eq!(named, want);
+        // One tile a matrix: every unit after next is another matrix's.
+        assert_eq!(after_next_in_another_matrix(0, 3, 1), Some((2, 0)));
+        assert_eq!(after_next_in_another_matrix(1, 3, 1), None);
+    }
 }
