@@ -34,6 +34,8 @@ def _attention(host_kernel: bool, decode_only: bool = False):
         ([1, 5, 1, 1], [40, 9, 2, 129]),  # decodes mixed with a prefill chunk
         # past HOST_KERNEL_MAX_TOKENS: decode rows on the kernel, the chunk in lax loops
         ([1, 300, 1], [40, 310, 17]),
+        # a large step: short prompts' tokens on the kernel, only the long row in loops
+        ([1, 40, 300, 5, 2], [40, 90, 310, 5, 33]),
     ],
 )
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
@@ -56,10 +58,14 @@ def test_matches_naive_attention_and_the_lax_loop(
 
 
 @pytest.mark.parametrize("options", [{}, {"sliding_window": 5, "logit_soft_cap": 3.0}])
-def test_gpu_lowering_does_not_call_the_host_kernel(options: dict) -> None:
-    case = make_case(0, [1, 1], [20, 33], num_kv_heads=2, group=2, head_dim=16, block_size=8)
+@pytest.mark.parametrize("q_lens,kv_lens", [([1, 1], [20, 33]), ([1, 300, 3], [20, 310, 9])])
+def test_gpu_lowering_does_not_call_the_host_kernel(
+    options: dict, q_lens: list[int], kv_lens: list[int]
+) -> None:
+    case = make_case(0, q_lens, kv_lens, num_kv_heads=2, group=2, head_dim=16, block_size=8)
+    decode_only = all(n == 1 for n in q_lens)
     traced = jax.jit(
-        lambda *a: xla_paged_attention(*a, sm_scale=0.25, decode_only=True, **options)
+        lambda *a: xla_paged_attention(*a, sm_scale=0.25, decode_only=decode_only, **options)
     ).trace(*case.args)
     cuda = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert "kvpage_paged_decode_attention" not in cuda

@@ -6,16 +6,18 @@ gathers a per-token copy of the whole padded table (``[T, max_blocks * B, Hkv, D
 so its FLOPs and scratch follow ``max_model_len``. This one is flash attention written
 with ``lax`` loops whose trip counts are read from the step's live lengths:
 
-* On CPU, in steps of up to :data:`HOST_KERNEL_MAX_TOKENS` tokens, every query token
-  is a row of kvpage's Rust decode kernel
-  (``cpu_decode_attention.py``: XLA:CPU's gather of paged blocks is slow): a prefill
-  chunk's token ``i`` reads its sequence's first ``context + i + 1`` positions, so a
-  speculative verification's rows and a prompt's equal what decode steps at those
+* On CPU, every query token of a row (sequence) with up to
+  :data:`HOST_KERNEL_MAX_TOKENS` query tokens in the step is a row of kvpage's Rust
+  decode kernel (``cpu_decode_attention.py``: XLA:CPU's gather of paged blocks is slow):
+  a prefill chunk's token ``i`` reads its sequence's first ``context + i + 1`` positions,
+  so a speculative verification's rows and a prompt's equal what decode steps at those
   positions would give. Against the ``lax`` loops below, per layer of Qwen2.5-0.5B's
   shape (14 query / 2 KV heads of 64), 2026-11-28 (``benches/RESULTS.md``): 8 tokens of
   one sequence at 600 positions 0.41 vs 0.58 ms, 64 tokens of 8 sequences 1.46 vs 16.8
-  ms, 128 tokens of one at 1,000 positions 4.4 vs 7.7 ms. In larger steps, decode rows
-  (``q_len == 1``) go to the same kernel together and prefill rows to the loops below.
+  ms, 128 tokens of one at 1,000 positions 4.4 vs 7.7 ms. Only longer rows (long prompt
+  chunks) go to the loops below, whose ``q_tile`` queries share each K/V chunk. The
+  choice is per row, not per step: 32 prompts of 32 tokens in one step, which the loops
+  took one 128-query tile each, cost 26 ms of attention a layer there (2026-11-28).
 * Elsewhere (and with ``host_decode_kernel=False``), decode rows are
   computed together by one loop over KV chunks of ``decode_chunk_blocks`` blocks, trip
   count ``ceil(max decode kv_len / chunk)``; each iteration gathers ``[S, chunk]`` K/V
@@ -52,6 +54,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kvpage.kernels.host import cpu_decode_attention
 from kvpage.kernels.host.cpu_decode_attention import cpu_paged_decode_attention
 from kvpage.kernels.xla.reference import check_attention_options, window_start
 
@@ -62,11 +65,12 @@ DEFAULT_DECODE_CHUNK_BLOCKS = 2
 cache (measured fastest on a 2-core x86 CPU at 64 rows x 100 and x 1000 tokens)."""
 DEFAULT_Q_TILE = 128
 HOST_KERNEL_MAX_TOKENS = 256
-"""Steps of up to this many query tokens run every token as a host-kernel row (module
-docs); larger ones (long prompt chunks) the ``lax`` loops, whose ``q_tile`` queries share
-each K/V chunk: a 512-token chunk at 1,500 positions took 24-25 ms there against 29-32
-per token, a 2,048-token prompt 57-62 against 68-71 (Qwen2.5-0.5B's heads, per layer,
-2026-11-28)."""
+"""Rows with up to this many query tokens in a step run every token as a host-kernel row
+(module docs); longer ones (long prompt chunks) the ``lax`` loops, whose ``q_tile``
+queries share each K/V chunk: a 512-token chunk at 1,500 positions took 24-25 ms there
+against 29-32 per token, a 2,048-token prompt 57-62 against 68-71 (Qwen2.5-0.5B's heads,
+per layer, 2026-11-28). A step of at most this many tokens has no longer row, and its
+program no loops."""
 
 
 def _ceil_div(a: jax.Array, b: int) -> jax.Array:
@@ -285,28 +289,27 @@ def xla_paged_attention(
 
     ``sliding_window``, ``logit_soft_cap``, ``sinks``: as in ``reference.py``.
 
-    ``host_decode_kernel``: on CPU, every query token is a decode row of kvpage's Rust
-    kernel (``cpu_decode_attention.py``), reading its sequence's KV up to its own
-    position, instead of the ``lax`` loops; same result (module docs).
+    ``host_decode_kernel``: on CPU, every query token of a row with at most
+    :data:`HOST_KERNEL_MAX_TOKENS` query tokens is a decode row of kvpage's Rust kernel
+    (``cpu_decode_attention.py``), reading its sequence's KV up to its own position,
+    instead of the ``lax`` loops; same result (module docs).
 
     ``decode_only=True`` promises every live row has ``q_len <= 1`` and skips the
     prefill loop (it would run zero times anyway; the flag only shrinks the program).
     """
     check_attention_options(sliding_window, logit_soft_cap, sinks, q.shape[1])
 
-    def in_lax(host_decode_rows: bool = False) -> jax.Array:
+    def in_lax(loop_rows: jax.Array | None = None) -> jax.Array:
         return _lax_attention(
             q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
             sm_scale=sm_scale, decode_only=decode_only, kv_chunk_blocks=kv_chunk_blocks,
             decode_chunk_blocks=decode_chunk_blocks, q_tile=q_tile,
             sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, sinks=sinks,
-            host_decode_rows=host_decode_rows,
+            loop_rows=loop_rows,
         )  # fmt: skip
 
-    if not host_decode_kernel:
+    if not host_decode_kernel or not cpu_decode_attention.available():
         return in_lax()
-    if q.shape[0] > HOST_KERNEL_MAX_TOKENS:
-        return in_lax(host_decode_rows=True)
     if decode_only and q.shape[0] == block_tables.shape[0]:  # token r is row r
         live = jnp.arange(block_tables.shape[0], dtype=jnp.int32) < num_seqs[0]
         token_kv_lens, table_rows = jnp.where(live, kv_lens, 0).astype(jnp.int32), None
@@ -314,11 +317,25 @@ def xla_paged_attention(
         token_kv_lens, table_rows = token_rows(
             q.shape[0], kv_lens, block_tables, cu_q_lens, num_seqs
         )
+    host_only = decode_only or q.shape[0] <= HOST_KERNEL_MAX_TOKENS  # no longer row
+    if not host_only:
+        live_row = jnp.arange(block_tables.shape[0], dtype=jnp.int32) < num_seqs[0]
+        long_row = live_row & (cu_q_lens[1:] - cu_q_lens[:-1] > HOST_KERNEL_MAX_TOKENS)
+        in_loops = long_row[table_rows] & (token_kv_lens > 0)  # [T]
+        token_kv_lens = jnp.where(in_loops, 0, token_kv_lens)
     out = cpu_paged_decode_attention(
         q, k_pages, v_pages, token_kv_lens, block_tables, sm_scale=sm_scale,
         otherwise=lambda: in_lax().astype(jnp.float32), sliding_window=sliding_window,
         logit_soft_cap=logit_soft_cap, sinks=sinks, table_rows=table_rows,
     )  # fmt: skip
+    if not host_only:  # elsewhere than CPU, ``out`` is the loops' for every token already
+        short_out = out
+        out = lax.platform_dependent(
+            cpu=lambda: jnp.where(
+                in_loops[:, None, None], in_lax(long_row).astype(jnp.float32), short_out
+            ),
+            default=lambda: short_out,
+        )
     return out.astype(q.dtype)
 
 
@@ -339,10 +356,11 @@ def _lax_attention(
     sliding_window: int | None,
     logit_soft_cap: float | None,
     sinks: jax.Array | None,
-    host_decode_rows: bool = False,
+    loop_rows: jax.Array | None = None,
 ) -> jax.Array:
-    """The ``lax`` loops: decode rows together (``host_decode_rows``: by the host kernel
-    on CPU), prefill rows one at a time."""
+    """The ``lax`` loops: decode rows together, prefill rows one at a time. With
+    ``loop_rows`` (bool ``[S]``) only those rows, each in the prefill loops; the other
+    tokens' results are unspecified."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, _, _ = k_pages.shape
     num_rows, width = block_tables.shape
@@ -389,21 +407,12 @@ def _lax_attention(
             .reshape(num_rows, num_q_heads, head_dim)
         )
 
-    if host_decode_rows:
-        decode_out = cpu_paged_decode_attention(
-            q[decode_tokens], k_pages, v_pages, decode_kv_lens, block_tables,
-            sm_scale=sm_scale, otherwise=decode_in_xla, sliding_window=sliding_window,
-            logit_soft_cap=logit_soft_cap, sinks=sinks,
-        )  # fmt: skip
-    else:
-        decode_out = decode_in_xla()
-    decode_out = decode_out.reshape(num_rows, num_kv_heads, group, head_dim)
     if decode_only:
         out = jnp.zeros_like(qf)
     else:
         tile = min(q_tile, num_tokens)
         padded_q = jnp.pad(qf, ((0, tile), (0, 0), (0, 0), (0, 0)))
-        is_prefill = q_lens > 1
+        is_prefill = q_lens > 1 if loop_rows is None else loop_rows & live_row
         (prefill_rows,) = jnp.nonzero(is_prefill, size=num_rows, fill_value=0)
         out = _prefill_rows(
             padded_q,
@@ -419,8 +428,10 @@ def _lax_attention(
             tile,
             **options,
         )[:num_tokens]
-    target = jnp.where(is_decode, decode_tokens, num_tokens)  # non-decode rows: dropped
-    out = out.at[target].set(decode_out, mode="drop")
+    if loop_rows is None:
+        decode_out = decode_in_xla().reshape(num_rows, num_kv_heads, group, head_dim)
+        target = jnp.where(is_decode, decode_tokens, num_tokens)  # others: dropped
+        out = out.at[target].set(decode_out, mode="drop")
     is_real = jnp.arange(num_tokens, dtype=jnp.int32) < cu_q_lens[num_seqs[0]]
     out = jnp.where(is_real[:, None, None, None], out, 0.0)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
