@@ -10,6 +10,13 @@
 //! thread (quantized for a single row, [`crate::kernels::quant::qmatmul`]),
 //! then tiles of weight rows run on XLA's intra-op pool.
 //!
+//! `kvpage_qmatmul_multi_<name>` multiplies one `x` by up to
+//! [`MAX_MULTI_WEIGHTS`] weights of the format (a layer's q/k/v, or gate and
+//! up): arguments `x`, the weights, for int8 their row scales, then
+//! `live_rows`; one result per weight. `x` is prepared once and all tiles run
+//! in one hand-over to the pool (one-row q/k/v of bench moe's model: 31-36 ->
+//! 26-29 us a layer, 2026-11-28).
+//!
 //! `kvpage_qmatmul_invariant_<name>` is the same call with every row count on the
 //! float path (batch-invariant inference: a row's result never depends on the
 //! call's other rows).
@@ -48,18 +55,51 @@ pub(super) unsafe fn live_rows(view: &View, rows: usize) -> Result<usize, String
     }
 }
 
-unsafe fn run_qmatmul(frame: &CallFrame, kind: QuantType, invariant: bool) -> Result<(), String> {
-    let want = if kind.row_scaled() { 4 } else { 3 };
-    let args = buffers(&frame.args, "arguments", want)?;
-    let mut rets = buffers(&frame.rets, "results", 1)?;
-    let (x, w) = (&args[0], &args[1]);
-    let y = &mut rets[0];
-    for (view, name) in [(x, "x"), (w, "w"), (&*y, "y")] {
+/// One product of a call: its shape, weight blocks, row scales and result,
+/// checked against the call's `x` (the first `live` rows of `y` are computed,
+/// the others zeroed by [`Product::zero_padding`]).
+struct Product<'a> {
+    shape: QuantShape,
+    w: &'a [u8],
+    row_scales: &'a [f32],
+    y: &'a mut [f32],
+}
+
+impl Product<'_> {
+    /// Zero `y`'s rows from `live` on and narrow the product to the live rows.
+    fn zero_padding(&mut self, live: usize) {
+        self.y[live * self.shape.outs..].fill(0.0);
+        self.shape.rows = live;
+    }
+}
+
+/// Check `x` (float32 `[T, K]`): the operand every product of a call reads.
+unsafe fn checked_x<'a>(x: &View) -> Result<&'a [f32], String> {
+    if x.dims.len() != 2 {
+        return Err(format!("x has rank {}, expected 2", x.dims.len()));
+    }
+    if x.dtype != DTYPE_F32 {
+        return Err("x and y must be float32".into());
+    }
+    Ok(std::slice::from_raw_parts(x.data as *const f32, x.len()))
+}
+
+/// Check one product `y = x · dequant(w)ᵀ` of `kind` (`scales`: its row
+/// scales, for row-scaled formats) before anything is read.
+unsafe fn checked_product<'a>(
+    kind: QuantType,
+    x: &View,
+    x_s: &[f32],
+    w: &View,
+    scales: Option<&View>,
+    y: &View,
+) -> Result<Product<'a>, String> {
+    for (view, name) in [(w, "w"), (y, "y")] {
         if view.dims.len() != 2 {
             return Err(format!("{name} has rank {}, expected 2", view.dims.len()));
         }
     }
-    if x.dtype != DTYPE_F32 || y.dtype != DTYPE_F32 {
+    if y.dtype != DTYPE_F32 {
         return Err("x and y must be float32".into());
     }
     if w.dtype != DTYPE_U8 && w.dtype != DTYPE_S8 {
@@ -85,40 +125,106 @@ unsafe fn run_qmatmul(frame: &CallFrame, kind: QuantType, invariant: bool) -> Re
             y.dims
         ));
     }
-    let row_scales: &[f32] = if kind.row_scaled() {
-        let scales = &args[2];
-        if scales.dtype != DTYPE_F32 || scales.dims != [shape.outs] {
-            return Err(format!("row_scales must be float32 [{}]", shape.outs));
+    let row_scales: &[f32] = match scales {
+        Some(scales) => {
+            if scales.dtype != DTYPE_F32 || scales.dims != [shape.outs] {
+                return Err(format!("row_scales must be float32 [{}]", shape.outs));
+            }
+            std::slice::from_raw_parts(scales.data as *const f32, scales.len())
         }
-        std::slice::from_raw_parts(scales.data as *const f32, scales.len())
-    } else {
-        &[]
+        None => &[],
     };
-    let x_s = std::slice::from_raw_parts(x.data as *const f32, x.len());
     let w_s = std::slice::from_raw_parts(w.data as *const u8, w.len());
     let y_s = std::slice::from_raw_parts_mut(y.data as *mut f32, y.len());
     call::validate(&shape, x_s, w_s, row_scales, y_s)?;
-    let live = live_rows(&args[want - 1], shape.rows)?;
-    let (y_s, padding) = y_s.split_at_mut(live * shape.outs);
-    padding.fill(0.0);
+    Ok(Product {
+        shape,
+        w: w_s,
+        row_scales,
+        y: y_s,
+    })
+}
+
+unsafe fn run_qmatmul(frame: &CallFrame, kind: QuantType, invariant: bool) -> Result<(), String> {
+    let want = if kind.row_scaled() { 4 } else { 3 };
+    let args = buffers(&frame.args, "arguments", want)?;
+    let rets = buffers(&frame.rets, "results", 1)?;
+    let x_s = checked_x(&args[0])?;
+    let scales = kind.row_scaled().then(|| &args[2]);
+    let mut product = checked_product(kind, &args[0], x_s, &args[1], scales, &rets[0])?;
+    let live = live_rows(&args[want - 1], product.shape.rows)?;
+    product.zero_padding(live);
     if live == 0 {
         return Ok(());
     }
-    let shape = QuantShape {
-        rows: live,
-        ..shape
-    };
-    let x_s = &x_s[..live * shape.inner];
+    let x_s = &x_s[..live * product.shape.inner];
     let inputs = if invariant {
         Inputs::float_path(x_s)
     } else {
-        Inputs::prepare(&shape, x_s)
+        Inputs::prepare(&product.shape, x_s)
     };
-    let out = OutPtr::new(y_s);
+    let Product {
+        shape,
+        w,
+        row_scales,
+        y,
+    } = product;
+    let out = OutPtr::new(y);
     // SAFETY: validated; each tile is claimed by exactly one thread.
-    let tile =
-        |index: usize| unsafe { qmatmul::tile(&shape, &inputs, w_s, row_scales, out, index) };
+    let tile = |index: usize| unsafe { qmatmul::tile(&shape, &inputs, w, row_scales, out, index) };
     XlaPool { frame }.run(call::tiles(&shape), &tile)
+}
+
+/// Most weights one `kvpage_qmatmul_multi_<name>` call multiplies.
+pub const MAX_MULTI_WEIGHTS: usize = 4;
+
+/// `y_m = x · dequant(w_m)ᵀ` for up to [`MAX_MULTI_WEIGHTS`] weights of one
+/// format that read the same `x` (a layer's q/k/v, or gate and up): `x`
+/// prepared once, and every weight's tiles units of one parallel run, so the
+/// call costs one hand-over to the pool, not one per weight.
+unsafe fn run_qmatmul_multi(frame: &CallFrame, kind: QuantType) -> Result<(), String> {
+    let count = usize::try_from(frame.rets.size).unwrap_or(0);
+    if count == 0 || count > MAX_MULTI_WEIGHTS {
+        return Err(format!(
+            "expected 1 to {MAX_MULTI_WEIGHTS} results, got {}",
+            frame.rets.size
+        ));
+    }
+    let per_weight = if kind.row_scaled() { 2 } else { 1 };
+    let args = buffers(&frame.args, "arguments", 2 + per_weight * count)?;
+    let rets = buffers(&frame.rets, "results", count)?;
+    let x_s = checked_x(&args[0])?;
+    let mut products = Vec::with_capacity(count);
+    for (m, y) in rets.iter().enumerate() {
+        let scales = kind.row_scaled().then(|| &args[1 + count + m]);
+        products.push(checked_product(kind, &args[0], x_s, &args[1 + m], scales, y)?);
+    }
+    let live = live_rows(&args[1 + per_weight * count], args[0].dims[0])?;
+    for product in &mut products {
+        product.zero_padding(live);
+    }
+    if live == 0 {
+        return Ok(());
+    }
+    let x_s = &x_s[..live * products[0].shape.inner];
+    // Every product has x's rows and inner size, and `kind`: one preparation.
+    let inputs = Inputs::prepare(&products[0].shape, x_s);
+    let mut first_tiles = Vec::with_capacity(count + 1);
+    first_tiles.push(0);
+    for product in &products {
+        first_tiles.push(first_tiles.last().copied().unwrap_or(0) + call::tiles(&product.shape));
+    }
+    let targets: Vec<(QuantShape, &[u8], &[f32], OutPtr)> = products
+        .into_iter()
+        .map(|p| (p.shape, p.w, p.row_scales, OutPtr::new(p.y)))
+        .collect();
+    let tile = |index: usize| {
+        let m = first_tiles.partition_point(|&first| first <= index) - 1;
+        let (shape, w, row_scales, out) = &targets[m];
+        // SAFETY: validated; each tile of each product is claimed by exactly one thread.
+        unsafe { qmatmul::tile(shape, &inputs, w, row_scales, *out, index - first_tiles[m]) }
+    };
+    XlaPool { frame }.run(first_tiles[count], &tile)
 }
 
 unsafe fn run_dequantize(frame: &CallFrame, kind: QuantType) -> Result<(), String> {
@@ -165,7 +271,7 @@ unsafe fn run_dequantize(frame: &CallFrame, kind: QuantType) -> Result<(), Strin
 }
 
 macro_rules! handlers {
-    ($($kind:expr => $qmatmul:ident, $invariant:ident, $dequantize:ident;)*) => {$(
+    ($($kind:expr => $qmatmul:ident, $invariant:ident, $multi:ident, $dequantize:ident;)*) => {$(
         /// XLA FFI handler: `y = x · dequant(w)ᵀ` for one weight format (module docs).
         ///
         /// # Safety
@@ -192,6 +298,19 @@ macro_rules! handlers {
             handle(frame.cast(), stringify!($invariant), body)
         }
 
+        /// XLA FFI handler: several products of one format that read the same
+        /// `x` in one call (module docs).
+        ///
+        /// # Safety
+        /// Called by XLA with a valid call frame.
+        #[no_mangle]
+        pub unsafe extern "C" fn $multi(frame: *mut c_void) -> *mut c_void {
+            unsafe fn body(frame: &CallFrame) -> Result<(), String> {
+                run_qmatmul_multi(frame, $kind)
+            }
+            handle(frame.cast(), stringify!($multi), body)
+        }
+
         /// XLA FFI handler: the float weights `[N, K]` of one format's blocks
         /// (module docs), for products of many rows.
         ///
@@ -208,14 +327,14 @@ macro_rules! handlers {
 }
 
 handlers! {
-    QuantType::Q8_0 => kvpage_qmatmul_q8_0, kvpage_qmatmul_invariant_q8_0, kvpage_dequantize_q8_0;
-    QuantType::Q4_0 => kvpage_qmatmul_q4_0, kvpage_qmatmul_invariant_q4_0, kvpage_dequantize_q4_0;
-    QuantType::Q4_1 => kvpage_qmatmul_q4_1, kvpage_qmatmul_invariant_q4_1, kvpage_dequantize_q4_1;
-    QuantType::Q4K => kvpage_qmatmul_q4_k, kvpage_qmatmul_invariant_q4_k, kvpage_dequantize_q4_k;
-    QuantType::Q6K => kvpage_qmatmul_q6_k, kvpage_qmatmul_invariant_q6_k, kvpage_dequantize_q6_k;
-    QuantType::Int8 => kvpage_qmatmul_int8, kvpage_qmatmul_invariant_int8, kvpage_dequantize_int8;
-    QuantType::Q5_0 => kvpage_qmatmul_q5_0, kvpage_qmatmul_invariant_q5_0, kvpage_dequantize_q5_0;
-    QuantType::Q5_1 => kvpage_qmatmul_q5_1, kvpage_qmatmul_invariant_q5_1, kvpage_dequantize_q5_1;
+    QuantType::Q8_0 => kvpage_qmatmul_q8_0, kvpage_qmatmul_invariant_q8_0, kvpage_qmatmul_multi_q8_0, kvpage_dequantize_q8_0;
+    QuantType::Q4_0 => kvpage_qmatmul_q4_0, kvpage_qmatmul_invariant_q4_0, kvpage_qmatmul_multi_q4_0, kvpage_dequantize_q4_0;
+    QuantType::Q4_1 => kvpage_qmatmul_q4_1, kvpage_qmatmul_invariant_q4_1, kvpage_qmatmul_multi_q4_1, kvpage_dequantize_q4_1;
+    QuantType::Q4K => kvpage_qmatmul_q4_k, kvpage_qmatmul_invariant_q4_k, kvpage_qmatmul_multi_q4_k, kvpage_dequantize_q4_k;
+    QuantType::Q6K => kvpage_qmatmul_q6_k, kvpage_qmatmul_invariant_q6_k, kvpage_qmatmul_multi_q6_k, kvpage_dequantize_q6_k;
+    QuantType::Int8 => kvpage_qmatmul_int8, kvpage_qmatmul_invariant_int8, kvpage_qmatmul_multi_int8, kvpage_dequantize_int8;
+    QuantType::Q5_0 => kvpage_qmatmul_q5_0, kvpage_qmatmul_invariant_q5_0, kvpage_qmatmul_multi_q5_0, kvpage_dequantize_q5_0;
+    QuantType::Q5_1 => kvpage_qmatmul_q5_1, kvpage_qmatmul_invariant_q5_1, kvpage_qmatmul_multi_q5_1, kvpage_dequantize_q5_1;
 }
 
 /// 1 when the quantized kernels run vectorized (AVX2 + FMA + F16C) here, 0 for

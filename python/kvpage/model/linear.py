@@ -10,13 +10,25 @@ from typing import Any
 import jax
 
 from kvpage.model.expert_matmul import expert_matmul_nt
-from kvpage.model.linear_kernels import lora_slots_of, matmul_nt
+from kvpage.model.linear_kernels import lora_slots_of, matmul_nt, matmuls_nt
 
 
 def linear(x: jax.Array, layer: dict[str, Any]) -> jax.Array:
     """A linear layer: ``x @ weight.T (+ bias)`` with an HF-oriented ``[out, in]`` weight,
     in ``x``'s dtype."""
-    y = matmul_nt(x, layer["weight"])
+    return _finish(x, layer, matmul_nt(x, layer["weight"]))
+
+
+def linears(x: jax.Array, layers: list[dict[str, Any]]) -> list[jax.Array]:
+    """``[linear(x, layer) for layer in layers]``: layers reading the same ``x`` (a
+    layer's q/k/v, gate and up), whose products may run in one kernel call
+    (:func:`~kvpage.model.linear_kernels.matmuls_nt`)."""
+    ys = matmuls_nt(x, [layer["weight"] for layer in layers])
+    return [_finish(x, layer, y) for layer, y in zip(layers, ys, strict=True)]
+
+
+def _finish(x: jax.Array, layer: dict[str, Any], y: jax.Array) -> jax.Array:
+    """The product ``y`` of ``x`` and ``layer``'s weight, plus its bias and LoRA delta."""
     if "bias" in layer:
         y = y + layer["bias"]
     slots = lora_slots_of()

@@ -156,6 +156,38 @@ def matmul_nt(
     return cpu_matmul_nt(x, w, otherwise=xla)
 
 
+def matmuls_nt(x: jax.Array, ws: list[Any]) -> list[jax.Array]:
+    """``[matmul_nt(x, w) for w in ws]``; on CPU, quantized weights of one format that the
+    host kernel would multiply one by one (a layer's q/k/v, gate and up) go in one call
+    (``cpu_qmatmul.qmatmul_multi_call``: ``x`` prepared once, one hand-over to the
+    thread pool; each result the same as alone)."""
+    flat = x.reshape(-1, x.shape[-1])
+    rows = flat.shape[0]
+    kinds = {w.kind if isinstance(w, QuantizedWeight) else None for w in ws}
+    kind = kinds.pop() if len(kinds) == 1 else None
+    if (
+        kind is None
+        or not 2 <= len(ws) <= cpu_qmatmul.MAX_MULTI_WEIGHTS
+        or not _HOST_MATMULS.get()
+        or batch_invariant_enabled()
+        or rows >= cpu_qmatmul.dequantize_rows(kind)
+        or not cpu_qmatmul.multi_available(kind)
+    ):
+        return [matmul_nt(x, w) for w in ws]
+
+    def on_cpu() -> list[jax.Array]:
+        return cpu_qmatmul.qmatmul_multi_call(
+            flat, [(w.blocks, w.row_scales) for w in ws], kind, live_rows_of(rows)
+        )
+
+    def one_by_one() -> list[jax.Array]:
+        return [matmul_nt(flat, w).astype(jnp.float32) for w in ws]
+
+    ys = lax.platform_dependent(cpu=on_cpu, default=one_by_one)
+    shaped = zip(ys, ws, strict=True)
+    return [y.reshape(*x.shape[:-1], w.shape[0]).astype(x.dtype) for y, w in shaped]
+
+
 def _quantized_matmul_nt(
     x: jax.Array, w: QuantizedWeight, preferred_element_type: jax.typing.DTypeLike | None
 ) -> jax.Array:

@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 
-from kvpage.model.linear import linear
+from kvpage.model.linear import linear, linears
 
 _ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "silu": jax.nn.silu,
@@ -27,4 +27,5 @@ def activation_fn(name: str) -> Callable[[jax.Array], jax.Array]:
 def gated_mlp(mlp: dict[str, Any], x: jax.Array, hidden_act: str = "silu") -> jax.Array:
     """``down_proj(act(gate_proj(x)) * up_proj(x))``."""
     act = _ACTIVATIONS[hidden_act]
-    return linear(act(linear(x, mlp["gate_proj"])) * linear(x, mlp["up_proj"]), mlp["down_proj"])
+    gate, up = linears(x, [mlp["gate_proj"], mlp["up_proj"]])
+    return linear(act(gate) * up, mlp["down_proj"])

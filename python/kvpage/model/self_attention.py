@@ -24,7 +24,7 @@ from kvpage.kernels.host.cpu_decode_attention import cpu_paged_decode_attention
 from kvpage.kernels.xla.xla_paged_attention import token_rows
 from kvpage.model.attention import AttentionBackend
 from kvpage.model.config import SLIDING_ATTENTION, ModelConfig
-from kvpage.model.linear import linear
+from kvpage.model.linear import linear, linears
 from kvpage.model.linear_kernels import batch_invariant_enabled
 from kvpage.model.norms import rms_norm
 from kvpage.model.rope import apply_rope, config_rope_cos_sin, table_rope_cos_sin
@@ -102,9 +102,10 @@ def self_attention(
     """The attention output ``[T, hidden]`` (before the residual) and the updated pool."""
     num_tokens = hidden.shape[0]
     d = config.head_dim
-    q = linear(hidden, attn["q_proj"]).reshape(num_tokens, config.num_heads, d)
-    k = linear(hidden, attn["k_proj"]).reshape(num_tokens, config.num_kv_heads, d)
-    v = linear(hidden, attn["v_proj"]).reshape(num_tokens, config.num_kv_heads, d)
+    q, k, v = linears(hidden, [attn["q_proj"], attn["k_proj"], attn["v_proj"]])
+    q = q.reshape(num_tokens, config.num_heads, d)
+    k = k.reshape(num_tokens, config.num_kv_heads, d)
+    v = v.reshape(num_tokens, config.num_kv_heads, d)
     if config.qk_norm:
         q, k = qk_norms(config, attn, q, k)
     rope = config.rope_local if layer_type == SLIDING_ATTENTION else None

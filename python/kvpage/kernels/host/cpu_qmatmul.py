@@ -10,6 +10,9 @@ where one hands over to the other (:func:`dequantize_rows`):
   otherwise each sub-block expanded to float once in registers and shared by the rows.
   Only the first ``live_rows`` rows (a device scalar) are computed, the others are
   zeros: a padded step's padding rows cost nothing.
+* ``kvpage_qmatmul_multi_<kind>``: the same for up to :data:`MAX_MULTI_WEIGHTS` weights
+  of one format that read the same ``x`` (a layer's q/k/v, or gate and up), in one call:
+  ``x`` prepared once, one hand-over to the thread pool (:func:`qmatmul_multi_call`).
 * ``kvpage_dequantize_<kind>``: the float weight ``[N, K]``, which XLA's GEMM then
   multiplies: for prefill-sized products, where that GEMM beats the kernel. In a real
   step the expansion writes every weight as float32 (540 MB for SmolLM2), which a
@@ -44,6 +47,8 @@ DEQUANTIZE_ROWS = 128
 kernel for the format (module docs)."""
 BLOCKED_DEQUANTIZE_ROWS = 512
 """The same where it has one (:func:`integer_rows` from 2 on)."""
+MAX_MULTI_WEIGHTS = 4
+"""Most weights one ``kvpage_qmatmul_multi_<kind>`` call takes (Rust's constant)."""
 
 
 @functools.cache
@@ -89,6 +94,32 @@ def qmatmul_call(
     call = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((rows, blocks.shape[0]), jnp.float32))
     scales = () if row_scales is None else (row_scales,)
     return call(x.astype(jnp.float32), blocks, *scales, live)
+
+
+def multi_available(kind: str) -> bool:
+    """Whether the core exports ``kind``'s several-weight call (registers it once)."""
+    return available(kind) and register(f"kvpage_qmatmul_multi_{kind}")
+
+
+def qmatmul_multi_call(
+    x: jax.Array,
+    weights: list[tuple[jax.Array, jax.Array | None]],
+    kind: str,
+    live_rows: jax.Array | int | None = None,
+) -> list[jax.Array]:
+    """float32 ``x [T, K] . dequant(w)^T`` for each ``(blocks, row_scales)`` of
+    ``weights`` (1 to :data:`MAX_MULTI_WEIGHTS`, all of format ``kind``) in one call;
+    each result equals :func:`qmatmul_call`'s (lower for ``cpu`` only)."""
+    if not 1 <= len(weights) <= MAX_MULTI_WEIGHTS:
+        raise ValueError(f"one call takes 1 to {MAX_MULTI_WEIGHTS} weights, got {len(weights)}")
+    rows = x.shape[0]
+    live = jnp.asarray(rows if live_rows is None else live_rows, jnp.int32).reshape(1)
+    shapes = [jax.ShapeDtypeStruct((rows, blocks.shape[0]), jnp.float32) for blocks, _ in weights]
+    call = jax.ffi.ffi_call(f"kvpage_qmatmul_multi_{kind}", shapes)
+    scales = [s for _, s in weights if s is not None]
+    if scales and len(scales) != len(weights):
+        raise ValueError("either every weight has row scales or none has")
+    return list(call(x.astype(jnp.float32), *(b for b, _ in weights), *scales, live))
 
 
 def dequantize_call(
