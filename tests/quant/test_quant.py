@@ -81,9 +81,8 @@ def test_cpu_kernel_matches_dequantize_then_matmul(kind: str, rows: int) -> None
         weight = jax.device_put(quantize_int8(float_weight))
     else:
         name = {v: k for k, v in GGUF_KINDS.items()}[kind]
-        weight = QuantizedWeight(
-            jnp.asarray(stored_blocks(name, (outs, inner), rows)), kind, (outs, inner)
-        )
+        weight = QuantizedWeight(jnp.asarray(stored_blocks(name, (outs, inner), rows)), kind,
+                                 (outs, inner))
     x = jnp.asarray(rng.standard_normal((rows, inner)).astype(np.float32))
     want = np.asarray(x) @ np.asarray(weight.dequantize()).T
     with host_matmuls(True):
@@ -204,9 +203,8 @@ def test_without_the_switch_a_quantized_weight_is_dequantized_in_the_step() -> N
     hlo = jax.jit(lambda x, w: matmul_nt(x, w)).lower(x, weight).as_text()
     assert "kvpage_qmatmul" not in hlo
     got = np.asarray(jax.jit(lambda x, w: matmul_nt(x, w))(x, weight))
-    np.testing.assert_allclose(
-        got, np.ones((2, 64)) @ reference_values("Q4_1", blocks).T, rtol=1e-5
-    )
+    np.testing.assert_allclose(got, np.ones((2, 64)) @ reference_values("Q4_1", blocks).T,
+                               rtol=1e-5)
 
 
 def test_the_pytree_keeps_format_and_shape_static() -> None:
@@ -255,15 +253,10 @@ PROMPTS = [[1, 5, 9, 200, 3, 7, 7, 7, 11, 13, 250, 17], [40, 41, 42], [99] * 20]
 
 @pytest.fixture(scope="module")
 def quantized_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    model = build_hf_model(
-        "llama",
-        seed=21,
-        vocab_size=TOKENIZER_VOCAB,
-        intermediate_size=256,
-        tie_word_embeddings=True,
-        num_hidden_layers=5,
-    )
-    return write_gguf(tmp_path_factory.mktemp("q") / "quantized.gguf", model, "llama", quant=QUANT)
+    model = build_hf_model("llama", seed=21, vocab_size=TOKENIZER_VOCAB, intermediate_size=256,
+                           tie_word_embeddings=True, num_hidden_layers=5)
+    return write_gguf(tmp_path_factory.mktemp("q") / "quantized.gguf", model, "llama",
+                      quant=QUANT)
 
 
 def test_gguf_blocks_stay_stored_and_match_the_dequantized_model(quantized_gguf: Path) -> None:
@@ -286,19 +279,16 @@ def test_gguf_blocks_stay_stored_and_match_the_dequantized_model(quantized_gguf:
     for stored, values in zip(flat_kept, flat_dense, strict=True):
         view = stored.dequantize() if is_quantized(stored) else stored
         np.testing.assert_array_equal(np.asarray(view), np.asarray(values))
-    np.testing.assert_array_equal(
-        prefill_logits(config, kept, PROMPTS[0]), prefill_logits(config, dense, PROMPTS[0])
-    )
+    np.testing.assert_array_equal(prefill_logits(config, kept, PROMPTS[0]),
+                                  prefill_logits(config, dense, PROMPTS[0]))
 
 
 def greedy(llm: Any, prompts: list[list[int]], tokens: int) -> list[Any]:
     from kvpage import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, logprobs=0)
-    return [
-        o.outputs[0]
-        for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    ]
+    return [o.outputs[0] for o in llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
 
 
 def agreement(a: list[Any], b: list[Any]) -> tuple[float, float]:
@@ -395,22 +385,14 @@ def test_real_smollm2_quantized_agrees_with_its_float_path() -> None:
     kwargs = {"max_num_seqs": 8, "compilation_cache_dir": None, "max_model_len": 256}
     kept = LLM(str(path), **kwargs)
     tokenizer = kept.engine.tokenizer
-    questions = [
-        "What is the capital of France?",
-        "Write a haiku about the sea.",
-        "List three prime numbers.",
-        "Explain what a GPU is.",
-        "How do plants make food?",
-        "Give me a synonym for happy.",
-        "What is 12 times 7?",
-        "Name a famous painter.",
-    ]
+    questions = ["What is the capital of France?", "Write a haiku about the sea.",
+                 "List three prime numbers.", "Explain what a GPU is.",
+                 "How do plants make food?", "Give me a synonym for happy.",
+                 "What is 12 times 7?", "Name a famous painter."]
     prompts = [
-        tokenizer(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
-            )
-        )["input_ids"]
+        tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": q}],
+                                                tokenize=False, add_generation_prompt=True))[
+            "input_ids"]
         for q in questions
     ]
     batched = greedy(kept, prompts, 32)  # 8-row decode steps: the float-expansion path
@@ -419,10 +401,8 @@ def test_real_smollm2_quantized_agrees_with_its_float_path() -> None:
     dense = greedy(LLM(str(path), quantization="none", **kwargs), prompts, 32)
     for name, quantized in (("8 rows", batched), ("1 row", alone)):
         share, logprob_diff = agreement(quantized, dense)
-        print(
-            f"SmolLM2 Q4_1, {name}: greedy agreement {share:.0%}, "
-            f"mean |logprob diff| {logprob_diff:.2e}"
-        )
+        print(f"SmolLM2 Q4_1, {name}: greedy agreement {share:.0%}, "
+              f"mean |logprob diff| {logprob_diff:.2e}")
         assert share >= 0.9, name
 
 
@@ -437,21 +417,12 @@ def test_vs_llama_cpp_bench_plans_the_same_requests_for_every_server(
     assert plan == workloads([1, 4, 32], input_len=128, output_len=64, vocab=1000, seed=0)
     level = {"completed": 4, "failed": 0, "tpot_ms": 10.0, "errors": []}
     result = {
-        "model": "m.gguf",
-        "concurrency": [1],
+        "model": "m.gguf", "concurrency": [1],
         "servers": [
-            {
-                "server": "kvpage (auto)",
-                "levels": {1: dict(level, output_tok_s=60.0)},
-                "ready_s": 3.0,
-                "rss_mib": 900.0,
-            },
-            {
-                "server": "llama.cpp",
-                "levels": {1: dict(level, output_tok_s=80.0)},
-                "ready_s": 1.0,
-                "rss_mib": 100.0,
-            },
+            {"server": "kvpage (auto)", "levels": {1: dict(level, output_tok_s=60.0)},
+             "ready_s": 3.0, "rss_mib": 900.0},
+            {"server": "llama.cpp", "levels": {1: dict(level, output_tok_s=80.0)},
+             "ready_s": 1.0, "rss_mib": 100.0},
         ],
         "weights": {"resident_mib": 92.0, "file_mib": 92.0, "ratio": 1.0},
     }
@@ -483,16 +454,9 @@ def test_vs_llama_cpp_bench_runs_the_servers_in_turn_at_each_level() -> None:
 
     servers = [Stub("kvpage"), Stub("llama.cpp")]
     run_servers(servers, {1: [], 4: [], 32: []})  # type: ignore[arg-type]
-    assert calls == [
-        ("kvpage", "ready"),
-        ("llama.cpp", "ready"),
-        ("kvpage", 1),
-        ("llama.cpp", 1),
-        ("kvpage", 4),
-        ("llama.cpp", 4),
-        ("kvpage", 32),
-        ("llama.cpp", 32),
-    ]
+    assert calls == [("kvpage", "ready"), ("llama.cpp", "ready"),
+                     ("kvpage", 1), ("llama.cpp", 1), ("kvpage", 4), ("llama.cpp", 4),
+                     ("kvpage", 32), ("llama.cpp", 32)]
     assert all(s.result["rss_mib"] > 0 for s in servers)
 
 
@@ -535,8 +499,6 @@ def test_a_float16_kv_cache_agrees_with_a_float32_one(quantized_gguf: Path) -> N
     full = LLM(str(quantized_gguf), kv_cache_dtype="float32", **kwargs)
     assert full.engine.runner.kv_pools[0][0].dtype == jnp.float32
     share, logprob_diff = agreement(greedy(half, PROMPTS, 16), greedy(full, PROMPTS, 16))
-    print(
-        f"float16 vs float32 KV: greedy agreement {share:.0%}, "
-        f"mean |logprob diff| {logprob_diff:.2e}"
-    )
+    print(f"float16 vs float32 KV: greedy agreement {share:.0%}, "
+          f"mean |logprob diff| {logprob_diff:.2e}")
     assert share >= 0.9 and logprob_diff < 0.01
