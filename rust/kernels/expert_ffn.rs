@@ -71,6 +71,10 @@ pub struct FfnWeights<'a> {
     pub up: &'a [u8],
     pub down_kind: QuantType,
     pub down: &'a [u8],
+    /// Gate and up (down) packed into tiles (`qmatmul::tile_packed`), each
+    /// expert's matrix on its own.
+    pub gate_up_packed: bool,
+    pub down_packed: bool,
 }
 
 impl FfnWeights<'_> {
@@ -81,6 +85,18 @@ impl FfnWeights<'_> {
                 "top_k {} is outside [1, {}] experts",
                 s.top_k, s.experts
             ));
+        }
+        let packed = [
+            (self.gate_up_packed, self.gate_up_kind, s.width),
+            (self.down_packed, self.down_kind, s.hidden),
+        ];
+        for (packed, kind, outs) in packed {
+            if packed && !qmatmul::packs(kind, outs) {
+                return Err(format!(
+                    "{} experts of {outs} rows cannot be packed into tiles on this CPU",
+                    kind.name()
+                ));
+            }
         }
         for kind in [self.gate_up_kind, self.down_kind] {
             if kind.row_scaled() {
@@ -226,12 +242,14 @@ fn swiglu(gate: f32, up: f32) -> f32 {
 struct Products<'a> {
     shapes: Vec<QuantShape>,
     inputs: Vec<Inputs<'a>>,
+    /// The weights are packed into tiles (`qmatmul::tile_packed`).
+    packed: bool,
 }
 
 impl<'a> Products<'a> {
     fn prepare(
         routing: &Routing,
-        kind: QuantType,
+        (kind, packed): (QuantType, bool),
         x: &'a [f32],
         inner: usize,
         outs: usize,
@@ -252,7 +270,11 @@ impl<'a> Products<'a> {
             ));
             shapes.push(shape);
         }
-        Products { shapes, inputs }
+        Products {
+            shapes,
+            inputs,
+            packed,
+        }
     }
 
     /// Tile `tile` of routed expert `i`'s product with `w` into `y`.
@@ -268,11 +290,16 @@ impl<'a> Products<'a> {
             y.at(routing.rows_of(i).start * shape.outs),
             shape.rows * shape.outs,
         ));
-        qmatmul::tile(shape, &self.inputs[i], w, &[], y, tile);
+        if self.packed {
+            qmatmul::tile_packed(shape, &self.inputs[i], w, y, tile);
+        } else {
+            qmatmul::tile(shape, &self.inputs[i], w, &[], y, tile);
+        }
     }
 
     /// Ask the cache (L2) for the weight rows of tile `tile` of routed expert
-    /// `i` in `w`: a hint, which never faults.
+    /// `i` in `w`: a hint, which never faults. (A packed tile holds the same
+    /// bytes as its rows, in another order.)
     fn prefetch(&self, routing: &Routing, w: &[u8], i: usize, tile: usize) {
         let shape = &self.shapes[i];
         let row_bytes = shape.kind.row_bytes(shape.inner).expect("validated");
@@ -344,7 +371,8 @@ pub fn expert_ffn(
     // Gate and up: one region, units (which, routed expert, tile).
     let mut gate_y = vec![0.0f32; ids.len() * width];
     let mut up_y = vec![0.0f32; ids.len() * width];
-    let first = Products::prepare(&routing, weights.gate_up_kind, &rows, hidden, width);
+    let gate_up = (weights.gate_up_kind, weights.gate_up_packed);
+    let first = Products::prepare(&routing, gate_up, &rows, hidden, width);
     let tiles = width.div_ceil(quant_call::OUTS_PER_TILE);
     let routed = routing.experts.len();
     let (gate_out, up_out) = (OutPtr::new(&mut gate_y), OutPtr::new(&mut up_y));
@@ -376,7 +404,8 @@ pub fn expert_ffn(
     }
     // Down: units (routed expert, tile).
     let mut down_y = vec![0.0f32; ids.len() * hidden];
-    let second = Products::prepare(&routing, weights.down_kind, &gate_y, width, hidden);
+    let down = (weights.down_kind, weights.down_packed);
+    let second = Products::prepare(&routing, down, &gate_y, width, hidden);
     let tiles = hidden.div_ceil(quant_call::OUTS_PER_TILE);
     let down_out = OutPtr::new(&mut down_y);
     let unit = |index: usize| {

@@ -8,6 +8,8 @@ use super::expert_matmul::{expert_qmatmul, ExpertShape, Routed};
 use super::guard_page::{Edge, Guarded};
 use super::parallel::{Parallel, ScopedThreads, Sequential};
 use super::quant::formats::QuantType;
+use super::quant::lanes_avx512::pack_q4_0_tiles;
+use super::quant::qmatmul::packs;
 use super::quant::tests::random_weights;
 use crate::test_rng::SplitMix64 as TestRng;
 
@@ -33,6 +35,8 @@ struct Layer {
     up: Vec<u8>,
     down_kind: QuantType,
     down: Vec<u8>,
+    gate_up_packed: bool,
+    down_packed: bool,
 }
 
 impl Layer {
@@ -56,6 +60,37 @@ impl Layer {
             up: random_weights(rng, kinds.0, s.experts * s.width, s.hidden),
             down_kind: kinds.1,
             down: random_weights(rng, kinds.1, s.experts * s.hidden, s.width),
+            gate_up_packed: false,
+            down_packed: false,
+        }
+    }
+
+    /// The same layer with its Q4_0 matrices packed into tiles, expert by expert.
+    fn packed(&self) -> Layer {
+        let s = &self.shape;
+        let pack = |rows: &[u8], kind: QuantType, outs: usize, inner: usize| {
+            if kind != QuantType::Q4_0 {
+                return (rows.to_vec(), false);
+            }
+            let bytes = outs * kind.row_bytes(inner).unwrap();
+            let packed = rows
+                .chunks(bytes)
+                .flat_map(|expert| pack_q4_0_tiles(expert, outs, inner))
+                .collect();
+            (packed, true)
+        };
+        let (gate, gate_up_packed) = pack(&self.gate, self.gate_up_kind, s.width, s.hidden);
+        let (up, _) = pack(&self.up, self.gate_up_kind, s.width, s.hidden);
+        let (down, down_packed) = pack(&self.down, self.down_kind, s.hidden, s.width);
+        Layer {
+            router: self.router.clone(),
+            bias: self.bias.clone(),
+            gate,
+            up,
+            down,
+            gate_up_packed,
+            down_packed,
+            ..*self
         }
     }
 
@@ -68,6 +103,8 @@ impl Layer {
             up: &self.up,
             down_kind: self.down_kind,
             down: &self.down,
+            gate_up_packed: self.gate_up_packed,
+            down_packed: self.down_packed,
         }
     }
 
@@ -162,6 +199,52 @@ fn one_call_equals_routing_then_three_expert_calls() {
                 assert_eq!(got, want, "{kinds:?} {s:?} {router:?}");
             }
         }
+    }
+}
+
+#[test]
+fn q4_0_experts_packed_into_tiles_give_the_same_bits() {
+    if !packs(QuantType::Q4_0, 16) {
+        return; // no AVX-512 VNNI here
+    }
+    let mut rng = TestRng::new(309);
+    for kinds in [
+        (QuantType::Q4_0, QuantType::Q4_0),
+        (QuantType::Q4_0, QuantType::Q5_0),
+    ] {
+        for (tokens, experts, top_k) in [(1, 8, 2), (3, 6, 3), (33, 8, 4), (40, 4, 4)] {
+            let s = shape(tokens, 64, 32, experts, top_k);
+            let layer = Layer::random(&mut rng, s, kinds, true);
+            let packed = layer.packed();
+            let x = floats(&mut rng, tokens * s.hidden, 1.0);
+            for parallel in [&Sequential as &dyn Parallel, &ScopedThreads] {
+                let want = layer.run(RULES[1], &x, tokens, parallel);
+                let got = packed.run(RULES[1], &x, tokens, parallel);
+                assert_eq!(got, want, "{kinds:?} {s:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn only_what_this_cpu_packs_may_be_called_packed() {
+    let mut rng = TestRng::new(310);
+    let s = shape(2, 64, 40, 4, 2); // 40 rows: not whole tiles
+    let layer = Layer::random(&mut rng, s, (QuantType::Q4_0, QuantType::Q8_0), false);
+    let x = floats(&mut rng, s.tokens * s.hidden, 1.0);
+    let mut y = vec![0.0f32; s.tokens * s.hidden];
+    for weights in [
+        FfnWeights {
+            gate_up_packed: true,
+            ..layer.weights()
+        },
+        FfnWeights {
+            down_packed: true,
+            ..layer.weights()
+        },
+    ] {
+        let err = expert_ffn(&s, &weights, RULES[0], &x, 2, &mut y, &Sequential).unwrap_err();
+        assert!(err.contains("cannot be packed"), "{err}");
     }
 }
 
@@ -320,7 +403,10 @@ fn every_weight_buffer_may_end_or_start_at_an_unmapped_page() {
         (QuantType::Q4K, QuantType::Q6K),
     ] {
         let s = shape(5, 256, 256, 4, 4); // every expert routed
-        let layer = Layer::random(&mut rng, s, kinds, true);
+        let mut layer = Layer::random(&mut rng, s, kinds, true);
+        if packs(kinds.0, s.width) {
+            layer = layer.packed(); // Q4_0 gate and up read tile by tile
+        }
         let x = floats(&mut rng, s.tokens * s.hidden, 1.0);
         let want = layer.run(RULES[1], &x, s.tokens, &ScopedThreads);
         for edge in Edge::BOTH {

@@ -14,9 +14,11 @@
 //!   ([`crate::kernels::expert_ffn`]): arguments `x [T, H]` f32, `router [E,
 //!   H]` f32, `router_bias [E]` or `[0]` f32, `gate [E, M, row_bytes(H)]`,
 //!   `up` (same), `down [E, H, row_bytes(M)]` (u8 blocks), `live_tokens [1]`
-//!   s32, `config [4]` s32: the index in `QuantType::ALL` of gate's and up's
-//!   format, of down's, `top_k`, and the router (0: softmax then top-k, 1: the
-//!   same renormalised, 2: top-k then softmax); result `y [T, H]` f32.
+//!   s32, `config [6]` s32: the index in `QuantType::ALL` of gate's and up's
+//!   format, of down's, `top_k`, the router (0: softmax then top-k, 1: the
+//!   same renormalised, 2: top-k then softmax), and whether gate and up, and
+//!   down, are packed into tiles (1) or GGUF rows (0,
+//!   `lanes_avx512::pack_q4_0_tiles`); result `y [T, H]` f32.
 //!
 //! `y[n] = x[n] · W[expert_ids[n]]ᵀ` for `n < live_rows`, zeros after; the ids
 //! of padding rows are never read, a live row's id outside `[0, E)` is an
@@ -219,8 +221,8 @@ unsafe fn run_expert_ffn(frame: &CallFrame) -> Result<(), String> {
             ));
         }
     }
-    if config.dtype != DTYPE_S32 || config.dims != [4] {
-        return Err("config must be int32 [4]".into());
+    if config.dtype != DTYPE_S32 || config.dims != [6] {
+        return Err("config must be int32 [6]".into());
     }
     let config: &[i32] = slice_of(config);
     let router_rule = match config[3] {
@@ -266,6 +268,8 @@ unsafe fn run_expert_ffn(frame: &CallFrame) -> Result<(), String> {
         up: slice_of(up),
         down_kind,
         down: slice_of(down),
+        gate_up_packed: config[4] != 0,
+        down_packed: config[5] != 0,
     };
     expert_ffn(
         s,

@@ -197,7 +197,14 @@ unsafe fn run_qmatmul_multi(frame: &CallFrame, kind: QuantType) -> Result<(), St
     let mut products = Vec::with_capacity(count);
     for (m, y) in rets.iter().enumerate() {
         let scales = kind.row_scaled().then(|| &args[1 + count + m]);
-        products.push(checked_product(kind, &args[0], x_s, &args[1 + m], scales, y)?);
+        products.push(checked_product(
+            kind,
+            &args[0],
+            x_s,
+            &args[1 + m],
+            scales,
+            y,
+        )?);
     }
     let live = live_rows(&args[1 + per_weight * count], args[0].dims[0])?;
     for product in &mut products {
@@ -353,4 +360,17 @@ pub extern "C" fn kvpage_qmatmul_integer_rows(code: i32) -> i32 {
         .ok()
         .and_then(|code| QuantType::ALL.get(code))
         .map_or(0, |kind| qmatmul::integer_rows(*kind) as i32)
+}
+
+/// 1 when Q4_0 weights of `outs` rows (FFI code `code`) may be packed into
+/// tiles here (`qmatmul::packs`, `lanes_avx512::pack_q4_0_tiles`), else 0.
+#[no_mangle]
+pub extern "C" fn kvpage_qmatmul_packs(code: i32, outs: i64) -> i32 {
+    let kind = usize::try_from(code)
+        .ok()
+        .and_then(|code| QuantType::ALL.get(code));
+    match (kind, usize::try_from(outs)) {
+        (Some(kind), Ok(outs)) => i32::from(qmatmul::packs(*kind, outs)),
+        _ => 0,
+    }
 }

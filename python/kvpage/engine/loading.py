@@ -79,6 +79,28 @@ def load_model_and_tokenizer(
     return _with_baseline(model_config), params, tokenizer, path
 
 
+def pack_experts_for_host(config: EngineConfig, model_config: ModelConfig, params: Any,
+                          tensor_parallel_size: int, mesh: Any) -> None:
+    """Pack a loaded MoE model's Q4_0 experts for the one MoE host call
+    (:mod:`kvpage.quant.tiles`), in place, where that call is what reads them: one CPU
+    device, no mesh, no batch invariance, not the dense-compute baseline. Only for a
+    model the engine loaded itself: live params passed in keep their layout, so that
+    ``update_params`` takes trees of the same structure. ``KVPAGE_PACK_EXPERTS=0``
+    keeps GGUF's row order (A/B runs)."""
+    import jax
+
+    from kvpage.quant.tiles import pack_experts
+
+    moe = model_config.moe
+    if (moe is None or mesh is not None or tensor_parallel_size != 1
+            or config.batch_invariant or moe.dense_compute or jax.default_backend() != "cpu"
+            or os.environ.get("KVPAGE_PACK_EXPERTS") == "0"):
+        return
+    packed = pack_experts(params)
+    if packed:
+        logger.info("packed %d Q4_0 expert matrices into tiles for the CPU kernel", packed)
+
+
 def merge_eos_ids(config: ModelConfig, model_dir: Path | None, tokenizer: Any) -> list[int]:
     """The end-of-sequence ids of the model config, its ``generation_config.json`` and
     its tokenizer, sorted."""

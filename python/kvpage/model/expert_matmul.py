@@ -71,7 +71,10 @@ def expert_matmul_nt(x: jax.Array, w: ExpertWeight, ids: jax.Array,
                      live: jax.Array | None = None) -> jax.Array:
     """float32 ``[N, out]``: row ``n`` of ``x [N, in]`` times expert ``ids[n]``'s
     ``[out, in]`` weight transposed (see the module docstring for the kernels). ``live``:
-    rows from it on are padding (the host kernel skips them)."""
+    rows from it on are padding (the host kernel skips them). Weights packed for the
+    one MoE host call (:mod:`kvpage.quant.tiles`) are read back in row order here."""
+    if isinstance(w, QuantizedWeight):
+        w = w.in_rows()
     rows = x.shape[0]
 
     def xla() -> jax.Array:

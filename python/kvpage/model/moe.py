@@ -128,9 +128,12 @@ def _one_host_call(config: ModelConfig, mlp: dict[str, Any], x: jax.Array) -> An
         return None
     bias = mlp["gate"].get("bias")
     live = live_rows_of(x.shape[0])
+    if gate.layout != up.layout:
+        gate, up = gate.in_rows(), up.in_rows()
+    packed = (gate.layout == "tiles16", down.layout == "tiles16")
     return lambda: host.expert_ffn_call(
         x, mlp["gate"]["weight"], bias, gate.blocks, up.blocks, down.blocks, gate.kind,
-        down.kind, moe.top_k, moe.router, moe.norm_topk_prob, live)
+        down.kind, moe.top_k, moe.router, moe.norm_topk_prob, live, packed)
 
 
 def moe_block(config: ModelConfig, mlp: dict[str, Any], x: jax.Array) -> jax.Array:

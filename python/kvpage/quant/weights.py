@@ -13,7 +13,9 @@ Invariant: ``blocks.shape == (*lead, row_bytes(kind, in))`` for a weight of shap
 ``row_scales.shape == lead``), ``lead`` one axis ``(out,)`` or two ``(experts, out)``;
 checked at construction from
 concrete arrays. The formats' layouts are :mod:`kvpage.quant.formats`' (owned by
-``rust/kernels/quant/formats.rs``).
+``rust/kernels/quant/formats.rs``). ``layout`` says how the blocks are ordered: ``"rows"``
+(GGUF's, each weight row's blocks in turn) or ``"tiles16"`` (Q4_0 packed for the CPU
+kernel, :mod:`kvpage.quant.tiles`); the blocks' shape is the same either way.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class QuantizedWeight:
     """An ``[out, in]`` (or ``[experts, out, in]``) weight in format ``kind`` (see
     :data:`KINDS`)."""
 
-    __slots__ = ("blocks", "row_scales", "kind", "shape", "dtype")
+    __slots__ = ("blocks", "row_scales", "kind", "shape", "dtype", "layout")
 
     def __init__(
         self,
@@ -42,9 +44,13 @@ class QuantizedWeight:
         shape: tuple[int, ...],
         dtype: Any = jnp.float32,
         row_scales: Any = None,
+        layout: str = "rows",
     ) -> None:
         if kind not in BLOCK_LAYOUTS:
             raise ValueError(f"unknown quantized format {kind!r}; known: {', '.join(KINDS)}")
+        if layout not in ("rows", "tiles16") or (layout == "tiles16" and kind != "q4_0"):
+            raise ValueError(f"{kind} blocks cannot be in layout {layout!r}")
+        self.layout = layout
         self.blocks = blocks
         self.row_scales = row_scales
         self.kind = kind
@@ -68,14 +74,14 @@ class QuantizedWeight:
                              f"{tuple(self.row_scales.shape)}")
 
     # ---- pytree
-    def tree_flatten(self) -> tuple[tuple[Any, ...], tuple[str, tuple[int, ...], Any]]:
+    def tree_flatten(self) -> tuple[tuple[Any, ...], tuple[str, tuple[int, ...], Any, str]]:
         children = (self.blocks,) if self.row_scales is None else (self.blocks, self.row_scales)
-        return children, (self.kind, self.shape, self.dtype)
+        return children, (self.kind, self.shape, self.dtype, self.layout)
 
     @classmethod
-    def tree_unflatten(cls, aux: tuple[str, tuple[int, ...], Any], children: Any) -> Any:
+    def tree_unflatten(cls, aux: tuple[str, tuple[int, ...], Any, str], children: Any) -> Any:
         obj = object.__new__(cls)
-        obj.kind, obj.shape, obj.dtype = aux
+        obj.kind, obj.shape, obj.dtype, obj.layout = aux
         obj.blocks = children[0]
         obj.row_scales = children[1] if len(children) > 1 else None
         return obj
@@ -96,15 +102,29 @@ class QuantizedWeight:
     def dequantize(self, dtype: Any = None) -> jax.Array:
         """The float weight of :attr:`shape` (traceable; bit-exact with ``gguf``'s reference
         for GGUF formats, in float32 then cast to ``dtype``, default :attr:`dtype`)."""
-        return dequantize_rows(self, self.blocks, self.row_scales, dtype)
+        rows = self.in_rows()
+        return dequantize_rows(rows, rows.blocks, rows.row_scales, dtype)
+
+    def in_rows(self) -> QuantizedWeight:
+        """This weight with its blocks in GGUF's row order (traceable; itself if they are)."""
+        if self.layout == "rows":
+            return self
+        from kvpage.quant.tiles import unpack_q4_0_tiles
+
+        return QuantizedWeight(unpack_q4_0_tiles(self.blocks), self.kind, self.shape,
+                               self.dtype, self.row_scales)
 
     def take_rows(self, ids: jax.Array, dtype: Any = None) -> jax.Array:
         """Rows ``ids`` of the float weight (an embedding lookup), dequantizing only them."""
+        if self.layout != "rows":
+            raise ValueError("rows are taken from weights in GGUF's row order only")
         scales = None if self.row_scales is None else jnp.take(self.row_scales, ids, axis=0)
         return dequantize_rows(self, jnp.take(self.blocks, ids, axis=0), scales, dtype)
 
     def __repr__(self) -> str:
-        return f"QuantizedWeight({self.kind}, shape={self.shape}, dtype={self.dtype.name})"
+        packed = "" if self.layout == "rows" else f", layout={self.layout}"
+        return (f"QuantizedWeight({self.kind}, shape={self.shape}, "
+                f"dtype={self.dtype.name}{packed})")
 
 
 def dequantize_rows(

@@ -169,6 +169,36 @@ pub unsafe fn tile(
     portable_tile(shape, inputs, w, row_scales, y, start, end)
 }
 
+/// Whether weights of `kind` may be packed into tiles for [`tile_packed`]
+/// here (Q4_0 where the lanes kernel reads it: `lanes_avx512::pack_q4_0_tiles`),
+/// in matrices of `outs` rows.
+pub fn packs(kind: QuantType, outs: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if kind == QuantType::Q4_0 && outs.is_multiple_of(OUTS_PER_TILE) {
+        return vectorized() && lanes_avx512::takes(kind);
+    }
+    let _ = (kind, outs);
+    false
+}
+
+/// [`tile`] for weights packed into tiles (`lanes_avx512::pack_q4_0_tiles`).
+///
+/// # Safety
+/// As [`tile`], with [`packs`]`(shape.kind, shape.outs)`, `w` packed, and
+/// `inputs` from [`Inputs::prepare`] (the integer path).
+pub unsafe fn tile_packed(shape: &QuantShape, inputs: &Inputs, w: &[u8], y: OutPtr, index: usize) {
+    debug_assert!(packs(shape.kind, shape.outs) && !inputs.integer.is_empty());
+    #[cfg(target_arch = "x86_64")]
+    {
+        let start = index * OUTS_PER_TILE;
+        for (block, xq, y) in row_blocks(shape, inputs, y) {
+            lanes_avx512::tile_packed(&block, xq, w, y, start, start + OUTS_PER_TILE);
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (shape, inputs, w, y, index);
+}
+
 /// The integer path's blocks of rows: each block's shape, 16-bit rows and
 /// place in `y`.
 ///

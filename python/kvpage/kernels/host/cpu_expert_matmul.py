@@ -182,6 +182,7 @@ def expert_ffn_call(
     router_rule: str,
     renormalize: bool,
     live_tokens: jax.Array | int | None = None,
+    packed: tuple[bool, bool] = (False, False),
 ) -> jax.Array:
     """float32 ``[T, H]``: the routed MoE feed-forward of ``x [T, H]`` (module docs).
 
@@ -189,7 +190,8 @@ def expert_ffn_call(
     ``up`` the blocks of ``[E, M, H]`` expert weights in ``gate_up_kind`` (``[E, M,
     row_bytes]`` or ``[E * M, row_bytes]``), ``down`` of ``[E, H, M]`` in ``down_kind``;
     ``router_rule`` ``"softmax_topk"`` or ``"topk_softmax"``. Tokens from ``live_tokens``
-    on are padding (zeros). Lower for ``cpu`` only."""
+    on are padding (zeros). ``packed``: whether gate and up, and down, are Q4_0 packed
+    into tiles (:mod:`kvpage.quant.tiles`). Lower for ``cpu`` only."""
     if x.ndim != 2 or router.ndim != 2 or router.shape[1] != x.shape[1]:
         raise ValueError(f"x [T, H] and router [E, H] expected, got {x.shape}, {router.shape}")
     if not expert_ffn_available(gate_up_kind, down_kind):
@@ -207,7 +209,8 @@ def expert_ffn_call(
     tokens = x.shape[0]
     live = jnp.asarray(tokens if live_tokens is None else live_tokens, jnp.int32).reshape(1)
     config = jnp.array([KINDS.index(gate_up_kind), KINDS.index(down_kind), top_k,
-                        ROUTER_RULES[(router_rule, renormalize)]], jnp.int32)
+                        ROUTER_RULES[(router_rule, renormalize)], *map(int, packed)],
+                       jnp.int32)
     call = jax.ffi.ffi_call(FFN_TARGET, jax.ShapeDtypeStruct((tokens, hidden), jnp.float32))
     return call(x.astype(jnp.float32), router.astype(jnp.float32), bias, gate, up, down,
                 live, config)
