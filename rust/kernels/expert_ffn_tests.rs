@@ -8,9 +8,9 @@ use super::expert_matmul::{expert_qmatmul, ExpertShape, Routed};
 use super::guard_page::{Edge, Guarded};
 use super::parallel::{Parallel, ScopedThreads, Sequential};
 use super::quant::formats::QuantType;
-use super::quant::lanes_avx512::pack_q4_0_tiles;
 use super::quant::qmatmul::packs;
 use super::quant::tests::random_weights;
+use super::quant::tiles::pack_tiles;
 use crate::test_rng::SplitMix64 as TestRng;
 
 fn floats(rng: &mut TestRng, n: usize, scale: f32) -> Vec<f32> {
@@ -65,17 +65,17 @@ impl Layer {
         }
     }
 
-    /// The same layer with its Q4_0 matrices packed into tiles, expert by expert.
+    /// The same layer with its packable matrices packed into tiles, expert by expert.
     fn packed(&self) -> Layer {
         let s = &self.shape;
         let pack = |rows: &[u8], kind: QuantType, outs: usize, inner: usize| {
-            if kind != QuantType::Q4_0 {
+            if !packs(kind, outs) {
                 return (rows.to_vec(), false);
             }
             let bytes = outs * kind.row_bytes(inner).unwrap();
             let packed = rows
                 .chunks(bytes)
-                .flat_map(|expert| pack_q4_0_tiles(expert, outs, inner))
+                .flat_map(|expert| pack_tiles(kind, expert, outs, inner))
                 .collect();
             (packed, true)
         };
@@ -203,7 +203,7 @@ fn one_call_equals_routing_then_three_expert_calls() {
 }
 
 #[test]
-fn q4_0_experts_packed_into_tiles_give_the_same_bits() {
+fn experts_packed_into_tiles_give_the_same_bits() {
     if !packs(QuantType::Q4_0, 16) {
         return; // no AVX-512 VNNI here
     }
@@ -211,6 +211,7 @@ fn q4_0_experts_packed_into_tiles_give_the_same_bits() {
     for kinds in [
         (QuantType::Q4_0, QuantType::Q4_0),
         (QuantType::Q4_0, QuantType::Q5_0),
+        (QuantType::Q4_1, QuantType::Q4_0),
     ] {
         for (tokens, experts, top_k) in [(1, 8, 2), (3, 6, 3), (33, 8, 4), (40, 4, 4)] {
             let s = shape(tokens, 64, 32, experts, top_k);

@@ -18,7 +18,7 @@
 //!   format, of down's, `top_k`, the router (0: softmax then top-k, 1: the
 //!   same renormalised, 2: top-k then softmax), and whether gate and up, and
 //!   down, are packed into tiles (1) or GGUF rows (0,
-//!   `lanes_avx512::pack_q4_0_tiles`); result `y [T, H]` f32.
+//!   `quant::tiles::pack_tiles`); result `y [T, H]` f32.
 //!
 //! `y[n] = x[n] · W[expert_ids[n]]ᵀ` for `n < live_rows`, zeros after; the ids
 //! of padding rows are never read, a live row's id outside `[0, E)` is an

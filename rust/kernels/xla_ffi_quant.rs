@@ -17,6 +17,10 @@
 //! in one hand-over to the pool (one-row q/k/v of bench moe's model: 31-36 ->
 //! 26-29 us a layer, 2026-11-28).
 //!
+//! `kvpage_qmatmul_tiles_<name>`, `kvpage_qmatmul_multi_tiles_<name>` and
+//! `kvpage_dequantize_tiles_<name>` (Q4_0, Q4_1) are the same calls on weights
+//! packed into tiles of sixteen rows (`quant::tiles::pack_tiles`).
+//!
 //! `kvpage_qmatmul_invariant_<name>` is the same call with every row count on the
 //! float path (batch-invariant inference: a row's result never depends on the
 //! call's other rows).
@@ -35,6 +39,7 @@ use super::quant::call::{self, QuantShape};
 use super::quant::dequantize;
 use super::quant::formats::QuantType;
 use super::quant::qmatmul::{self, Inputs};
+use super::quant::tiles;
 use super::xla_ffi::{
     buffers, handle, CallFrame, View, XlaPool, DTYPE_F32, DTYPE_S32, DTYPE_S8, DTYPE_U8,
 };
@@ -145,20 +150,21 @@ unsafe fn checked_product<'a>(
     })
 }
 
-unsafe fn run_qmatmul(frame: &CallFrame, kind: QuantType, invariant: bool) -> Result<(), String> {
+unsafe fn run_qmatmul(frame: &CallFrame, kind: QuantType, path: Path) -> Result<(), String> {
     let want = if kind.row_scaled() { 4 } else { 3 };
     let args = buffers(&frame.args, "arguments", want)?;
     let rets = buffers(&frame.rets, "results", 1)?;
     let x_s = checked_x(&args[0])?;
     let scales = kind.row_scaled().then(|| &args[2]);
     let mut product = checked_product(kind, &args[0], x_s, &args[1], scales, &rets[0])?;
+    path.check(&product.shape)?;
     let live = live_rows(&args[want - 1], product.shape.rows)?;
     product.zero_padding(live);
     if live == 0 {
         return Ok(());
     }
     let x_s = &x_s[..live * product.shape.inner];
-    let inputs = if invariant {
+    let inputs = if path == Path::Invariant {
         Inputs::float_path(x_s)
     } else {
         Inputs::prepare(&product.shape, x_s)
@@ -171,8 +177,52 @@ unsafe fn run_qmatmul(frame: &CallFrame, kind: QuantType, invariant: bool) -> Re
     } = product;
     let out = OutPtr::new(y);
     // SAFETY: validated; each tile is claimed by exactly one thread.
-    let tile = |index: usize| unsafe { qmatmul::tile(&shape, &inputs, w, row_scales, out, index) };
+    let tile = |index: usize| unsafe { path.tile(&shape, &inputs, w, row_scales, out, index) };
     XlaPool { frame }.run(call::tiles(&shape), &tile)
+}
+
+/// How a call reads its weights.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Path {
+    /// GGUF's rows, the path the row count takes.
+    Rows,
+    /// GGUF's rows, every row count on the float path (batch-invariant).
+    Invariant,
+    /// Packed into tiles of sixteen rows (`quant::tiles::pack_tiles`).
+    Tiles,
+}
+
+impl Path {
+    /// Whether a product of `shape` can take this path here.
+    fn check(self, shape: &QuantShape) -> Result<(), String> {
+        if self == Path::Tiles && !qmatmul::packs(shape.kind, shape.outs) {
+            return Err(format!(
+                "{} weights of {} rows cannot be packed into tiles on this CPU",
+                shape.kind.name(),
+                shape.outs
+            ));
+        }
+        Ok(())
+    }
+
+    /// Tile `index` of a product on this path.
+    ///
+    /// # Safety
+    /// As [`qmatmul::tile`] (and [`qmatmul::tile_packed`] for packed weights).
+    unsafe fn tile(
+        self,
+        shape: &QuantShape,
+        inputs: &Inputs,
+        w: &[u8],
+        row_scales: &[f32],
+        y: OutPtr,
+        index: usize,
+    ) {
+        match self {
+            Path::Tiles => qmatmul::tile_packed(shape, inputs, w, y, index),
+            _ => qmatmul::tile(shape, inputs, w, row_scales, y, index),
+        }
+    }
 }
 
 /// Most weights one `kvpage_qmatmul_multi_<name>` call multiplies.
@@ -182,7 +232,7 @@ pub const MAX_MULTI_WEIGHTS: usize = 4;
 /// format that read the same `x` (a layer's q/k/v, or gate and up): `x`
 /// prepared once, and every weight's tiles units of one parallel run, so the
 /// call costs one hand-over to the pool, not one per weight.
-unsafe fn run_qmatmul_multi(frame: &CallFrame, kind: QuantType) -> Result<(), String> {
+unsafe fn run_qmatmul_multi(frame: &CallFrame, kind: QuantType, path: Path) -> Result<(), String> {
     let count = usize::try_from(frame.rets.size).unwrap_or(0);
     if count == 0 || count > MAX_MULTI_WEIGHTS {
         return Err(format!(
@@ -205,6 +255,7 @@ unsafe fn run_qmatmul_multi(frame: &CallFrame, kind: QuantType) -> Result<(), St
             scales,
             y,
         )?);
+        path.check(&products[m].shape)?;
     }
     let live = live_rows(&args[1 + per_weight * count], args[0].dims[0])?;
     for product in &mut products {
@@ -229,12 +280,12 @@ unsafe fn run_qmatmul_multi(frame: &CallFrame, kind: QuantType) -> Result<(), St
         let m = first_tiles.partition_point(|&first| first <= index) - 1;
         let (shape, w, row_scales, out) = &targets[m];
         // SAFETY: validated; each tile of each product is claimed by exactly one thread.
-        unsafe { qmatmul::tile(shape, &inputs, w, row_scales, *out, index - first_tiles[m]) }
+        unsafe { path.tile(shape, &inputs, w, row_scales, *out, index - first_tiles[m]) }
     };
     XlaPool { frame }.run(first_tiles[count], &tile)
 }
 
-unsafe fn run_dequantize(frame: &CallFrame, kind: QuantType) -> Result<(), String> {
+unsafe fn run_dequantize(frame: &CallFrame, kind: QuantType, path: Path) -> Result<(), String> {
     let want = if kind.row_scaled() { 2 } else { 1 };
     let args = buffers(&frame.args, "arguments", want)?;
     let mut rets = buffers(&frame.rets, "results", 1)?;
@@ -270,6 +321,31 @@ unsafe fn run_dequantize(frame: &CallFrame, kind: QuantType) -> Result<(), Strin
     let out_s = std::slice::from_raw_parts_mut(out.data as *mut f32, out.len());
     dequantize::validate_dequantize(kind, inner, w_s, row_scales, out_s)?;
     let target = OutPtr::new(out_s);
+    if path == Path::Tiles {
+        path.check(&QuantShape {
+            kind,
+            rows: 0,
+            inner,
+            outs,
+        })?;
+        let tile_bytes = call::OUTS_PER_TILE * w.dims[1];
+        // Each tile back in row order (in cache), then dequantized as rows.
+        let tile = |index: usize| {
+            let mut rows = vec![0u8; tile_bytes];
+            tiles::unpack_tile(
+                kind,
+                &w_s[index * tile_bytes..][..tile_bytes],
+                inner,
+                &mut rows,
+            );
+            let out = target.from(index * call::OUTS_PER_TILE * inner);
+            // SAFETY: validated; each tile is claimed by exactly one thread.
+            unsafe {
+                dequantize::dequantize_tile(kind, inner, &rows, &[], out, call::OUTS_PER_TILE, 0)
+            }
+        };
+        return XlaPool { frame }.run(outs / call::OUTS_PER_TILE, &tile);
+    }
     // SAFETY: validated; each tile is claimed by exactly one thread.
     let tile = |index: usize| unsafe {
         dequantize::dequantize_tile(kind, inner, w_s, row_scales, target, outs, index)
@@ -286,7 +362,7 @@ macro_rules! handlers {
         #[no_mangle]
         pub unsafe extern "C" fn $qmatmul(frame: *mut c_void) -> *mut c_void {
             unsafe fn body(frame: &CallFrame) -> Result<(), String> {
-                run_qmatmul(frame, $kind, false)
+                run_qmatmul(frame, $kind, Path::Rows)
             }
             handle(frame.cast(), stringify!($qmatmul), body)
         }
@@ -300,7 +376,7 @@ macro_rules! handlers {
         #[no_mangle]
         pub unsafe extern "C" fn $invariant(frame: *mut c_void) -> *mut c_void {
             unsafe fn body(frame: &CallFrame) -> Result<(), String> {
-                run_qmatmul(frame, $kind, true)
+                run_qmatmul(frame, $kind, Path::Invariant)
             }
             handle(frame.cast(), stringify!($invariant), body)
         }
@@ -313,7 +389,7 @@ macro_rules! handlers {
         #[no_mangle]
         pub unsafe extern "C" fn $multi(frame: *mut c_void) -> *mut c_void {
             unsafe fn body(frame: &CallFrame) -> Result<(), String> {
-                run_qmatmul_multi(frame, $kind)
+                run_qmatmul_multi(frame, $kind, Path::Rows)
             }
             handle(frame.cast(), stringify!($multi), body)
         }
@@ -326,7 +402,7 @@ macro_rules! handlers {
         #[no_mangle]
         pub unsafe extern "C" fn $dequantize(frame: *mut c_void) -> *mut c_void {
             unsafe fn body(frame: &CallFrame) -> Result<(), String> {
-                run_dequantize(frame, $kind)
+                run_dequantize(frame, $kind, Path::Rows)
             }
             handle(frame.cast(), stringify!($dequantize), body)
         }
@@ -342,6 +418,54 @@ handlers! {
     QuantType::Int8 => kvpage_qmatmul_int8, kvpage_qmatmul_invariant_int8, kvpage_qmatmul_multi_int8, kvpage_dequantize_int8;
     QuantType::Q5_0 => kvpage_qmatmul_q5_0, kvpage_qmatmul_invariant_q5_0, kvpage_qmatmul_multi_q5_0, kvpage_dequantize_q5_0;
     QuantType::Q5_1 => kvpage_qmatmul_q5_1, kvpage_qmatmul_invariant_q5_1, kvpage_qmatmul_multi_q5_1, kvpage_dequantize_q5_1;
+}
+
+macro_rules! tile_handlers {
+    ($($kind:expr => $qmatmul:ident, $multi:ident, $dequantize:ident;)*) => {$(
+        /// XLA FFI handler: `kvpage_qmatmul_<name>` on weights packed into
+        /// tiles (`quant::tiles::pack_tiles`).
+        ///
+        /// # Safety
+        /// Called by XLA with a valid call frame.
+        #[no_mangle]
+        pub unsafe extern "C" fn $qmatmul(frame: *mut c_void) -> *mut c_void {
+            unsafe fn body(frame: &CallFrame) -> Result<(), String> {
+                run_qmatmul(frame, $kind, Path::Tiles)
+            }
+            handle(frame.cast(), stringify!($qmatmul), body)
+        }
+
+        /// XLA FFI handler: `kvpage_qmatmul_multi_<name>` on weights packed
+        /// into tiles.
+        ///
+        /// # Safety
+        /// Called by XLA with a valid call frame.
+        #[no_mangle]
+        pub unsafe extern "C" fn $multi(frame: *mut c_void) -> *mut c_void {
+            unsafe fn body(frame: &CallFrame) -> Result<(), String> {
+                run_qmatmul_multi(frame, $kind, Path::Tiles)
+            }
+            handle(frame.cast(), stringify!($multi), body)
+        }
+
+        /// XLA FFI handler: `kvpage_dequantize_<name>` of weights packed into
+        /// tiles.
+        ///
+        /// # Safety
+        /// Called by XLA with a valid call frame.
+        #[no_mangle]
+        pub unsafe extern "C" fn $dequantize(frame: *mut c_void) -> *mut c_void {
+            unsafe fn body(frame: &CallFrame) -> Result<(), String> {
+                run_dequantize(frame, $kind, Path::Tiles)
+            }
+            handle(frame.cast(), stringify!($dequantize), body)
+        }
+    )*};
+}
+
+tile_handlers! {
+    QuantType::Q4_0 => kvpage_qmatmul_tiles_q4_0, kvpage_qmatmul_multi_tiles_q4_0, kvpage_dequantize_tiles_q4_0;
+    QuantType::Q4_1 => kvpage_qmatmul_tiles_q4_1, kvpage_qmatmul_multi_tiles_q4_1, kvpage_dequantize_tiles_q4_1;
 }
 
 /// 1 when the quantized kernels run vectorized (AVX2 + FMA + F16C) here, 0 for
@@ -362,8 +486,8 @@ pub extern "C" fn kvpage_qmatmul_integer_rows(code: i32) -> i32 {
         .map_or(0, |kind| qmatmul::integer_rows(*kind) as i32)
 }
 
-/// 1 when Q4_0 weights of `outs` rows (FFI code `code`) may be packed into
-/// tiles here (`qmatmul::packs`, `lanes_avx512::pack_q4_0_tiles`), else 0.
+/// 1 when weights of `outs` rows (FFI code `code`) may be packed into
+/// tiles here (`qmatmul::packs`, `quant::tiles::pack_tiles`), else 0.
 #[no_mangle]
 pub extern "C" fn kvpage_qmatmul_packs(code: i32, outs: i64) -> i32 {
     let kind = usize::try_from(code)

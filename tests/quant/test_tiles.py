@@ -1,7 +1,8 @@
-"""Q4_0 experts packed into tiles of sixteen rows for the CPU kernel
-(``kvpage.quant.tiles``): the layout Rust's ``pack_q4_0_tiles`` describes, undone
-exactly in the step, and an engine whose experts are packed generating the same tokens
-and logprobs, bit for bit, as one that keeps GGUF's row order."""
+"""Q4_0 / Q4_1 weights packed into tiles of sixteen rows for the CPU kernels
+(``kvpage.quant.tiles``, ``kvpage.quant.packing``): the layout Rust's ``pack_tiles``
+describes, undone exactly in the step, and engines whose weights are packed (a MoE and a
+dense model) generating the same tokens and logprobs, bit for bit, as ones that keep
+GGUF's row order."""
 
 from __future__ import annotations
 
@@ -11,55 +12,90 @@ import jax.numpy as jnp
 import model_fixtures  # noqa: F401  (sys.path / import setup, before kvpage)
 import numpy as np
 import pytest
-from kvpage.quant.tiles import can_pack, pack_q4_0_tiles, unpack_q4_0_tiles
+from kvpage.quant.tiles import PACKED_KINDS, can_pack, pack_tiles, unpack_tiles
 from kvpage.quant.weights import QuantizedWeight
 
 SMALL = dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, experts=8, top_k=2,
              expert_width=32, vocab=512, context=256)
 
 
-def random_q4_0(shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
+def random_blocks(kind: str, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
     *lead, outs, inner = shape
-    blocks = np.random.default_rng(seed).integers(0, 256, (*lead, outs, inner // 32, 18),
-                                                  dtype=np.uint8)
-    scales = np.random.default_rng(seed + 1).uniform(0.001, 0.01, (*lead, outs, inner // 32))
-    blocks[..., :2] = scales.astype(np.float16).view(np.uint8).reshape(*scales.shape, 2)
-    return blocks.reshape(*lead, outs, inner // 32 * 18)
+    bb = PACKED_KINDS[kind]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (*lead, outs, inner // 32, bb), dtype=np.uint8)
+    fields = rng.uniform(0.001, 0.01, (*lead, outs, inner // 32, (bb - 16) // 2))
+    blocks[..., : bb - 16] = fields.astype(np.float16).view(np.uint8).reshape(
+        *fields.shape[:-1], bb - 16)
+    return blocks.reshape(*lead, outs, inner // 32 * bb)
 
 
-def test_packing_is_the_kernel_layout_and_unpacks_exactly() -> None:
-    rows = random_q4_0((3, 48, 128))
-    packed = pack_q4_0_tiles(rows)
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1"])
+def test_packing_is_the_kernel_layout_and_unpacks_exactly(kind: str) -> None:
+    rows = random_blocks(kind, (3, 48, 128))
+    packed = pack_tiles(kind, rows)
     assert packed.shape == rows.shape and packed.dtype == np.uint8
-    np.testing.assert_array_equal(np.asarray(unpack_q4_0_tiles(jnp.asarray(packed))), rows)
-    # Per tile and block: sixteen f16 scales, then register q, row o: bytes 4q..4q+4.
-    nb = rows.shape[-1] // 18
+    np.testing.assert_array_equal(np.asarray(unpack_tiles(kind, jnp.asarray(packed))), rows)
+    # Per tile and block: each f16 field of the sixteen rows, then register q, row o:
+    # bytes 4q..4q+4 of the nibbles.
+    bb = PACKED_KINDS[kind]
+    head, nb = bb - 16, rows.shape[-1] // bb
     for e, tile, b, o, q in [(0, 0, 0, 0, 0), (2, 1, 3, 15, 3), (1, 2, 2, 7, 1)]:
-        src = rows[e, 16 * tile + o, 18 * b:18 * (b + 1)]
-        at = (tile * nb + b) * 288
+        src = rows[e, 16 * tile + o, bb * b:bb * (b + 1)]
+        at = (tile * nb + b) * 16 * bb
         dst = packed[e].reshape(-1)
-        np.testing.assert_array_equal(dst[at + 2 * o:at + 2 * o + 2], src[:2])
-        nib = at + 32 + 64 * q + 4 * o
-        np.testing.assert_array_equal(dst[nib:nib + 4], src[2 + 4 * q:6 + 4 * q])
+        for field in range(head // 2):
+            got = dst[at + 32 * field + 2 * o:at + 32 * field + 2 * o + 2]
+            np.testing.assert_array_equal(got, src[2 * field:2 * field + 2])
+        nib = at + 16 * head + 64 * q + 4 * o
+        np.testing.assert_array_equal(dst[nib:nib + 4], src[head + 4 * q:head + 4 * q + 4])
 
 
 def test_a_packed_weight_dequantizes_as_its_rows() -> None:
-    rows = random_q4_0((2, 32, 64), seed=3)
-    plain = QuantizedWeight(jnp.asarray(rows), "q4_0", (2, 32, 64))
-    packed = QuantizedWeight(jnp.asarray(pack_q4_0_tiles(rows)), "q4_0", (2, 32, 64),
+    rows = random_blocks("q4_1", (2, 32, 64), seed=3)
+    plain = QuantizedWeight(jnp.asarray(rows), "q4_1", (2, 32, 64))
+    packed = QuantizedWeight(jnp.asarray(pack_tiles("q4_1", rows)), "q4_1", (2, 32, 64),
                              layout="tiles16")
     np.testing.assert_array_equal(np.asarray(packed.dequantize()), np.asarray(plain.dequantize()))
     assert "tiles16" in repr(packed)
     with pytest.raises(ValueError, match="cannot be in layout"):
-        QuantizedWeight(jnp.asarray(rows), "q4_1", (2, 32, 64), layout="tiles16")
+        QuantizedWeight(jnp.asarray(rows[..., :-2]), "q8_0", (2, 32, 64), layout="tiles16")
     with pytest.raises(ValueError, match="row order"):
         packed.take_rows(jnp.asarray([0]))
+
+
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("rows", [1, 6, 40, 600])
+def test_packed_products_equal_their_rows_on_every_path(kind: str, rows: int) -> None:
+    """One weight and a q/k/v group, packed or not, through ``matmul_nt`` / ``linears``
+    with the host kernels on: the same bits (600 rows: the dequantize path, in rows)."""
+    import jax
+    from kvpage.model.linear import linears
+    from kvpage.model.linear_kernels import host_matmuls
+
+    if not can_pack(kind, 16):
+        pytest.skip("this CPU has no kernel for packed tiles (AVX-512 VNNI)")
+    shapes = [(48, 64), (16, 64), (16, 64)]
+    plain = [QuantizedWeight(jnp.asarray(random_blocks(kind, s, i)), kind, s)
+             for i, s in enumerate(shapes)]
+    packed = [QuantizedWeight(jnp.asarray(pack_tiles(kind, np.asarray(w.blocks))), kind,
+                              w.shape, layout="tiles16") for w in plain]
+    x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, 64)).astype(np.float32))
+
+    def run(ws: list[QuantizedWeight]) -> list[np.ndarray]:
+        with host_matmuls(True):
+            f = jax.jit(lambda x: [*linears(x, [{"weight": w} for w in ws]),
+                                   *linears(x, [{"weight": ws[0]}])])
+            return [np.asarray(y) for y in f(x)]
+
+    for got, want in zip(run(packed), run(plain), strict=True):
+        np.testing.assert_array_equal(got, want)
 
 
 def _generate(path: Path, monkeypatch: pytest.MonkeyPatch, pack: bool) -> tuple[list, list, str]:
     from kvpage import LLM, SamplingParams
 
-    monkeypatch.setenv("KVPAGE_PACK_EXPERTS", "1" if pack else "0")
+    monkeypatch.setenv("KVPAGE_PACK_WEIGHTS", "1" if pack else "0")
     llm = LLM(str(path), max_model_len=64, max_num_seqs=8, num_gpu_blocks=64, block_size=8)
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(0, 257, 6 + i).tolist()} for i in range(5)]
@@ -67,7 +103,9 @@ def _generate(path: Path, monkeypatch: pytest.MonkeyPatch, pack: bool) -> tuple[
     out = llm.generate(prompts, params, use_tqdm=False)
     tokens = [o.outputs[0].token_ids for o in out]
     logprobs = [[next(iter(d.values())).logprob for d in o.outputs[0].logprobs] for o in out]
-    layout = llm.engine.runner.params["layers"][0]["mlp"]["experts"]["gate_proj"]["weight"].layout
+    params = llm.engine.runner.params
+    layout = params["layers"][0]["mlp"]["experts"]["gate_proj"]["weight"].layout
+    assert params["lm_head"]["weight"].layout == layout  # 512 x 64 Q4_0: whole tiles
     return tokens, logprobs, layout
 
 
@@ -85,3 +123,52 @@ def test_an_engine_with_packed_experts_generates_the_same_bits(
     assert rows_layout == "rows"
     assert tokens == rows_tokens
     assert logprobs == rows_logprobs
+
+
+def test_a_dense_engine_with_packed_projections_generates_the_same_bits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """q/k/v in Q4_0 (one packed call), gate/up in Q4_1 packed; the Q8_0 embedding and
+    down projection, and an lm_head of a vocabulary that is not whole tiles, stay in
+    rows (bench moe's model has an untied Q4_0 lm_head of whole tiles, packed: the MoE
+    test above)."""
+    from gguf_fixtures import TOKENIZER_VOCAB, write_gguf
+    from model_fixtures import build_hf_model
+
+    if not can_pack("q4_0", 16):
+        pytest.skip("this CPU has no kernel for packed tiles (AVX-512 VNNI)")
+    model = build_hf_model("llama", seed=5, vocab_size=TOKENIZER_VOCAB, intermediate_size=128,
+                           tie_word_embeddings=False, num_hidden_layers=2)
+    quant = {"token_embd.weight": "Q8_0", "attn_q.weight": "Q4_0", "attn_k.weight": "Q4_0",
+             "attn_v.weight": "Q4_0", "attn_output.weight": "Q4_1",
+             "ffn_gate.weight": "Q4_1", "ffn_up.weight": "Q4_1", "ffn_down.weight": "Q8_0",
+             "output.weight": "Q4_0"}
+    path = write_gguf(tmp_path / "dense.gguf", model, "llama", quant=quant)
+
+    def generate(pack: bool) -> tuple[list, list, dict[str, str]]:
+        from kvpage import LLM, SamplingParams
+
+        monkeypatch.setenv("KVPAGE_PACK_WEIGHTS", "1" if pack else "0")
+        llm = LLM(str(path), max_model_len=64, max_num_seqs=8, num_gpu_blocks=64, block_size=8)
+        rng = np.random.default_rng(1)
+        prompts = [{"prompt_token_ids": rng.integers(0, 200, 5 + i).tolist()} for i in range(4)]
+        sampling = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+        out = llm.generate(prompts, sampling, use_tqdm=False)
+        params = llm.engine.runner.params
+        layer = params["layers"][0]
+        layouts = {"q": layer["self_attn"]["q_proj"]["weight"].layout,
+                   "up": layer["mlp"]["up_proj"]["weight"].layout,
+                   "down": layer["mlp"]["down_proj"]["weight"].layout,
+                   "lm_head": params["lm_head"]["weight"].layout,
+                   "embed": params["embed_tokens"]["weight"].layout}
+        return ([o.outputs[0].token_ids for o in out],
+                [[next(iter(d.values())).logprob for d in o.outputs[0].logprobs] for o in out],
+                layouts)
+
+    tokens, logprobs, layouts = generate(pack=True)
+    lm_head = "tiles16" if TOKENIZER_VOCAB % 16 == 0 else "rows"
+    assert layouts == {"q": "tiles16", "up": "tiles16", "down": "rows", "lm_head": lm_head,
+                       "embed": "rows"}
+    rows_tokens, rows_logprobs, rows_layouts = generate(pack=False)
+    assert set(rows_layouts.values()) == {"rows"}
+    assert (tokens, logprobs) == (rows_tokens, rows_logprobs)

@@ -55,7 +55,7 @@ from kvpage.engine.loading import (
     load_model_and_tokenizer,
     load_tokenizer,
     merge_eos_ids,
-    pack_experts_for_host,
+    pack_weights_for_host,
 )
 from kvpage.engine.logprobs import SampledLogprobs
 from kvpage.engine.lookahead import MultiStepDecode
@@ -204,7 +204,7 @@ class LLMEngine:
             tensor_parallel_size=tensor_parallel_size,
             tokenizer_cache_dir=None if cache is None else cache / TOKENIZER_DIR_NAME,
         )
-        pack_experts_for_host(config, model_config, params, tensor_parallel_size, mesh)
+        pack_weights_for_host(config, model_config, params, tensor_parallel_size, mesh)
         return cls(config, model_config, params, tokenizer, model_dir, mesh=mesh)
 
     # ---- what the stages share (replaceable: a spy scheduler, another tokenizer) ----

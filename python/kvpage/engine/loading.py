@@ -79,26 +79,29 @@ def load_model_and_tokenizer(
     return _with_baseline(model_config), params, tokenizer, path
 
 
-def pack_experts_for_host(config: EngineConfig, model_config: ModelConfig, params: Any,
+PACK_WEIGHTS_ENV = "KVPAGE_PACK_WEIGHTS"
+"""Set to 0, a loaded model keeps GGUF's row order (A/B runs)."""
+
+
+def pack_weights_for_host(config: EngineConfig, model_config: ModelConfig, params: Any,
                           tensor_parallel_size: int, mesh: Any) -> None:
-    """Pack a loaded MoE model's Q4_0 experts for the one MoE host call
-    (:mod:`kvpage.quant.tiles`), in place, where that call is what reads them: one CPU
-    device, no mesh, no batch invariance, not the dense-compute baseline. Only for a
-    model the engine loaded itself: live params passed in keep their layout, so that
-    ``update_params`` takes trees of the same structure. ``KVPAGE_PACK_EXPERTS=0``
-    keeps GGUF's row order (A/B runs)."""
+    """Pack a loaded model's Q4_0 / Q4_1 projections and experts into tiles for the CPU
+    kernels (:mod:`kvpage.quant.tiles`), in place, where those kernels are what read
+    them: one CPU device, no mesh, no batch invariance, not the dense-compute baseline.
+    Only for a model the engine loaded itself: live params passed in keep their layout,
+    so that ``update_params`` takes trees of the same structure."""
     import jax
 
-    from kvpage.quant.tiles import pack_experts
+    from kvpage.quant.packing import pack_weights
 
     moe = model_config.moe
-    if (moe is None or mesh is not None or tensor_parallel_size != 1
-            or config.batch_invariant or moe.dense_compute or jax.default_backend() != "cpu"
-            or os.environ.get("KVPAGE_PACK_EXPERTS") == "0"):
+    if (mesh is not None or tensor_parallel_size != 1 or config.batch_invariant
+            or (moe is not None and moe.dense_compute) or jax.default_backend() != "cpu"
+            or os.environ.get(PACK_WEIGHTS_ENV) == "0"):
         return
-    packed = pack_experts(params)
+    packed = pack_weights(params)
     if packed:
-        logger.info("packed %d Q4_0 expert matrices into tiles for the CPU kernel", packed)
+        logger.info("packed %d weight matrices into tiles for the CPU kernels", packed)
 
 
 def merge_eos_ids(config: ModelConfig, model_dir: Path | None, tokenizer: Any) -> list[int]:

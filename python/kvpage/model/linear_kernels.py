@@ -163,10 +163,12 @@ def matmuls_nt(x: jax.Array, ws: list[Any]) -> list[jax.Array]:
     thread pool; each result the same as alone)."""
     flat = x.reshape(-1, x.shape[-1])
     rows = flat.shape[0]
-    kinds = {w.kind if isinstance(w, QuantizedWeight) else None for w in ws}
-    kind = kinds.pop() if len(kinds) == 1 else None
+    kinds = {(w.kind, w.layout) if isinstance(w, QuantizedWeight) else None for w in ws}
+    kind, layout = kinds.pop() if len(kinds) == 1 and None not in kinds else (None, None)
+    packed = layout == "tiles16"
     if (
         kind is None
+        or (packed and not cpu_qmatmul.tiles_available(kind))
         or not 2 <= len(ws) <= cpu_qmatmul.MAX_MULTI_WEIGHTS
         or not _HOST_MATMULS.get()
         or batch_invariant_enabled()
@@ -177,7 +179,7 @@ def matmuls_nt(x: jax.Array, ws: list[Any]) -> list[jax.Array]:
 
     def on_cpu() -> list[jax.Array]:
         return cpu_qmatmul.qmatmul_multi_call(
-            flat, [(w.blocks, w.row_scales) for w in ws], kind, live_rows_of(rows)
+            flat, [(w.blocks, w.row_scales) for w in ws], kind, live_rows_of(rows), packed
         )
 
     def one_by_one() -> list[jax.Array]:
@@ -208,14 +210,20 @@ def _quantized_matmul_nt(
         return xla().reshape(rows, -1).astype(jnp.float32)
 
     def on_cpu() -> jax.Array:
+        # Weights packed into tiles take the tile kernels; elsewhere their rows.
+        packed = w.layout == "tiles16" and cpu_qmatmul.tiles_available(w.kind)
+        in_rows = w.in_rows()
         if batch_invariant_enabled():
-            return cpu_qmatmul.qmatmul_call(flat, w.blocks, w.row_scales, w.kind,
+            return cpu_qmatmul.qmatmul_call(flat, in_rows.blocks, w.row_scales, w.kind,
                                             live_rows_of(rows), invariant=True)
         if rows < cpu_qmatmul.dequantize_rows(w.kind):
+            blocks = w.blocks if packed else in_rows.blocks
             return cpu_qmatmul.qmatmul_call(
-                flat, w.blocks, w.row_scales, w.kind, live_rows_of(rows)
+                flat, blocks, w.row_scales, w.kind, live_rows_of(rows), packed=packed
             )
-        weight = cpu_qmatmul.dequantize_call(w.blocks, w.row_scales, w.kind, w.shape[1])
+        weight = cpu_qmatmul.dequantize_call(
+            w.blocks if packed else in_rows.blocks, w.row_scales, w.kind, w.shape[1], packed
+        )
         return lax.dot_general(flat.astype(jnp.float32), weight, dims,
                                preferred_element_type=jnp.float32)
 

@@ -8,6 +8,8 @@
   dequantized in JAX, bit-exact with the ``gguf`` package's reference.
 * :mod:`kvpage.quant.int8`: per-channel int8 of a float checkpoint, at load time.
 * :mod:`kvpage.quant.modes`: the ``--quantization`` modes and what each keeps quantized.
+* :mod:`kvpage.quant.tiles`: Q4_0 / Q4_1 blocks packed into tiles of sixteen rows for the
+  CPU kernels; :mod:`kvpage.quant.packing`: which weights of a loaded model are.
 
 The products run in the Rust core on CPU (``python/kvpage/kernels/host/cpu_qmatmul.py``), reading
 the blocks as stored; elsewhere, and under a device mesh, the model dequantizes a

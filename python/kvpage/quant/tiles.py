@@ -1,23 +1,20 @@
-"""Q4_0 expert weights packed into tiles of sixteen rows for the CPU kernel.
+"""Q4_0 and Q4_1 weights packed into tiles of sixteen rows for the CPU kernel.
 
-Owns :func:`pack_q4_0_tiles` (numpy, at load), :func:`unpack_q4_0_tiles` (JAX,
-traceable), :func:`can_pack` and :func:`pack_experts`. The layout is Rust's
-(``lanes_avx512::pack_q4_0_tiles``, the one owner of its description): per tile of
-sixteen weight rows and block of 32 inputs, the rows' sixteen ``f16`` scales, then their
-nibbles in the order the kernel's registers hold them. The bytes are GGUF's, reordered;
-the blocks' array keeps its shape (:class:`~kvpage.quant.QuantizedWeight`'s
-``layout="tiles16"`` says which order it is in).
+Owns :func:`pack_tiles` (numpy, at load), :func:`unpack_tiles` (JAX, traceable) and
+:func:`can_pack`. The layout is Rust's
+(``lanes_avx512::pack_tiles``, the one owner of its description): per tile of sixteen
+weight rows and block of 32 inputs, each ``f16`` field of the block (``d``; Q4_1: ``d``
+then ``m``) of the sixteen rows, then their nibbles in the order the kernel's registers
+hold them. The bytes are GGUF's, reordered; the blocks' array keeps its shape
+(:class:`~kvpage.quant.QuantizedWeight`'s ``layout="tiles16"`` says which order it is in).
 
 Why: the CPU kernel reads sixteen weight rows side by side, one per register lane, and
-transposed every block of them on the way in. A routed expert sees a few rows at a time
-(32 requests: ~4 tokens an expert), so that transposition was a third of its work:
-``expert_ffn`` at 32 tokens of ``kvpage bench moe``'s model ran 1.4x faster on packed
-weights (2026-11-28, ``benches/RESULTS.md``).
+transposed every block of them on the way in; a tile packed once at load is one stream
+and needs none (``expert_ffn`` of ``kvpage bench moe``'s model 1.15x at one token, 1.14x
+at 32; 2026-11-28, ``benches/RESULTS.md``).
 
-Only what the engine's one MoE host call reads is packed (:func:`pack_experts`): the
-routed experts of a model on one CPU device, without a device mesh, batch invariance or
-the dense-compute baseline. Every other reader asks the weight for its rows
-(``QuantizedWeight.in_rows``), in the step.
+Which weights are packed: :mod:`kvpage.quant.packing`. Every reader other than the host
+kernels asks a weight for its rows (``QuantizedWeight.in_rows``), in the step.
 """
 
 from __future__ import annotations
@@ -31,15 +28,18 @@ import numpy as np
 
 from kvpage.kernels.host._host_ffi import core_library
 from kvpage.quant.formats import KINDS
-from kvpage.quant.weights import QuantizedWeight
 
-_TILE = 16
-_BLOCK = 18  # Q4_0: f16 scale + 16 bytes of nibbles
+TILE = 16
+PACKED_KINDS = {"q4_0": 18, "q4_1": 20}
+"""The formats packed into tiles, and their block bytes (``f16`` fields + 16 of nibbles)."""
+# Last five axes of a tile (tile, row, block, group, byte) -> (tile, block, group, row, byte).
+_PACK = (0, 2, 3, 1, 4)
+_UNPACK = (0, 3, 1, 2, 4)
 
 
 def can_pack(kind: str, outs: int) -> bool:
     """Whether the core packs ``kind`` matrices of ``outs`` rows on this CPU."""
-    return kind == "q4_0" and _core_packs(KINDS.index(kind), outs)
+    return kind in PACKED_KINDS and _core_packs(KINDS.index(kind), outs)
 
 
 @functools.cache
@@ -48,60 +48,35 @@ def _core_packs(code: int, outs: int) -> bool:
     return probe is not None and bool(probe(code, outs))
 
 
-def pack_q4_0_tiles(blocks: np.ndarray) -> np.ndarray:
-    """Q4_0 blocks ``[..., outs, row_bytes]`` (``outs`` a multiple of 16) in tile order."""
+def _split(kind: str, blocks: Any) -> tuple[list[int], int, int, int]:
     *lead, outs, row_bytes = blocks.shape
-    nb = row_bytes // _BLOCK
-    tiles = blocks.reshape(*lead, outs // _TILE, _TILE, nb, _BLOCK)
-    scales = np.moveaxis(tiles[..., :2], -3, -2)  # [..., T, nb, 16, 2]
-    nibbles = tiles[..., 2:].reshape(*lead, outs // _TILE, _TILE, nb, 4, 4)
-    nibbles = np.moveaxis(nibbles, -4, -2)  # [..., T, nb, 4 (register), 16 (row), 4]
-    n = len(lead) + 2
-    packed = np.concatenate(
-        [scales.reshape(*scales.shape[:n], -1), nibbles.reshape(*nibbles.shape[:n], -1)], axis=-1
-    )
+    bb = PACKED_KINDS[kind]
+    return lead, outs // TILE, row_bytes // bb, bb - 16
+
+
+def pack_tiles(kind: str, blocks: np.ndarray) -> np.ndarray:
+    """``kind`` blocks ``[..., outs, row_bytes]`` (``outs`` a multiple of 16) in tile order."""
+    lead, tiles, nb, head = _split(kind, blocks)
+    t = blocks.reshape(*lead, tiles, TILE, nb, PACKED_KINDS[kind])
+    n = len(lead)
+    perm = (*range(n), *(n + a for a in _PACK))
+    fields = t[..., :head].reshape(*lead, tiles, TILE, nb, head // 2, 2).transpose(perm)
+    nibbles = t[..., head:].reshape(*lead, tiles, TILE, nb, 4, 4).transpose(perm)
+    packed = np.concatenate([fields.reshape(*lead, tiles, nb, -1),
+                             nibbles.reshape(*lead, tiles, nb, -1)], axis=-1)
     return np.ascontiguousarray(packed.reshape(blocks.shape))
 
 
-def unpack_q4_0_tiles(blocks: jax.Array) -> jax.Array:
-    """The inverse of :func:`pack_q4_0_tiles`, traceable."""
-    *lead, outs, row_bytes = blocks.shape
-    nb = row_bytes // _BLOCK
-    n = len(lead) + 2
-    packed = blocks.reshape(*lead, outs // _TILE, nb, _TILE * _BLOCK)
-    scales = packed[..., : 2 * _TILE].reshape(*packed.shape[:n], _TILE, 2)
-    nibbles = packed[..., 2 * _TILE :].reshape(*packed.shape[:n], 4, _TILE, 4)
-    scales = jnp.moveaxis(scales, -2, -3)  # [..., T, 16, nb, 2]
-    nibbles = jnp.moveaxis(nibbles, -2, -4).reshape(*packed.shape[: n - 1], _TILE, nb, 16)
-    rows = jnp.concatenate([scales, nibbles], axis=-1)  # [..., T, 16, nb, 18]
+def unpack_tiles(kind: str, blocks: jax.Array) -> jax.Array:
+    """The inverse of :func:`pack_tiles`, traceable."""
+    lead, tiles, nb, head = _split(kind, blocks)
+    t = blocks.reshape(*lead, tiles, nb, TILE * PACKED_KINDS[kind])
+    n = len(lead)
+    perm = (*range(n), *(n + a for a in _UNPACK))
+    fields = t[..., : TILE * head].reshape(*lead, tiles, nb, head // 2, TILE, 2)
+    nibbles = t[..., TILE * head :].reshape(*lead, tiles, nb, 4, TILE, 4)
+    rows = jnp.concatenate([
+        jnp.transpose(fields, perm).reshape(*lead, tiles, TILE, nb, head),
+        jnp.transpose(nibbles, perm).reshape(*lead, tiles, TILE, nb, 16),
+    ], axis=-1)
     return rows.reshape(blocks.shape)
-
-
-def pack_experts(params: dict[str, Any]) -> int:
-    """Pack, in place, every routed expert matrix of ``params`` that :func:`can_pack`;
-    returns how many were packed."""
-    packed = 0
-    for layer in params.get("layers", []):
-        experts = layer.get("mlp", {}).get("experts") if isinstance(layer, dict) else None
-        if not isinstance(experts, dict):
-            continue
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            node = experts.get(name)
-            w = None if node is None else node.get("weight")
-            if (
-                not isinstance(w, QuantizedWeight)
-                or w.layout != "rows"
-                or w.ndim != 3
-                or not can_pack(w.kind, w.shape[1])
-            ):
-                continue
-            node["weight"] = QuantizedWeight(
-                jnp.asarray(pack_q4_0_tiles(np.asarray(w.blocks))),
-                w.kind,
-                w.shape,
-                w.dtype,
-                w.row_scales,
-                layout="tiles16",
-            )
-            packed += 1
-    return packed

@@ -14,8 +14,8 @@ Invariant: ``blocks.shape == (*lead, row_bytes(kind, in))`` for a weight of shap
 checked at construction from
 concrete arrays. The formats' layouts are :mod:`kvpage.quant.formats`' (owned by
 ``rust/kernels/quant/formats.rs``). ``layout`` says how the blocks are ordered: ``"rows"``
-(GGUF's, each weight row's blocks in turn) or ``"tiles16"`` (Q4_0 packed for the CPU
-kernel, :mod:`kvpage.quant.tiles`); the blocks' shape is the same either way.
+(GGUF's, each weight row's blocks in turn) or ``"tiles16"`` (Q4_0 or Q4_1 packed for the
+CPU kernel, :mod:`kvpage.quant.tiles`); the blocks' shape is the same either way.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ class QuantizedWeight:
     ) -> None:
         if kind not in BLOCK_LAYOUTS:
             raise ValueError(f"unknown quantized format {kind!r}; known: {', '.join(KINDS)}")
-        if layout not in ("rows", "tiles16") or (layout == "tiles16" and kind != "q4_0"):
+        if layout not in ("rows", "tiles16") or (layout == "tiles16"
+                                                 and kind not in ("q4_0", "q4_1")):
             raise ValueError(f"{kind} blocks cannot be in layout {layout!r}")
         self.layout = layout
         self.blocks = blocks
@@ -109,9 +110,9 @@ class QuantizedWeight:
         """This weight with its blocks in GGUF's row order (traceable; itself if they are)."""
         if self.layout == "rows":
             return self
-        from kvpage.quant.tiles import unpack_q4_0_tiles
+        from kvpage.quant.tiles import unpack_tiles
 
-        return QuantizedWeight(unpack_q4_0_tiles(self.blocks), self.kind, self.shape,
+        return QuantizedWeight(unpack_tiles(self.kind, self.blocks), self.kind, self.shape,
                                self.dtype, self.row_scales)
 
     def take_rows(self, ids: jax.Array, dtype: Any = None) -> jax.Array:

@@ -443,50 +443,12 @@ unsafe fn tile_of<F: Lanes>(
     }
 }
 
-/// Bytes of one block of a packed tile: sixteen rows' `f16` scales, then
-/// their nibbles (module docs of [`pack_q4_0_tiles`]).
-pub const PACKED_BLOCK_BYTES: usize = LANES * 18;
-
-/// Q4_0 weights `[outs, inner]` (`outs` a multiple of 16) packed for
-/// [`tile_packed`]: per tile of sixteen rows and block `b`, the rows' sixteen
-/// `f16` scales (32 bytes, row `o` at `2o`), then their nibbles as
-/// [`TileRows::bytes16`] gives them (register `q`, lane `o` at `64q + 4o`:
-/// row `o`'s bytes `4q..4q + 4`). The same bytes, tile by tile, in the order
-/// the kernel reads them: a tile is one stream, and its transposition was paid
-/// once, here (`expert_ffn` at 32 tokens of bench moe's model: 1.4x).
-pub fn pack_q4_0_tiles(rows: &[u8], outs: usize, inner: usize) -> Vec<u8> {
-    let bb = QuantType::Q4_0.block_bytes();
-    let blocks = inner / SUB;
-    let row_bytes = blocks * bb;
-    assert!(
-        outs.is_multiple_of(LANES) && inner.is_multiple_of(SUB) && rows.len() == outs * row_bytes
-    );
-    let mut packed = vec![0u8; rows.len()];
-    for tile in 0..outs / LANES {
-        let tile_rows = &rows[tile * LANES * row_bytes..][..LANES * row_bytes];
-        let out = &mut packed[tile * LANES * row_bytes..][..LANES * row_bytes];
-        for b in 0..blocks {
-            let dst = &mut out[b * PACKED_BLOCK_BYTES..][..PACKED_BLOCK_BYTES];
-            for o in 0..LANES {
-                let src = &tile_rows[o * row_bytes + b * bb..][..bb];
-                dst[2 * o..2 * o + 2].copy_from_slice(&src[..2]);
-                for q in 0..4 {
-                    let at = 2 * LANES + 64 * q + 4 * o;
-                    dst[at..at + 4].copy_from_slice(&src[2 + 4 * q..2 + 4 * q + 4]);
-                }
-            }
-        }
-    }
-    packed
-}
-
 /// Weight rows `start..end` (one whole tile of sixteen) of `y`, every row of
-/// `xq`, from Q4_0 weights packed by [`pack_q4_0_tiles`]: the same
-/// instructions on the same values as [`tile`] on the rows, so the same bits.
+/// `xq`, from weights packed by [`super::tiles::pack_tiles`]: the same instructions on the
+/// same values as [`tile`] on the rows, so the same bits.
 ///
 /// # Safety
-/// As [`tile`], with `shape.kind` Q4_0, `w` packed, `end - start == 16`.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+/// As [`tile`], with [`super::tiles::packs`]`(shape.kind)`, `w` packed, `end - start == 16`.
 pub(super) unsafe fn tile_packed(
     shape: &QuantShape,
     xq: &Q16Rows,
@@ -495,8 +457,27 @@ pub(super) unsafe fn tile_packed(
     start: usize,
     end: usize,
 ) {
-    debug_assert!(shape.kind == QuantType::Q4_0 && end - start == LANES);
-    debug_assert!(xq.rows <= LANES_ROWS && shape.outs.is_multiple_of(LANES));
+    match shape.kind {
+        QuantType::Q4_0 => tile_packed_of::<Q4_0>(shape, xq, w, y, start, end),
+        QuantType::Q4_1 => tile_packed_of::<Q4_1>(shape, xq, w, y, start, end),
+        kind => unreachable!("{} is not packed into tiles", kind.name()),
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn tile_packed_of<F: Lanes>(
+    shape: &QuantShape,
+    xq: &Q16Rows,
+    w: &[u8],
+    y: OutPtr,
+    start: usize,
+    end: usize,
+) {
+    debug_assert!(end - start == LANES && xq.rows <= LANES_ROWS);
+    debug_assert!(shape.outs.is_multiple_of(LANES));
+    let bb = F::KIND.block_bytes();
+    let block_bytes = LANES * bb;
+    let header = LANES * (bb - 16);
     let row_bytes = shape.kind.row_bytes(shape.inner).expect("validated");
     let tile_bytes = LANES * row_bytes;
     let base = w.as_ptr().add(start * row_bytes);
@@ -504,30 +485,34 @@ pub(super) unsafe fn tile_packed(
     // One stream: the next blocks are asked for `AHEAD` blocks before they
     // are read, and the tile after next (L2) spread over the blocks.
     const AHEAD: usize = 8;
-    for at in (0..(AHEAD * PACKED_BLOCK_BYTES).min(tile_bytes)).step_by(64) {
+    for at in (0..(AHEAD * block_bytes).min(tile_bytes)).step_by(64) {
         _mm_prefetch::<_MM_HINT_T0>(base.add(at) as *const i8);
     }
     let after_next = end + LANES;
     let next = (after_next < shape.outs).then(|| w.as_ptr().add(after_next * row_bytes));
+    let lines = tile_bytes.div_ceil(64);
     let mut acc = [_mm512_setzero_ps(); LANES_ROWS];
     for b in 0..blocks {
-        let ahead = (b + AHEAD) * PACKED_BLOCK_BYTES;
+        let ahead = (b + AHEAD) * block_bytes;
         if ahead < tile_bytes {
-            for at in (ahead..ahead + PACKED_BLOCK_BYTES).step_by(64) {
+            for at in (ahead..ahead + block_bytes).step_by(64) {
                 _mm_prefetch::<_MM_HINT_T0>(base.add(at) as *const i8);
             }
         }
         if let Some(next) = next {
-            let lines = tile_bytes.div_ceil(64);
             for line in b * lines / blocks..(b + 1) * lines / blocks {
                 _mm_prefetch::<_MM_HINT_T1>(next.add(64 * line) as *const i8);
             }
         }
-        let at = base.add(b * PACKED_BLOCK_BYTES);
+        let at = base.add(b * block_bytes);
         let factor = _mm512_cvtph_ps(_mm256_loadu_si256(at as *const __m256i));
-        let offset = _mm512_mul_ps(factor, _mm512_set1_ps(Q4_0::MIN_TIMES_D));
+        let offset = if F::M_FIELD {
+            _mm512_cvtph_ps(_mm256_loadu_si256(at.add(2 * LANES) as *const __m256i))
+        } else {
+            _mm512_mul_ps(factor, _mm512_set1_ps(F::MIN_TIMES_D))
+        };
         let nibbles: [__m512i; 4] =
-            std::array::from_fn(|q| _mm512_loadu_si512(at.add(2 * LANES + 64 * q) as *const _));
+            std::array::from_fn(|q| _mm512_loadu_si512(at.add(header + 64 * q) as *const _));
         let (low, high) = nibble_pairs(&nibbles);
         let pairs: [__m512i; 16] =
             std::array::from_fn(|p| if p < 8 { low[p] } else { high[p - 8] });
@@ -542,8 +527,8 @@ pub(super) unsafe fn tile_packed(
                 first: r,
             };
             r += match xq.rows - r {
-                1 => step.run::<1, 4, Q4_0>(&mut acc),
-                _ => step.run::<2, 2, Q4_0>(&mut acc),
+                1 => step.run::<1, 4, F>(&mut acc),
+                _ => step.run::<2, 2, F>(&mut acc),
             };
         }
     }

@@ -26,6 +26,9 @@
 //!   Q4_K and Q6_K (sixteen sub-blocks' sums reduced together), `panel_avx512.rs` the AVX-512 register blocks of its panel
 //!   path (the same sums, bit for bit), `panel_block.rs` the block both read.
 //! - [`dequantize`]: the float weights, for products of many rows.
+//! - [`tiles`]: Q4_0 and Q4_1 weights packed into tiles of sixteen rows, the
+//!   order [`lanes_avx512`]'s registers hold them in (read by its
+//!   `tile_packed`), and back.
 //!
 //! Invariants:
 //! - a weight buffer has exactly `outs * row_bytes(inner)` bytes and `inner` is a
@@ -55,6 +58,7 @@ mod panel_block;
 pub mod qmatmul;
 #[cfg(target_arch = "x86_64")]
 mod qmatmul_avx2;
+pub mod tiles;
 #[cfg(target_arch = "x86_64")]
 mod unpack_avx2;
 

@@ -170,18 +170,18 @@ pub unsafe fn tile(
 }
 
 /// Whether weights of `kind` may be packed into tiles for [`tile_packed`]
-/// here (Q4_0 where the lanes kernel reads it: `lanes_avx512::pack_q4_0_tiles`),
-/// in matrices of `outs` rows.
+/// here (Q4_0 and Q4_1 where the lanes kernel reads them:
+/// `tiles::pack_tiles`), in matrices of `outs` rows.
 pub fn packs(kind: QuantType, outs: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
-    if kind == QuantType::Q4_0 && outs.is_multiple_of(OUTS_PER_TILE) {
+    if super::tiles::packs(kind) && outs.is_multiple_of(OUTS_PER_TILE) {
         return vectorized() && lanes_avx512::takes(kind);
     }
     let _ = (kind, outs);
     false
 }
 
-/// [`tile`] for weights packed into tiles (`lanes_avx512::pack_q4_0_tiles`).
+/// [`tile`] for weights packed into tiles (`tiles::pack_tiles`).
 ///
 /// # Safety
 /// As [`tile`], with [`packs`]`(shape.kind, shape.outs)`, `w` packed, and

@@ -517,3 +517,45 @@ fn products_of_many_sub_blocks_match_the_reference_at_every_integer_row_count() 
         }
     }
 }
+
+#[test]
+fn weights_packed_into_tiles_give_the_bits_of_their_rows() {
+    use super::tiles::pack_tiles;
+    use crate::kernels::guard_page::{Edge, Guarded};
+    if !qmatmul::packs(QuantType::Q4_0, 16) {
+        return; // no AVX-512 VNNI here
+    }
+    let mut rng = TestRng::new(611);
+    for kind in [QuantType::Q4_0, QuantType::Q4_1] {
+        for (rows, inner, outs) in [(1, 64, 16), (2, 96, 48), (5, 576, 32), (33, 64, 64)] {
+            let shape = QuantShape {
+                kind,
+                rows,
+                inner,
+                outs,
+            };
+            let x: Vec<f32> = (0..rows * inner)
+                .map(|_| rng.below(2001) as f32 / 1000.0 - 1.0)
+                .collect();
+            let w = random_weights(&mut rng, kind, outs, inner);
+            let mut want = vec![0.0f32; rows * outs];
+            qmatmul(&shape, &x, &w, &[], &mut want).unwrap();
+            let packed = pack_tiles(kind, &w, outs, inner);
+            let inputs = Inputs::prepare(&shape, &x);
+            // The packed weights' first and last bytes against an unmapped page.
+            for edge in Edge::BOTH {
+                let guarded = Guarded::new(&packed, edge);
+                let mut got = vec![f32::NAN; rows * outs];
+                let out = OutPtr::new(&mut got);
+                for index in 0..call::tiles(&shape) {
+                    // SAFETY: shapes as validated by `qmatmul` above; one thread.
+                    unsafe {
+                        qmatmul::tile_packed(&shape, &inputs, guarded.as_slice(), out, index)
+                    };
+                }
+                assert_eq!(got, want, "{kind:?} {rows}x{inner}x{outs} {edge:?}");
+            }
+        }
+    }
+    assert!(!qmatmul::packs(QuantType::Q4_0, 40) && !qmatmul::packs(QuantType::Q8_0, 16));
+}

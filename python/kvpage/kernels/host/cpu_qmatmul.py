@@ -13,6 +13,9 @@ where one hands over to the other (:func:`dequantize_rows`):
 * ``kvpage_qmatmul_multi_<kind>``: the same for up to :data:`MAX_MULTI_WEIGHTS` weights
   of one format that read the same ``x`` (a layer's q/k/v, or gate and up), in one call:
   ``x`` prepared once, one hand-over to the thread pool (:func:`qmatmul_multi_call`).
+* ``kvpage_qmatmul_tiles_<kind>``, ``kvpage_qmatmul_multi_tiles_<kind>``,
+  ``kvpage_dequantize_tiles_<kind>`` (Q4_0, Q4_1): the same on weights packed into tiles
+  of sixteen rows (:mod:`kvpage.quant.tiles`).
 * ``kvpage_dequantize_<kind>``: the float weight ``[N, K]``, which XLA's GEMM then
   multiplies: for prefill-sized products, where that GEMM beats the kernel. In a real
   step the expansion writes every weight as float32 (540 MB for SmolLM2), which a
@@ -80,20 +83,33 @@ def qmatmul_call(
     kind: str,
     live_rows: jax.Array | int | None = None,
     invariant: bool = False,
+    packed: bool = False,
 ) -> jax.Array:
     """float32 ``x [T, K] . dequant(w)^T`` by the core (lower for ``cpu`` only); with
     ``live_rows`` (an int32 scalar, ``0 <= live_rows <= T``) only ``x``'s first rows are
     multiplied and the result's other rows are zeros. ``invariant``: every row on the
     float path, so a row's result does not depend on the other rows (batch-invariant
-    inference; ``kvpage_qmatmul_invariant_<kind>``)."""
+    inference; ``kvpage_qmatmul_invariant_<kind>``). ``packed``: ``blocks`` are packed
+    into tiles (``kvpage_qmatmul_tiles_<kind>``)."""
     rows = x.shape[0]
     live = jnp.asarray(rows if live_rows is None else live_rows, jnp.int32).reshape(1)
     name = f"kvpage_qmatmul_invariant_{kind}" if invariant else target(kind)
+    if packed:
+        if invariant or not tiles_available(kind):
+            raise RuntimeError(f"no {kind} call on weights packed into tiles here")
+        name = f"kvpage_qmatmul_tiles_{kind}"
     if invariant and not register(name):
         raise RuntimeError(f"this kvpage core has no {name} (rebuild it)")
     call = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((rows, blocks.shape[0]), jnp.float32))
     scales = () if row_scales is None else (row_scales,)
     return call(x.astype(jnp.float32), blocks, *scales, live)
+
+
+def tiles_available(kind: str) -> bool:
+    """Whether the core exports ``kind``'s calls on weights packed into tiles."""
+    return (available(kind) and register(f"kvpage_qmatmul_tiles_{kind}")
+            and register(f"kvpage_qmatmul_multi_tiles_{kind}")
+            and register(f"kvpage_dequantize_tiles_{kind}"))
 
 
 def multi_available(kind: str) -> bool:
@@ -106,16 +122,19 @@ def qmatmul_multi_call(
     weights: list[tuple[jax.Array, jax.Array | None]],
     kind: str,
     live_rows: jax.Array | int | None = None,
+    packed: bool = False,
 ) -> list[jax.Array]:
     """float32 ``x [T, K] . dequant(w)^T`` for each ``(blocks, row_scales)`` of
     ``weights`` (1 to :data:`MAX_MULTI_WEIGHTS`, all of format ``kind``) in one call;
-    each result equals :func:`qmatmul_call`'s (lower for ``cpu`` only)."""
+    each result equals :func:`qmatmul_call`'s (lower for ``cpu`` only). ``packed``: every
+    weight is packed into tiles."""
     if not 1 <= len(weights) <= MAX_MULTI_WEIGHTS:
         raise ValueError(f"one call takes 1 to {MAX_MULTI_WEIGHTS} weights, got {len(weights)}")
     rows = x.shape[0]
     live = jnp.asarray(rows if live_rows is None else live_rows, jnp.int32).reshape(1)
     shapes = [jax.ShapeDtypeStruct((rows, blocks.shape[0]), jnp.float32) for blocks, _ in weights]
-    call = jax.ffi.ffi_call(f"kvpage_qmatmul_multi_{kind}", shapes)
+    name = f"kvpage_qmatmul_multi_tiles_{kind}" if packed else f"kvpage_qmatmul_multi_{kind}"
+    call = jax.ffi.ffi_call(name, shapes)
     scales = [s for _, s in weights if s is not None]
     if scales and len(scales) != len(weights):
         raise ValueError("either every weight has row scales or none has")
@@ -123,12 +142,13 @@ def qmatmul_multi_call(
 
 
 def dequantize_call(
-    blocks: jax.Array, row_scales: jax.Array | None, kind: str, inner: int
+    blocks: jax.Array, row_scales: jax.Array | None, kind: str, inner: int,
+    packed: bool = False,
 ) -> jax.Array:
-    """The float32 weight ``[N, inner]`` of stored ``blocks`` (lower for ``cpu`` only)."""
-    call = jax.ffi.ffi_call(
-        f"kvpage_dequantize_{kind}", jax.ShapeDtypeStruct((blocks.shape[0], inner), jnp.float32)
-    )
+    """The float32 weight ``[N, inner]`` of stored ``blocks`` (``packed``: in tiles; lower
+    for ``cpu`` only)."""
+    name = f"kvpage_dequantize_tiles_{kind}" if packed else f"kvpage_dequantize_{kind}"
+    call = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((blocks.shape[0], inner), jnp.float32))
     return call(blocks, *(() if row_scales is None else (row_scales,)))
 
 
