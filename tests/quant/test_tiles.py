@@ -92,21 +92,20 @@ def test_packed_products_equal_their_rows_on_every_path(kind: str, rows: int) ->
         np.testing.assert_array_equal(got, want)
 
 
-def _generate(path: Path, monkeypatch: pytest.MonkeyPatch, pack: bool) -> tuple[list, list, str]:
+def _generate(path: Path, monkeypatch: pytest.MonkeyPatch, pack: bool
+              ) -> tuple[list, list, dict]:
+    """Greedy tokens and their logprobs of five prompts, and the engine's params."""
     from kvpage import LLM, SamplingParams
 
     monkeypatch.setenv("KVPAGE_PACK_WEIGHTS", "1" if pack else "0")
     llm = LLM(str(path), max_model_len=64, max_num_seqs=8, num_gpu_blocks=64, block_size=8)
     rng = np.random.default_rng(0)
-    prompts = [{"prompt_token_ids": rng.integers(0, 257, 6 + i).tolist()} for i in range(5)]
+    prompts = [{"prompt_token_ids": rng.integers(0, 200, 5 + i).tolist()} for i in range(5)]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
     out = llm.generate(prompts, params, use_tqdm=False)
     tokens = [o.outputs[0].token_ids for o in out]
     logprobs = [[next(iter(d.values())).logprob for d in o.outputs[0].logprobs] for o in out]
-    params = llm.engine.runner.params
-    layout = params["layers"][0]["mlp"]["experts"]["gate_proj"]["weight"].layout
-    assert params["lm_head"]["weight"].layout == layout  # 512 x 64 Q4_0: whole tiles
-    return tokens, logprobs, layout
+    return tokens, logprobs, llm.engine.runner.params
 
 
 def test_an_engine_with_packed_experts_generates_the_same_bits(
@@ -117,12 +116,16 @@ def test_an_engine_with_packed_experts_generates_the_same_bits(
     if not can_pack("q4_0", 32):
         pytest.skip("this CPU has no kernel for packed tiles (AVX-512 VNNI)")
     path = write_random_moe_gguf(tmp_path / "moe.gguf", MoEShape(**SMALL))
-    tokens, logprobs, layout = _generate(path, monkeypatch, pack=True)
-    assert layout == "tiles16"
-    rows_tokens, rows_logprobs, rows_layout = _generate(path, monkeypatch, pack=False)
-    assert rows_layout == "rows"
-    assert tokens == rows_tokens
-    assert logprobs == rows_logprobs
+
+    def layouts(params: dict) -> set[str]:
+        experts = params["layers"][0]["mlp"]["experts"]["gate_proj"]["weight"]
+        return {experts.layout, params["lm_head"]["weight"].layout}  # 512 x 64: whole tiles
+
+    tokens, logprobs, params = _generate(path, monkeypatch, pack=True)
+    assert layouts(params) == {"tiles16"}
+    rows_tokens, rows_logprobs, rows_params = _generate(path, monkeypatch, pack=False)
+    assert layouts(rows_params) == {"rows"}
+    assert (tokens, logprobs) == (rows_tokens, rows_logprobs)
 
 
 def test_a_dense_engine_with_packed_projections_generates_the_same_bits(
@@ -145,30 +148,18 @@ def test_a_dense_engine_with_packed_projections_generates_the_same_bits(
              "output.weight": "Q4_0"}
     path = write_gguf(tmp_path / "dense.gguf", model, "llama", quant=quant)
 
-    def generate(pack: bool) -> tuple[list, list, dict[str, str]]:
-        from kvpage import LLM, SamplingParams
-
-        monkeypatch.setenv("KVPAGE_PACK_WEIGHTS", "1" if pack else "0")
-        llm = LLM(str(path), max_model_len=64, max_num_seqs=8, num_gpu_blocks=64, block_size=8)
-        rng = np.random.default_rng(1)
-        prompts = [{"prompt_token_ids": rng.integers(0, 200, 5 + i).tolist()} for i in range(4)]
-        sampling = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
-        out = llm.generate(prompts, sampling, use_tqdm=False)
-        params = llm.engine.runner.params
+    def layouts(params: dict) -> dict[str, str]:
         layer = params["layers"][0]
-        layouts = {"q": layer["self_attn"]["q_proj"]["weight"].layout,
-                   "up": layer["mlp"]["up_proj"]["weight"].layout,
-                   "down": layer["mlp"]["down_proj"]["weight"].layout,
-                   "lm_head": params["lm_head"]["weight"].layout,
-                   "embed": params["embed_tokens"]["weight"].layout}
-        return ([o.outputs[0].token_ids for o in out],
-                [[next(iter(d.values())).logprob for d in o.outputs[0].logprobs] for o in out],
-                layouts)
+        return {"q": layer["self_attn"]["q_proj"]["weight"].layout,
+                "up": layer["mlp"]["up_proj"]["weight"].layout,
+                "down": layer["mlp"]["down_proj"]["weight"].layout,
+                "lm_head": params["lm_head"]["weight"].layout,
+                "embed": params["embed_tokens"]["weight"].layout}
 
-    tokens, logprobs, layouts = generate(pack=True)
+    tokens, logprobs, params = _generate(path, monkeypatch, pack=True)
     lm_head = "tiles16" if TOKENIZER_VOCAB % 16 == 0 else "rows"
-    assert layouts == {"q": "tiles16", "up": "tiles16", "down": "rows", "lm_head": lm_head,
-                       "embed": "rows"}
-    rows_tokens, rows_logprobs, rows_layouts = generate(pack=False)
-    assert set(rows_layouts.values()) == {"rows"}
+    assert layouts(params) == {"q": "tiles16", "up": "tiles16", "down": "rows",
+                               "lm_head": lm_head, "embed": "rows"}
+    rows_tokens, rows_logprobs, rows_params = _generate(path, monkeypatch, pack=False)
+    assert set(layouts(rows_params).values()) == {"rows"}
     assert (tokens, logprobs) == (rows_tokens, rows_logprobs)

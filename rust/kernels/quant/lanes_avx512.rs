@@ -415,23 +415,7 @@ unsafe fn tile_of<F: Lanes>(
         }
         let (factor, offset) = factors::<F>(&rows, b);
         let pairs = F::pairs(&rows, b);
-        let mut r = 0;
-        while r < xq.rows {
-            let step = Step {
-                pairs: &pairs,
-                factor,
-                offset,
-                xq,
-                s: b,
-                first: r,
-            };
-            // Two rows' products in four chains (or one row's in four): enough
-            // to hide `vpdpwssd`'s latency; more rows a step ran slower (spills).
-            r += match xq.rows - r {
-                1 => step.run::<1, 4, F>(&mut acc),
-                _ => step.run::<2, 2, F>(&mut acc),
-            };
-        }
+        add_block::<F>(&pairs, factor, offset, xq, b, &mut acc);
     }
     let lanes: __mmask16 = if count == LANES {
         0xffff
@@ -516,24 +500,41 @@ unsafe fn tile_packed_of<F: Lanes>(
         let (low, high) = nibble_pairs(&nibbles);
         let pairs: [__m512i; 16] =
             std::array::from_fn(|p| if p < 8 { low[p] } else { high[p - 8] });
-        let mut r = 0;
-        while r < xq.rows {
-            let step = Step {
-                pairs: &pairs,
-                factor,
-                offset,
-                xq,
-                s: b,
-                first: r,
-            };
-            r += match xq.rows - r {
-                1 => step.run::<1, 4, F>(&mut acc),
-                _ => step.run::<2, 2, F>(&mut acc),
-            };
-        }
+        add_block::<F>(&pairs, factor, offset, xq, b, &mut acc);
     }
     for (r, acc) in acc.iter().enumerate().take(xq.rows) {
         _mm512_storeu_ps(y.at(r * shape.outs + start), *acc);
+    }
+}
+
+/// Block `b` of a tile (its weight `pairs`, `factor` and `offset` per lane)
+/// against every row of `xq`, into `acc`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn add_block<F: Lanes>(
+    pairs: &[__m512i; 16],
+    factor: __m512,
+    offset: __m512,
+    xq: &Q16Rows,
+    b: usize,
+    acc: &mut [__m512; LANES_ROWS],
+) {
+    let mut r = 0;
+    while r < xq.rows {
+        let step = Step {
+            pairs,
+            factor,
+            offset,
+            xq,
+            s: b,
+            first: r,
+        };
+        // Two rows' products in four chains (or one row's in four): enough
+        // to hide `vpdpwssd`'s latency; more rows a step ran slower (spills).
+        r += match xq.rows - r {
+            1 => step.run::<1, 4, F>(acc),
+            _ => step.run::<2, 2, F>(acc),
+        };
     }
 }
 
