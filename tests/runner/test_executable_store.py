@@ -194,14 +194,24 @@ def test_the_store_is_off_without_a_cache_or_when_asked(
 def test_every_handler_a_stored_piece_may_call_is_registered_before_a_load(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # A batch_invariant engine's pieces call kvpage_qmatmul_invariant_<kind>: left out,
-    # each of its stored pieces was refused ("No FFI handler registered") and compiled.
-    from kvpage.kernels.host import _host_ffi, cpu_qmatmul
+    # A handler left out made each stored piece calling it a miss ("No FFI handler
+    # registered"), compiled at every start: kvpage_qmatmul_invariant_<kind>, then the
+    # q/k/v-in-one-call and packed-tile calls. So: every handler the core exports.
+    import ctypes
+    import re
+
+    from kvpage import _core
+    from kvpage.kernels.host import _host_ffi
     from kvpage.runner import executable_store
 
     names: list[str] = []
     monkeypatch.setattr(_host_ffi, "register", lambda name: names.append(name) or True)
     executable_store.register_host_kernels()
-    for kind in cpu_qmatmul.KINDS:
-        assert {cpu_qmatmul.target(kind), f"kvpage_qmatmul_invariant_{kind}",
-                f"kvpage_dequantize_{kind}"} <= set(names), kind
+    library = ctypes.CDLL(_core.__file__)
+    strings = re.findall(rb"kvpage_[a-z0-9_]+(?=\x00)", Path(_core.__file__).read_bytes())
+    exported = {s.decode() for s in strings if hasattr(library, s.decode())}
+    probes = {n for n in exported if n.endswith(("_abi", "_vectorized", "_integer_rows",
+                                                 "_packs", "_nt_lanes"))}
+    handlers = exported - probes
+    assert len(handlers) > 40  # the scan found the core's handlers
+    assert handlers <= set(names), sorted(handlers - set(names))

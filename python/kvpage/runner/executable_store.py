@@ -119,14 +119,11 @@ def register_host_kernels() -> None:
     from kvpage.kernels.host._host_ffi import register
     from kvpage.runner.kv_cache import LAZY_ZEROS_TARGET
 
+    # A handler missing here makes every stored piece that calls it a miss ("No FFI
+    # handler registered"), compiled again at each start: batch_invariant engines' pieces
+    # were, then those with a layer's q/k/v in one call or packed weights (2026-11-28).
     names = [cpu_decode_attention.TARGET, cpu_matmul.TARGET, LAZY_ZEROS_TARGET]
-    for kind in cpu_qmatmul.KINDS:
-        # batch_invariant steps call the invariant variants: without them every stored
-        # executable of an invariant engine was refused ("No FFI handler registered")
-        # and compiled again at each start.
-        names += [cpu_qmatmul.target(kind), f"kvpage_dequantize_{kind}",
-                  f"kvpage_qmatmul_invariant_{kind}"]
-    names += cpu_expert_matmul.targets()
+    names += [*cpu_qmatmul.targets(), *cpu_expert_matmul.targets()]
     for name in names:
         register(name)
 

@@ -105,9 +105,26 @@ def qmatmul_call(
     return call(x.astype(jnp.float32), blocks, *scales, live)
 
 
+TILE_KINDS = ("q4_0", "q4_1")
+"""Formats with calls on weights packed into tiles (``kvpage.quant.tiles``)."""
+
+
+def targets() -> list[str]:
+    """Every FFI target of these calls, for every format (a stored executable may call
+    any of them: ``runner/executable_store.py`` registers them before a load)."""
+    names: list[str] = []
+    for kind in KINDS:
+        names += [target(kind), f"kvpage_dequantize_{kind}", f"kvpage_qmatmul_invariant_{kind}",
+                  f"kvpage_qmatmul_multi_{kind}"]
+        if kind in TILE_KINDS:
+            names += [f"kvpage_qmatmul_tiles_{kind}", f"kvpage_qmatmul_multi_tiles_{kind}",
+                      f"kvpage_dequantize_tiles_{kind}"]
+    return names
+
+
 def tiles_available(kind: str) -> bool:
     """Whether the core exports ``kind``'s calls on weights packed into tiles."""
-    return (available(kind) and register(f"kvpage_qmatmul_tiles_{kind}")
+    return (kind in TILE_KINDS and available(kind) and register(f"kvpage_qmatmul_tiles_{kind}")
             and register(f"kvpage_qmatmul_multi_tiles_{kind}")
             and register(f"kvpage_dequantize_tiles_{kind}"))
 
