@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax.numpy as jnp
+import jax
 import numpy as np
 
 from kvpage.quant.tiles import can_pack, pack_tiles
@@ -25,7 +25,9 @@ def _packed(w: Any) -> QuantizedWeight | None:
     if (not isinstance(w, QuantizedWeight) or w.layout != "rows"
             or not can_pack(w.kind, w.shape[-2])):
         return None
-    blocks = jnp.asarray(pack_tiles(w.kind, np.asarray(w.blocks)))
+    # device_put, not jnp.asarray: that compiles a copy for every shape (4 compiles a
+    # start for SmolLM2).
+    blocks = jax.device_put(pack_tiles(w.kind, np.asarray(w.blocks)))
     return QuantizedWeight(blocks, w.kind, w.shape, w.dtype, w.row_scales, layout="tiles16")
 
 
