@@ -163,3 +163,28 @@ def test_a_dense_engine_with_packed_projections_generates_the_same_bits(
     rows_tokens, rows_logprobs, rows_params = _generate(path, monkeypatch, pack=False)
     assert set(layouts(rows_params).values()) == {"rows"}
     assert (tokens, logprobs) == (rows_tokens, rows_logprobs)
+
+
+def test_experts_no_one_host_call_reads_stay_in_rows() -> None:
+    """Only the one MoE host call reads experts packed; where it does not apply (expert
+    biases, a clamped activation, ...) packing them would cost an unpack every step."""
+    from kvpage.quant.packing import pack_weights
+
+    if not can_pack("q4_0", 32):
+        pytest.skip("this CPU has no kernel for packed tiles (AVX-512 VNNI)")
+
+    def weight(shape: tuple[int, ...]) -> dict:
+        return {"weight": QuantizedWeight(jnp.asarray(random_blocks("q4_0", shape)), "q4_0",
+                                          shape)}
+
+    def params() -> dict:
+        mlp = {"experts": {"gate_proj": weight((4, 32, 64)), "up_proj": weight((4, 32, 64)),
+                           "down_proj": weight((4, 64, 32))}}
+        return {"layers": [{"self_attn": {"q_proj": weight((64, 64))}, "mlp": mlp}]}
+
+    kept = params()
+    assert pack_weights(kept, lambda mlp: False) == 1  # q_proj only
+    assert kept["layers"][0]["mlp"]["experts"]["gate_proj"]["weight"].layout == "rows"
+    packed = params()
+    assert pack_weights(packed) == 4
+    assert packed["layers"][0]["mlp"]["experts"]["down_proj"]["weight"].layout == "tiles16"

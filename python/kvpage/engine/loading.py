@@ -99,7 +99,9 @@ def pack_weights_for_host(config: EngineConfig, model_config: ModelConfig, param
             or (moe is not None and moe.dense_compute) or jax.default_backend() != "cpu"
             or os.environ.get(PACK_WEIGHTS_ENV) == "0"):
         return
-    packed = pack_weights(params)
+    from kvpage.model.moe import one_host_call_applies
+
+    packed = pack_weights(params, lambda mlp: one_host_call_applies(model_config, mlp))
     if packed:
         logger.info("packed %d weight matrices into tiles for the CPU kernels", packed)
 

@@ -210,20 +210,17 @@ def _quantized_matmul_nt(
         return xla().reshape(rows, -1).astype(jnp.float32)
 
     def on_cpu() -> jax.Array:
-        # Weights packed into tiles take the tile kernels; elsewhere their rows.
+        # Weights packed into tiles take the tile kernels; the invariant path their rows.
         packed = w.layout == "tiles16" and cpu_qmatmul.tiles_available(w.kind)
-        in_rows = w.in_rows()
+        blocks = w.blocks if packed else w.in_rows().blocks
         if batch_invariant_enabled():
-            return cpu_qmatmul.qmatmul_call(flat, in_rows.blocks, w.row_scales, w.kind,
+            return cpu_qmatmul.qmatmul_call(flat, w.in_rows().blocks, w.row_scales, w.kind,
                                             live_rows_of(rows), invariant=True)
         if rows < cpu_qmatmul.dequantize_rows(w.kind):
-            blocks = w.blocks if packed else in_rows.blocks
             return cpu_qmatmul.qmatmul_call(
                 flat, blocks, w.row_scales, w.kind, live_rows_of(rows), packed=packed
             )
-        weight = cpu_qmatmul.dequantize_call(
-            w.blocks if packed else in_rows.blocks, w.row_scales, w.kind, w.shape[1], packed
-        )
+        weight = cpu_qmatmul.dequantize_call(blocks, w.row_scales, w.kind, w.shape[1], packed)
         return lax.dot_general(flat.astype(jnp.float32), weight, dims,
                                preferred_element_type=jnp.float32)
 

@@ -109,23 +109,34 @@ ONE_CALL_ENV = "KVPAGE_MOE_ONE_CALL"
 one host call applies (for A/B runs; read when a step is traced)."""
 
 
-def _one_host_call(config: ModelConfig, mlp: dict[str, Any], x: jax.Array) -> Any:
-    """The routed experts as one host call (``cpu_expert_matmul.expert_ffn_call``), or None
-    where it does not apply: host kernels off or batch-invariant, quantized experts
-    without row scales (gate and up in one format), SwiGLU without expert biases or
-    clamping, a float router."""
+def one_host_call_applies(config: ModelConfig, mlp: dict[str, Any]) -> bool:
+    """Whether a layer's routed experts can run as one host call, the step's switches
+    aside: quantized experts without row scales (gate and up in one format), SwiGLU
+    without expert biases or clamping, a float router. (Packing experts into tiles at
+    load asks this too: only that call reads them packed without unpacking them.)"""
     moe = config.moe
     assert moe is not None
     experts = mlp["experts"]
     gate, up, down = (experts[n]["weight"] for n in ("gate_proj", "up_proj", "down_proj"))
     quantized = all(isinstance(w, QuantizedWeight) for w in (gate, up, down))
-    if (not host_kernels_enabled() or batch_invariant_enabled() or not quantized
-            or os.environ.get(ONE_CALL_ENV) == "0"
-            or gate.kind != up.kind or not host.expert_ffn_available(gate.kind, down.kind)
-            or config.hidden_act != "silu" or moe.swiglu_limit is not None
-            or any("bias" in experts[n] for n in experts)
-            or isinstance(mlp["gate"]["weight"], QuantizedWeight)):
+    return (quantized and gate.kind == up.kind
+            and host.expert_ffn_available(gate.kind, down.kind)
+            and config.hidden_act == "silu" and moe.swiglu_limit is None
+            and not any("bias" in experts[n] for n in experts)
+            and not isinstance(mlp["gate"]["weight"], QuantizedWeight))
+
+
+def _one_host_call(config: ModelConfig, mlp: dict[str, Any], x: jax.Array) -> Any:
+    """The routed experts as one host call (``cpu_expert_matmul.expert_ffn_call``), or None
+    where it does not apply: host kernels off or batch-invariant, or
+    :func:`one_host_call_applies` false."""
+    moe = config.moe
+    assert moe is not None
+    if (not host_kernels_enabled() or batch_invariant_enabled()
+            or os.environ.get(ONE_CALL_ENV) == "0" or not one_host_call_applies(config, mlp)):
         return None
+    experts = mlp["experts"]
+    gate, up, down = (experts[n]["weight"] for n in ("gate_proj", "up_proj", "down_proj"))
     bias = mlp["gate"].get("bias")
     live = live_rows_of(x.shape[0])
     if gate.layout != up.layout:

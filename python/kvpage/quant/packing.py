@@ -9,6 +9,7 @@ model it loaded itself on one CPU device (``engine/loading.py``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -31,16 +32,19 @@ def _packed(w: Any) -> QuantizedWeight | None:
     return QuantizedWeight(blocks, w.kind, w.shape, w.dtype, w.row_scales, layout="tiles16")
 
 
-def pack_weights(params: dict[str, Any]) -> int:
-    """Pack, in place, the decoder layers' projection and expert weights and an untied
-    ``lm_head`` that :func:`can_pack`; returns how many were packed."""
+def pack_weights(params: dict[str, Any],
+                 experts_read_packed: Callable[[dict[str, Any]], bool] = lambda mlp: True) -> int:
+    """Pack, in place, the decoder layers' projection weights, the experts of each MoE
+    layer whose ``mlp`` ``experts_read_packed`` accepts (the one MoE host call reads them
+    packed; any other path would unpack them every step), and an untied ``lm_head``, where
+    :func:`can_pack`; returns how many were packed."""
     nodes: list[dict[str, Any]] = []
     for layer in params.get("layers", []):
         for part in ("self_attn", "mlp"):
             block = layer.get(part, {}) if isinstance(layer, dict) else {}
             nodes += [block.get(name) for name in _PROJECTIONS]
             experts = block.get("experts") if isinstance(block, dict) else None
-            if isinstance(experts, dict):
+            if isinstance(experts, dict) and experts_read_packed(block):
                 nodes += [experts.get(n) for n in ("gate_proj", "up_proj", "down_proj")]
     embedding = params.get("embed_tokens", {}).get("weight")
     lm_head = params.get("lm_head")

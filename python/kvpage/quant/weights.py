@@ -28,6 +28,7 @@ import numpy as np
 
 from kvpage.quant.formats import BLOCK_LAYOUTS, KINDS, ROW_SCALED, row_bytes
 from kvpage.quant.gguf_blocks import dequantize_blocks
+from kvpage.quant.tiles import PACKED_KINDS, unpack_tiles
 
 
 @jax.tree_util.register_pytree_node_class
@@ -49,7 +50,7 @@ class QuantizedWeight:
         if kind not in BLOCK_LAYOUTS:
             raise ValueError(f"unknown quantized format {kind!r}; known: {', '.join(KINDS)}")
         if layout not in ("rows", "tiles16") or (layout == "tiles16"
-                                                 and kind not in ("q4_0", "q4_1")):
+                                                 and kind not in PACKED_KINDS):
             raise ValueError(f"{kind} blocks cannot be in layout {layout!r}")
         self.layout = layout
         self.blocks = blocks
@@ -110,8 +111,6 @@ class QuantizedWeight:
         """This weight with its blocks in GGUF's row order (traceable; itself if they are)."""
         if self.layout == "rows":
             return self
-        from kvpage.quant.tiles import unpack_tiles
-
         return QuantizedWeight(unpack_tiles(self.kind, self.blocks), self.kind, self.shape,
                                self.dtype, self.row_scales)
 

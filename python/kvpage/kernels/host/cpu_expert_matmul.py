@@ -190,7 +190,7 @@ def expert_ffn_call(
     ``up`` the blocks of ``[E, M, H]`` expert weights in ``gate_up_kind`` (``[E, M,
     row_bytes]`` or ``[E * M, row_bytes]``), ``down`` of ``[E, H, M]`` in ``down_kind``;
     ``router_rule`` ``"softmax_topk"`` or ``"topk_softmax"``. Tokens from ``live_tokens``
-    on are padding (zeros). ``packed``: whether gate and up, and down, are Q4_0 packed
+    on are padding (zeros). ``packed``: whether gate and up, and down, are packed
     into tiles (:mod:`kvpage.quant.tiles`). Lower for ``cpu`` only."""
     if x.ndim != 2 or router.ndim != 2 or router.shape[1] != x.shape[1]:
         raise ValueError(f"x [T, H] and router [E, H] expected, got {x.shape}, {router.shape}")
