@@ -10,9 +10,11 @@
 //! time, to the same bits (quantizing a decode step's inputs one scalar at a
 //! time took ~4 % of a MoE decode step, 2026-11-28).
 //!
-//! Invariant: `q`, `d` (and `sums`) and `half_sums` have `rows * inner`,
-//! `rows * inner / 32` and `rows * inner / 16` entries; a block of zeros has
-//! `d = 0` and `q = 0`;
+//! Invariant: `q` (and its bytes `high`, `low`), `d` (and `sums`,
+//! `high_sums`) and `half_sums` have `rows * inner`, `rows * inner / 32` and
+//! `rows * inner / 16` entries; `q == 256 * high + low` everywhere and
+//! `high_sums` sums each block's `high`; a block of zeros has `d = 0` and
+//! `q = 0`;
 //! `|q| <= 32767`, so a sum of 32 products with weights `|w| <= 128` fits in i32;
 //! a block holding a NaN or an infinity has `d = NaN`, so every product of its
 //! row is NaN, as the float path's is (`f32::max` skips NaN and NaN casts to 0:
@@ -31,6 +33,13 @@ pub struct Q16Rows {
     pub half_sums: Vec<f32>,
     /// The float sum of each block of 32 inputs, `half_sums[2b] + half_sums[2b + 1]`.
     pub sums: Vec<f32>,
+    /// Each `q` split into bytes, `q = 256 · high + low`: `high = q >> 8`
+    /// (signed) and `low = q & 255` (unsigned), for the lanes kernel's 8-bit
+    /// products (`vpdpbusd` multiplies unsigned by signed bytes).
+    pub high: Vec<i8>,
+    pub low: Vec<u8>,
+    /// The sum of each block's 32 `high` bytes (for signed weights).
+    pub high_sums: Vec<i32>,
 }
 
 impl Q16Rows {
@@ -46,6 +55,9 @@ impl Q16Rows {
             d: vec![0.0; blocks],
             half_sums: vec![0.0; 2 * blocks],
             sums: vec![0.0; blocks],
+            high: vec![0; rows * inner],
+            low: vec![0; rows * inner],
+            high_sums: vec![0; blocks],
         };
         #[cfg(target_arch = "x86_64")]
         if avx512_available() {
@@ -70,8 +82,13 @@ impl Q16Rows {
         let amax = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
         let nan = xs.iter().fold(false, |seen, v| seen | v.is_nan());
         let (d, inverse) = scale(amax, nan);
-        for (v, q) in xs.iter().zip(&mut self.q[b * SUB..][..SUB]) {
-            *q = (round_ties_even_small(v * inverse) as i32).clamp(-32767, 32767) as i16;
+        self.high_sums[b] = 0;
+        for (i, v) in xs.iter().enumerate() {
+            let q = (round_ties_even_small(v * inverse) as i32).clamp(-32767, 32767) as i16;
+            self.q[b * SUB + i] = q;
+            self.high[b * SUB + i] = (q >> 8) as i8;
+            self.low[b * SUB + i] = q as u8;
+            self.high_sums[b] += i32::from(q >> 8);
         }
         self.d[b] = d;
         self.half_sums[2 * b] = tree_sum16(&xs[..16]);
@@ -118,18 +135,23 @@ impl Q16Rows {
                 continue;
             }
             let q = self.q.as_mut_ptr().add(b * SUB) as *mut __m256i;
-            if inverse == 0.0 {
-                // Zeros, NaN or infinity: every `q` is 0 (a NaN times 0 would
-                // convert to i32::MIN).
-                _mm256_storeu_si256(q, _mm256_setzero_si256());
-                _mm256_storeu_si256(q.add(1), _mm256_setzero_si256());
-            } else {
+            let high = self.high.as_mut_ptr().add(b * SUB) as *mut __m128i;
+            let low = self.low.as_mut_ptr().add(b * SUB) as *mut __m128i;
+            // Zeros, NaN or infinity: every `q` is 0 (a NaN times 0 would
+            // convert to i32::MIN); the vectors were made zero.
+            if inverse != 0.0 {
                 let inverse = _mm512_set1_ps(inverse);
+                let mut high_sum = _mm512_setzero_si512();
                 for (half, v) in [lo, hi].into_iter().enumerate() {
                     let ints = _mm512_cvtps_epi32(_mm512_mul_ps(v, inverse));
                     let ints = _mm512_min_epi32(_mm512_max_epi32(ints, low_limit), high_limit);
+                    let high_bytes = _mm512_srai_epi32::<8>(ints);
                     _mm256_storeu_si256(q.add(half), _mm512_cvtepi32_epi16(ints));
+                    _mm_storeu_si128(high.add(half), _mm512_cvtepi32_epi8(high_bytes));
+                    _mm_storeu_si128(low.add(half), _mm512_cvtepi32_epi8(ints));
+                    high_sum = _mm512_add_epi32(high_sum, high_bytes);
                 }
+                self.high_sums[b] = _mm512_reduce_add_epi32(high_sum);
             }
             self.d[b] = d;
             let (first, second) = (tree_sum(lo), tree_sum(hi));
@@ -240,6 +262,20 @@ mod tests {
             assert_eq!(bits(&got.d), bits(&want.d), "case {case}");
             assert_eq!(bits(&got.half_sums), bits(&want.half_sums), "case {case}");
             assert_eq!(bits(&got.sums), bits(&want.sums), "case {case}");
+            assert_eq!(
+                (&got.high, &got.low),
+                (&want.high, &want.low),
+                "case {case}"
+            );
+            assert_eq!(got.high_sums, want.high_sums, "case {case}");
+            for (at, &q) in got.q.iter().enumerate() {
+                let split = 256 * i32::from(got.high[at]) + i32::from(got.low[at]);
+                assert_eq!(split, i32::from(q), "case {case}, input {at}");
+            }
+            for (b, block) in got.high.chunks(32).enumerate() {
+                let sum: i32 = block.iter().map(|&h| i32::from(h)).sum();
+                assert_eq!(got.high_sums[b], sum, "case {case}, block {b}");
+            }
         }
     }
 

@@ -7,14 +7,18 @@
 //! sub-block in a register and reduces its sixteen lanes of partial sums with
 //! a transpose-and-add tree for every input row: ~45 shuffles and adds per 512
 //! weights per input row, as many instructions as the products. Here a
-//! sub-block of the tile's sixteen rows is transposed once, as bytes, before
-//! it is widened: register `p` holds weights `2p` and `2p + 1` of all sixteen
-//! rows as 16-bit pairs, so one `vpdpwssd` with the input pair `(x[2p], x[2p +
-//! 1])` broadcast adds a product pair to each row's sum, and sixteen of them
-//! leave the sub-block's sixteen exact integer sums in one register. The
-//! transposition is paid once per tile and sub-block whatever the input rows;
-//! each input row then costs sixteen `vpdpwssd`, a conversion and one or two
-//! fused multiply-adds per 512 weights.
+//! sub-block of the tile's sixteen rows is transposed once, as bytes: register
+//! `j` holds weights `4j..4j + 4` of all sixteen rows, one a byte (nibbles
+//! masked out of their bytes, Q5's fifth bits added), so one `vpdpbusd` with
+//! four input bytes broadcast adds four products to each row's sum. The 16-bit
+//! inputs go in as two bytes each (`q = 256 · high + low`, [`Q16Rows`]): each
+//! input row costs sixteen `vpdpbusd`, a conversion and one or two fused
+//! multiply-adds per 512 weights, and the integer sums are exactly those of
+//! 16-bit products. Until 2026-11-29 the weights were widened to 16-bit pairs
+//! for `vpdpwssd` (sixteen of them too): the widening's shuffles cost as much
+//! as the products at one input row. With bytes, one-row products ran ~10-15
+//! % faster and bench moe's expert FFN 13 % at 1-32 tokens, to the same bits
+//! (benches/RESULTS.md, 2026-11-29).
 //!
 //! Per sub-block `s` and weight row `o` the kernel adds `factor[o, s] · d_x[s]
 //! · Σ q · q_x + offset[o, s] · Σ x`, sub-block after sub-block, the same
@@ -167,61 +171,30 @@ impl TileRows {
     }
 }
 
-/// The `vpshufb` index that puts, in every dword, bytes `first` and `first +
-/// 1` into the low bytes of its two 16-bit lanes (`high`: their high bytes);
-/// the other bytes zero (an index with its top bit set writes a zero).
-const fn spread_index(first: i8, high: bool) -> [i8; 64] {
-    let mut index = [-128i8; 64];
-    let mut d = 0;
-    while d < 16 {
-        let byte = 4 * (d as i8 % 4) + first; // the index is within a 128-bit lane
-        let at = 4 * d + high as usize;
-        index[at] = byte;
-        index[at + 2] = byte + 1;
-        d += 1;
-    }
-    index
-}
-
-const SPREAD: [[[i8; 64]; 2]; 2] = [
-    [spread_index(0, false), spread_index(2, false)],
-    [spread_index(0, true), spread_index(2, true)],
-];
-
-/// Per dword of `dwords`, bytes `2 * k` and `2 * k + 1` as the low bytes of two
-/// 16-bit lanes (`HIGH`: as their high bytes).
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn spread<const HIGH: bool>(dwords: __m512i, k: usize) -> __m512i {
-    let index = &SPREAD[HIGH as usize][k];
-    _mm512_shuffle_epi8(dwords, _mm512_loadu_si512(index.as_ptr() as *const _))
-}
-
-/// The pairs of 4-bit weights in sixteen bytes of every row, `t` as
-/// [`TileRows::bytes16`] gives them: register `2q + k` of the first result
-/// holds, per lane, the low nibbles of bytes `4q + 2k` and `4q + 2k + 1`;
-/// of the second, their high nibbles.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn nibble_pairs(t: &[__m512i; 4]) -> ([__m512i; 8], [__m512i; 8]) {
-    let mask = _mm512_set1_epi16(15);
-    let (mut low, mut high) = ([_mm512_setzero_si512(); 8], [_mm512_setzero_si512(); 8]);
-    for (q, &t) in t.iter().enumerate() {
-        for k in 0..2 {
-            let bytes = spread::<false>(t, k);
-            low[2 * q + k] = _mm512_and_si512(bytes, mask);
-            high[2 * q + k] = _mm512_srli_epi16::<4>(bytes);
-        }
-    }
-    (low, high)
-}
-
 /// A format this path reads: blocks of 32 weights, led by the `f16` scale
 /// (and Q4_1's `f16` offset) whose meaning [`Unpack512`] states.
 trait Lanes: Unpack512 {
-    /// Block `b`: register `p`, lane `o` holds row `o`'s weights `2p` and `2p
-    /// + 1` as 16-bit integers.
-    unsafe fn pairs(rows: &TileRows, b: usize) -> [__m512i; 16];
+    /// Block `b` of every row, one weight a byte: register `j`, lane `o` holds
+    /// row `o`'s weights `4j..4j + 4`. Unsigned weights (`0..32`) unless
+    /// [`Unpack512::SIGNED`].
+    unsafe fn quads(rows: &TileRows, b: usize) -> [__m512i; 8];
+}
+
+/// The 4-bit weights in sixteen bytes of every row, `t` as
+/// [`TileRows::bytes16`] gives them, one a byte in [`Lanes::quads`]' order.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn nibble_quads(t: &[__m512i; 4]) -> [__m512i; 8] {
+    let mask = _mm512_set1_epi8(15);
+    std::array::from_fn(|j| {
+        if j < 4 {
+            _mm512_and_si512(t[j], mask)
+        } else {
+            // 16-bit shifts move the next byte's low nibble into this byte's
+            // high one; the mask drops it.
+            _mm512_and_si512(_mm512_srli_epi16::<4>(t[j - 4]), mask)
+        }
+    })
 }
 
 /// Per lane `o`, block `b` of row `o`: the float factor of its integer sums
@@ -249,28 +222,19 @@ unsafe fn halves(rows: &TileRows, at: usize) -> (__m512, __m512) {
     )
 }
 
-/// The pairs of the 32 nibbles (weight `i` low in byte `i`, `i + 16` high)
-/// at `at` of every row.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn block_nibbles(rows: &TileRows, at: usize) -> [__m512i; 16] {
-    let (low, high) = nibble_pairs(&rows.bytes16(at));
-    std::array::from_fn(|p| if p < 8 { low[p] } else { high[p - 8] })
-}
-
 impl Lanes for Q4_0 {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    unsafe fn pairs(rows: &TileRows, b: usize) -> [__m512i; 16] {
-        block_nibbles(rows, b * Self::KIND.block_bytes() + 2)
+    unsafe fn quads(rows: &TileRows, b: usize) -> [__m512i; 8] {
+        nibble_quads(&rows.bytes16(b * Self::KIND.block_bytes() + 2))
     }
 }
 
 impl Lanes for Q4_1 {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    unsafe fn pairs(rows: &TileRows, b: usize) -> [__m512i; 16] {
-        block_nibbles(rows, b * Self::KIND.block_bytes() + 4)
+    unsafe fn quads(rows: &TileRows, b: usize) -> [__m512i; 8] {
+        nibble_quads(&rows.bytes16(b * Self::KIND.block_bytes() + 4))
     }
 }
 
@@ -279,9 +243,9 @@ impl Lanes for Q4_1 {
 impl Lanes for Q5_0 {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    unsafe fn pairs(rows: &TileRows, b: usize) -> [__m512i; 16] {
+    unsafe fn quads(rows: &TileRows, b: usize) -> [__m512i; 8] {
         let at = b * Self::KIND.block_bytes();
-        with_fifth_bits(rows, at + 2, block_nibbles(rows, at + 6))
+        with_fifth_bits(rows, at + 2, nibble_quads(&rows.bytes16(at + 6)))
     }
 }
 
@@ -289,61 +253,65 @@ impl Lanes for Q5_0 {
 impl Lanes for Q5_1 {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    unsafe fn pairs(rows: &TileRows, b: usize) -> [__m512i; 16] {
+    unsafe fn quads(rows: &TileRows, b: usize) -> [__m512i; 8] {
         let at = b * Self::KIND.block_bytes();
-        with_fifth_bits(rows, at + 4, block_nibbles(rows, at + 8))
+        with_fifth_bits(rows, at + 4, nibble_quads(&rows.bytes16(at + 8)))
     }
 }
 
-/// `pairs` with 16 added to each weight whose bit is set in its row's `u32`
+/// `quads` with 16 added to each weight whose bit is set in its row's `u32`
 /// at `qh_at` (bit `i` weight `i`).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn with_fifth_bits(
-    rows: &TileRows,
-    qh_at: usize,
-    mut pairs: [__m512i; 16],
-) -> [__m512i; 16] {
-    // Per row, `qh`'s low half (weights 0..16) in both 16-bit lanes of its
-    // dword, and its high half (16..32): pair `p`'s two lanes then test
-    // bits `2p % 16` and `2p % 16 + 1` of the same half.
+unsafe fn with_fifth_bits(rows: &TileRows, qh_at: usize, mut quads: [__m512i; 8]) -> [__m512i; 8] {
+    // Byte `c` of `qh` (weights `8c..8c + 8`) copied into the four bytes of
+    // its dword: register `j = 2c + half` tests bits `4j..4j + 4`, byte `k` of
+    // a dword bit `4 half + k` of the copy.
     let qh = rows.dwords(qh_at);
-    let halves = [
-        _mm512_or_si512(
-            _mm512_and_si512(qh, _mm512_set1_epi32(0xffff)),
-            _mm512_slli_epi32::<16>(qh),
-        ),
-        _mm512_or_si512(
-            _mm512_srli_epi32::<16>(qh),
-            _mm512_and_si512(qh, _mm512_set1_epi32(0xffff_0000u32 as i32)),
-        ),
+    let sixteen = _mm512_set1_epi8(16);
+    let bits = [
+        _mm512_set1_epi32(0x0804_0201),
+        _mm512_set1_epi32(0x8040_2010u32 as i32),
     ];
-    let sixteen = _mm512_set1_epi16(16);
-    for (p, pair) in pairs.iter_mut().enumerate() {
-        let bit = 2 * (p % 8);
-        let bits = _mm512_set1_epi32((1 << bit) | (1 << (bit + 17)));
-        let set = _mm512_test_epi16_mask(halves[p / 8], bits);
-        *pair = _mm512_mask_add_epi16(*pair, set, *pair, sixteen);
+    for (c, index) in COPY_BYTE.iter().enumerate() {
+        let copies = _mm512_shuffle_epi8(qh, _mm512_loadu_si512(index.as_ptr() as *const _));
+        for (half, &bits) in bits.iter().enumerate() {
+            let j = 2 * c + half;
+            let set = _mm512_test_epi8_mask(copies, bits);
+            quads[j] = _mm512_mask_add_epi8(quads[j], set, quads[j], sixteen);
+        }
     }
-    pairs
+    quads
 }
 
+/// The `vpshufb` index that copies byte `c` of every dword into its four
+/// bytes (`vpshufb` indexes within 128-bit lanes: dword `d` of a lane starts
+/// at byte `4d`).
+const fn copy_byte_index(c: i8) -> [i8; 64] {
+    let mut index = [0i8; 64];
+    let mut at = 0;
+    while at < 64 {
+        index[at] = 4 * ((at as i8 / 4) % 4) + c;
+        at += 1;
+    }
+    index
+}
+
+const COPY_BYTE: [[i8; 64]; 4] = [
+    copy_byte_index(0),
+    copy_byte_index(1),
+    copy_byte_index(2),
+    copy_byte_index(3),
+];
+
+/// Q8_0: `d`, then 32 signed bytes; `w = d · q`.
 impl Lanes for Q8_0 {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    unsafe fn pairs(rows: &TileRows, b: usize) -> [__m512i; 16] {
-        let mut pairs = [_mm512_setzero_si512(); 16];
+    unsafe fn quads(rows: &TileRows, b: usize) -> [__m512i; 8] {
         let at = b * Self::KIND.block_bytes() + 2;
-        for half in 0..2 {
-            for (q, t) in rows.bytes16(at + 16 * half).into_iter().enumerate() {
-                for k in 0..2 {
-                    // Signed bytes into the high bytes, shifted down with their sign.
-                    let high = spread::<true>(t, k);
-                    pairs[8 * half + 2 * q + k] = _mm512_srai_epi16::<8>(high);
-                }
-            }
-        }
-        pairs
+        let (first, second) = (rows.bytes16(at), rows.bytes16(at + 16));
+        std::array::from_fn(|j| if j < 4 { first[j] } else { second[j - 4] })
     }
 }
 
@@ -414,8 +382,7 @@ unsafe fn tile_of<F: Lanes>(
             next.prefetch::<_MM_HINT_T1>(o, first.clone(), bb, row_bytes);
         }
         let (factor, offset) = factors::<F>(&rows, b);
-        let pairs = F::pairs(&rows, b);
-        add_block::<F>(&pairs, factor, offset, xq, b, &mut acc);
+        add_block::<F>(&F::quads(&rows, b), factor, offset, xq, b, &mut acc);
     }
     let lanes: __mmask16 = if count == LANES {
         0xffff
@@ -497,118 +464,87 @@ unsafe fn tile_packed_of<F: Lanes>(
         };
         let nibbles: [__m512i; 4] =
             std::array::from_fn(|q| _mm512_loadu_si512(at.add(header + 64 * q) as *const _));
-        let (low, high) = nibble_pairs(&nibbles);
-        let pairs: [__m512i; 16] =
-            std::array::from_fn(|p| if p < 8 { low[p] } else { high[p - 8] });
-        add_block::<F>(&pairs, factor, offset, xq, b, &mut acc);
+        add_block::<F>(&nibble_quads(&nibbles), factor, offset, xq, b, &mut acc);
     }
     for (r, acc) in acc.iter().enumerate().take(xq.rows) {
         _mm512_storeu_ps(y.at(r * shape.outs + start), *acc);
     }
 }
 
-/// Block `b` of a tile (its weight `pairs`, `factor` and `offset` per lane)
+/// Block `b` of a tile (its weight `quads`, `factor` and `offset` per lane)
 /// against every row of `xq`, into `acc`.
+///
+/// The integer sum of a row and weight row is `Σ w · q` over the block, with
+/// `q = 256 · high + low` ([`Q16Rows`]): `256 · Σ w · high + Σ w · low`, each
+/// in `vpdpbusd`s (four products of unsigned and signed bytes a lane). The
+/// unsigned operand is the weight for `high` and `low` for the other; signed
+/// weights (Q8_0) go in as `w + 128` against `high`, and `128 · Σ high` comes
+/// off. The sums are exact, so any order of the instructions gives the same
+/// result; the float steps after them are a row's own, in a fixed order.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 unsafe fn add_block<F: Lanes>(
-    pairs: &[__m512i; 16],
+    quads: &[__m512i; 8],
     factor: __m512,
     offset: __m512,
     xq: &Q16Rows,
     b: usize,
     acc: &mut [__m512; LANES_ROWS],
 ) {
-    let mut r = 0;
-    while r < xq.rows {
-        let step = Step {
-            pairs,
-            factor,
-            offset,
-            xq,
-            s: b,
-            first: r,
-        };
-        // Two rows' products in four chains (or one row's in four): enough
-        // to hide `vpdpwssd`'s latency; more rows a step ran slower (spills).
-        r += match xq.rows - r {
-            1 => step.run::<1, 4, F>(acc),
-            _ => step.run::<2, 2, F>(acc),
-        };
+    let unsigned: [__m512i; 8] = if F::SIGNED {
+        let flip = _mm512_set1_epi8(-128);
+        std::array::from_fn(|j| _mm512_xor_si512(quads[j], flip))
+    } else {
+        *quads
+    };
+    let subs = xq.inner / SUB;
+    for (r, acc) in acc.iter_mut().enumerate().take(xq.rows) {
+        let first = r * xq.inner + b * SUB;
+        let high = xq.high.as_ptr().add(first) as *const i32;
+        let low = xq.low.as_ptr().add(first) as *const i32;
+        // Two chains of each: enough to hide `vpdpbusd`'s latency.
+        let mut h = [_mm512_setzero_si512(); 2];
+        let mut l = [_mm512_setzero_si512(); 2];
+        for j in 0..8 {
+            let x_high = _mm512_set1_epi32(std::ptr::read_unaligned(high.add(j)));
+            let x_low = _mm512_set1_epi32(std::ptr::read_unaligned(low.add(j)));
+            h[j % 2] = dpbusd(h[j % 2], unsigned[j], x_high);
+            l[j % 2] = dpbusd(l[j % 2], x_low, quads[j]);
+        }
+        let mut high_sum = _mm512_add_epi32(h[0], h[1]);
+        let at = r * subs + b;
+        if F::SIGNED {
+            high_sum = _mm512_sub_epi32(high_sum, _mm512_set1_epi32(128 * xq.high_sums[at]));
+        }
+        let sum = _mm512_add_epi32(
+            _mm512_slli_epi32::<8>(high_sum),
+            _mm512_add_epi32(l[0], l[1]),
+        );
+        let scale = _mm512_mul_ps(factor, _mm512_set1_ps(xq.d[at]));
+        *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, *acc);
+        if !F::SIGNED {
+            *acc = _mm512_fmadd_ps(offset, _mm512_set1_ps(xq.sums[at]), *acc);
+        }
     }
 }
 
-/// `acc + Σ pairs of a · b` per 32-bit lane, as one `vpdpwssd`. Written in
-/// assembly: LLVM's generic x86-64 tuning splits the intrinsic into
-/// `vpmaddwd` + `vpaddd`, two instructions where the CPU has one.
+/// `acc + Σ` of the four products of unsigned bytes of `a` and signed bytes
+/// of `b` per 32-bit lane, as one `vpdpbusd`. Written in assembly: LLVM's
+/// generic x86-64 tuning split the 16-bit `vpdpwssd` intrinsic into two
+/// instructions where the CPU has one; this keeps the one instruction
+/// whatever the tuning.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn dpwssd(acc: __m512i, a: __m512i, b: __m512i) -> __m512i {
+unsafe fn dpbusd(acc: __m512i, a: __m512i, b: __m512i) -> __m512i {
     let mut acc = acc;
     std::arch::asm!(
-        "vpdpwssd {acc}, {a}, {b}",
+        "vpdpbusd {acc}, {a}, {b}",
         acc = inout(zmm_reg) acc,
         a = in(zmm_reg) a,
         b = in(zmm_reg) b,
         options(pure, nomem, nostack, preserves_flags),
     );
     acc
-}
-
-/// One sub-block of the tile against input rows `first..first + R`.
-struct Step<'a> {
-    pairs: &'a [__m512i; 16],
-    factor: __m512,
-    offset: __m512,
-    xq: &'a Q16Rows,
-    s: usize,
-    first: usize,
-}
-
-impl Step<'_> {
-    /// Add the sub-block to rows `first..first + R` of `acc`, each row's
-    /// sixteen `vpdpwssd` in `C` chains (integer adds: any split gives the
-    /// same sums); returns `R`.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    #[allow(clippy::needless_range_loop)] // index loops name the register blocking
-    unsafe fn run<const R: usize, const C: usize, F: Lanes>(
-        &self,
-        acc: &mut [__m512; LANES_ROWS],
-    ) -> usize {
-        let (xq, s) = (self.xq, self.s);
-        let subs = xq.inner / SUB;
-        let mut chains = [[_mm512_setzero_si512(); C]; R];
-        // Chain `c` takes pairs `c, c + C, ...`: the inner loops have constant
-        // trips, so they unroll and the chains stay in registers (indexed by
-        // `p % C` they were kept on the stack).
-        for g in 0..16 / C {
-            for c in 0..C {
-                let p = g * C + c;
-                for i in 0..R {
-                    let at = (self.first + i) * xq.inner + s * SUB + 2 * p;
-                    let x = _mm512_set1_epi32(std::ptr::read_unaligned(
-                        xq.q.as_ptr().add(at) as *const i32
-                    ));
-                    chains[i][c] = dpwssd(chains[i][c], self.pairs[p], x);
-                }
-            }
-        }
-        for i in 0..R {
-            let mut sum = chains[i][0];
-            for c in 1..C {
-                sum = _mm512_add_epi32(sum, chains[i][c]);
-            }
-            let r = self.first + i;
-            let at = r * subs + s;
-            let scale = _mm512_mul_ps(self.factor, _mm512_set1_ps(xq.d[at]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[r]);
-            if !F::SIGNED {
-                acc[r] = _mm512_fmadd_ps(self.offset, _mm512_set1_ps(xq.sums[at]), acc[r]);
-            }
-        }
-        R
-    }
 }
 
 #[cfg(test)]

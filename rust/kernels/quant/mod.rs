@@ -16,7 +16,7 @@
 //!   FFI code: the one place they are written; Python reads it through
 //!   `kvpage._core.quant_formats()`), and the reference unpacking every kernel
 //!   agrees with.
-//! - [`activations`]: the 16-bit rows of `x`, with per-block scales and sums.
+//! - [`activations`]: the 16-bit rows of `x` (and their bytes), with per-block scales and sums.
 //! - [`call`]: a call's shape, its validation, its tiles, the kernel choice.
 //! - `unpack_avx2.rs`: the formats' blocks unpacked in AVX2 registers.
 //! - [`qmatmul`]: the product and its portable loops; `qmatmul_avx2.rs` its
