@@ -180,6 +180,8 @@ def test_keys_cheap_to_build_later_wait_while_the_owner_serves() -> None:
     assert owner.first_built.wait(30)
     assert not compiler.wait(timeout=0.3)  # 1 and 2 wait for the owner
     assert owner.built == [3, 4] and compiler.remaining == 2
+    # only loads are left: whoever waits for the compiles (multi-step decode) need not
+    assert not compiler.compiles_left
     owner.busy = False
     assert compiler.wait(timeout=30)
     assert owner.built == [3, 4, 1, 2]

@@ -75,6 +75,11 @@ class BackgroundCompiler:
         self._idle = threading.Event()
         self.built = 0
         self._building = 0
+        self._building_key: Hashable | None = None
+        self._closed = False
+        """The thread took its last key (set under the lock: :meth:`add_first`)."""
+        self._deferred: set[Hashable] | None = None
+        """The deferrable keys (known once the thread has started)."""
         self.failed: list[tuple[Hashable, str]] = []
         self._thread = threading.Thread(target=self._run, name="kvpage-compile", daemon=True)
         _LIVE.add(self)
@@ -87,6 +92,17 @@ class BackgroundCompiler:
                 self._queue.remove(key)
             self._queue.insert(0, key)
 
+    def add_first(self, key: Hashable) -> bool:
+        """Build ``key`` next (after the one in flight); False when the thread has
+        already finished its queue (nothing more will be built)."""
+        with self._lock:
+            if self._closed:
+                return False
+            if key in self._queue:
+                self._queue.remove(key)
+            self._queue.insert(0, key)
+            return True
+
     @property
     def remaining(self) -> int:
         return len(self._queue)
@@ -95,6 +111,19 @@ class BackgroundCompiler:
     def pending(self) -> int:
         """Keys not built yet: the queue and the one in flight."""
         return len(self._queue) + self._building
+
+    @property
+    def compiles_left(self) -> bool:
+        """Whether a key that is not deferrable (a real compile, not a load from the
+        store) is queued or building: while only deferred keys are left, a busy owner
+        may never let them build, so whoever waits for the compiles must not wait for
+        them."""
+        with self._lock:
+            deferred = self._deferred
+            if deferred is None:
+                return bool(self._queue) or self._building > 0
+            keys = [*self._queue, *([self._building_key] if self._building else [])]
+            return any(key not in deferred for key in keys)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every key is built (True) or ``timeout`` passes (False)."""
@@ -112,17 +141,23 @@ class BackgroundCompiler:
         while not self._stop.is_set():
             owner = self._owner()
             if owner is None:
+                with self._lock:
+                    self._closed = True
                 return None
             busy = self._busy_name is not None and getattr(owner, self._busy_name)()
             del owner
             with self._lock:
                 if not self._queue:
+                    self._closed = True
                     return None
                 for i, key in enumerate(self._queue):
                     if not (busy and key in deferred):
                         self._building = 1  # pending from the moment it leaves the queue
+                        self._building_key = key
                         return self._queue.pop(i)
             self._stop.wait(BUSY_POLL_S)
+        with self._lock:
+            self._closed = True
         return None
 
     def _run(self) -> None:
@@ -131,6 +166,8 @@ class BackgroundCompiler:
         with self._lock:
             keys = list(self._queue)
         deferred = set() if self._deferrable is None else set(filter(self._deferrable, keys))
+        with self._lock:
+            self._deferred = deferred
         try:
             while not self._stop.is_set():
                 key = self._next(deferred)

@@ -95,17 +95,23 @@ class MultiStepDecode:
 
     def prepare(self, num_rows: int) -> None:
         """Under ``warmup="background"``, compile the multi-step executable for
-        ``num_rows`` rows on a background thread once the step buckets are built (a
-        step asks again later while they are not). Without warmup nothing compiles
-        ahead of use, so steps run one per call; ``warmup="full"`` built it already.
-        A stored executable (:mod:`kvpage.runner.executable_store`) is loaded at once,
-        on that thread too, without waiting for the step buckets."""
+        ``num_rows`` rows on a background thread: next on the step buckets' compiler
+        while it still compiles (steps of this size are the traffic now; the buckets it
+        has not reached wait one compile), else on its own thread. A stored executable
+        (:mod:`kvpage.runner.executable_store`) is loaded at once on its own thread.
+        Without warmup nothing compiles ahead of use, so steps run one per call;
+        ``warmup="full"`` built it already."""
         _, s_pad = self._exec.padded_sizes(num_rows, num_rows)
         if s_pad not in self.buckets() or s_pad in self._compilers:
             return
         background = self._exec.background_compiler
+        if background is None:
+            return
         stored = self._exec.store is not None and self._exec.store.has(self._piece(s_pad))
-        if background is None or not (stored or background.wait(0)):
+        if not stored and self._exec.build_next(
+            self._piece(s_pad), lambda: self.multi_step_fn(s_pad)
+        ):
+            self._compilers[s_pad] = background
             return
         self._compilers[s_pad] = BackgroundCompiler(self, "multi_step_fn", [s_pad])
 
