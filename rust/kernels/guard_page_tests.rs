@@ -7,8 +7,9 @@
 //! those of the same call on ordinary buffers.
 //!
 //! The row-count paths: quantized products take the integer path at
-//! `integer_rows` (1 row; with AVX-512 VNNI up to 32), row groups of up to 10 below 16 rows, the panel from
-//! 16 (from 2 with AVX-512; `KVPAGE_CPU_AVX512=0` runs the row groups), and from 128 rows the step dequantizes and XLA multiplies
+//! `integer_rows` (1 row with the portable loop, else up to 32; with AVX-512 VNNI any count, in blocks),
+//! past it row groups of up to 10 below 16 rows, the panel from 16 (from 2 with AVX-512;
+//! `KVPAGE_CPU_AVX512=0` runs the row groups), and from 128 rows the step dequantizes and XLA multiplies
 //! (`DEQUANTIZE_ROWS`, `python/kvpage/kernels/host/cpu_qmatmul.py`); float products take row
 //! groups of 8.
 
@@ -27,7 +28,7 @@ use super::quant::tests::random_weights;
 use crate::test_rng::SplitMix64 as TestRng;
 
 /// Rows of a call, one or more on each side of every path's threshold (module
-/// docs): 1; 2, 7, 12 (two row groups); 37 (the panel, an odd last block); 130.
+/// docs): 1; 2, 7, 12 (the integer path's groups of 4); 37 (the panel, an odd last block); 130.
 const ROWS: [usize; 6] = [1, 2, 7, 12, 37, 130];
 
 fn floats(rng: &mut TestRng, n: usize) -> Vec<f32> {

@@ -476,14 +476,24 @@ pub extern "C" fn kvpage_qmatmul_vectorized() -> i32 {
 }
 
 /// The rows the integer path reads at once for the format of FFI code `code`
-/// here ([`qmatmul::integer_rows`]; from 2 on, any row count takes it in
-/// blocks of that many), or 0 for an unknown code.
+/// here ([`qmatmul::integer_rows`]), or 0 for an unknown code.
 #[no_mangle]
 pub extern "C" fn kvpage_qmatmul_integer_rows(code: i32) -> i32 {
     usize::try_from(code)
         .ok()
         .and_then(|code| QuantType::ALL.get(code))
         .map_or(0, |kind| qmatmul::integer_rows(*kind) as i32)
+}
+
+/// 1 when calls of any row count of the format of FFI code `code` take the
+/// integer path here, in blocks of [`kvpage_qmatmul_integer_rows`] rows
+/// ([`qmatmul::integer_blocks`]), else 0.
+#[no_mangle]
+pub extern "C" fn kvpage_qmatmul_integer_blocks(code: i32) -> i32 {
+    usize::try_from(code)
+        .ok()
+        .and_then(|code| QuantType::ALL.get(code))
+        .map_or(0, |kind| i32::from(qmatmul::integer_blocks(*kind)))
 }
 
 /// 1 when weights of `outs` rows (FFI code `code`) may be packed into

@@ -211,6 +211,7 @@ def test_every_handler_a_stored_piece_may_call_is_registered_before_a_load(
     strings = re.findall(rb"kvpage_[a-z0-9_]+(?=\x00)", Path(_core.__file__).read_bytes())
     exported = {s.decode() for s in strings if hasattr(library, s.decode())}
     probes = {n for n in exported if n.endswith(("_abi", "_vectorized", "_integer_rows",
+                                                 "_integer_blocks",
                                                  "_packs", "_nt_lanes"))}
     handlers = exported - probes
     assert len(handlers) > 40  # the scan found the core's handlers

@@ -8,11 +8,12 @@
 //! sub-blocks are unpacked in registers and multiplied there. Two paths, by
 //! the rows of the call:
 //!
-//! - **one row** (a decode step of one sequence; up to [`integer_rows`] on
-//!   CPUs with AVX-512 VNNI: 32 for Q4_0, Q4_1, Q5_0 and Q8_0, `lanes_avx512.rs`, and
-//!   for Q4_K and Q6_K, `integer_avx512.rs`; such a call is a speculative
-//!   verification, a decode batch or the routed rows of one expert): the
-//!   row is quantized to 16 bits per block ([`Q16Rows`]) and the products are
+//! - **few rows** (a decode step; up to [`integer_rows`]: 16 with AVX2, each
+//!   weight sub-block unpacked once per group of 4 rows, `qmatmul_avx2.rs`;
+//!   32 with AVX-512 VNNI for Q4_0, Q4_1, Q5_0 and Q8_0, `lanes_avx512.rs`, and
+//!   for Q4_K and Q6_K, `integer_avx512.rs`, and past 32 in blocks of 32; such
+//!   a call is a speculative verification, a decode batch or the routed rows
+//!   of one expert): each row is quantized to 16 bits per block ([`Q16Rows`]) and the products are
 //!   integer multiply-adds (`pmaddwd`); per sub-block `s` of 32 weights the
 //!   kernel adds
 //!   `Σ_h scale[h] · d_x[s] · Σ_{i in half h} q[i] · q_x[i] + Σ_h min[h] · half_sum_x[s, h]`.
@@ -34,9 +35,9 @@
 //!   ([`crate::kernels::cpu_matmul`]): the expansion is shared by every row, so
 //!   the cost per row is the float kernel's and no input precision is lost.
 //!
-//! A row's result therefore depends on whether it is alone in its call (as
-//! XLA's own dot differs between shapes); within a path it does not depend on
-//! the other rows. [`Inputs::float_path`] takes the float path for any row
+//! A row's result therefore depends on whether its call takes the integer path
+//! (as XLA's own dot differs between shapes); within a path it does not depend
+//! on the other rows. [`Inputs::float_path`] takes the float path for any row
 //! count, so a row's result never depends on the call (batch-invariant mode).
 //!
 //! Layout (row-major): `x [rows, inner]` f32, `w [outs, row_bytes(inner)]`
@@ -54,8 +55,9 @@ use super::lanes_avx512::{self, LANES_ROWS};
 use super::qmatmul_avx2 as avx2;
 use crate::kernels::cpu_matmul::OutPtr;
 
-/// Calls of at most this many rows take the integer path (module docs): one,
-/// or [`LANES_ROWS`] / [`VNNI_ROWS`] where an AVX-512 VNNI kernel reads `kind`.
+/// Calls of at most this many rows take the integer path (module docs): one
+/// with the portable loop, 16 with AVX2 (`qmatmul_avx2.rs`), 32 with AVX-512
+/// VNNI ([`LANES_ROWS`], [`VNNI_ROWS`]).
 pub fn integer_rows(kind: QuantType) -> usize {
     #[cfg(target_arch = "x86_64")]
     if vectorized() && lanes_avx512::takes(kind) {
@@ -65,15 +67,31 @@ pub fn integer_rows(kind: QuantType) -> usize {
     if vectorized() && integer_avx512::takes(kind) {
         return VNNI_ROWS;
     }
+    #[cfg(target_arch = "x86_64")]
+    if vectorized() {
+        return avx2::INTEGER_ROWS;
+    }
     let _ = kind;
     1
 }
 
-/// Whether a call of `rows` rows of `kind` takes the integer path (in blocks
-/// of [`integer_rows`] rows past them; see [`Inputs::prepare`]).
+/// Whether calls of more than [`integer_rows`] rows of `kind` take the integer
+/// path too, in blocks of that many (where an AVX-512 VNNI kernel reads
+/// `kind`: its products cost less per row than the float path's; with AVX2
+/// alone they cost more from ~16 rows on, `qmatmul_avx2.rs`).
+pub fn integer_blocks(kind: QuantType) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if vectorized() && (lanes_avx512::takes(kind) || integer_avx512::takes(kind)) {
+        return true;
+    }
+    let _ = kind;
+    false
+}
+
+/// Whether a call of `rows` rows of `kind` takes the integer path (in blocks of
+/// [`integer_rows`] rows past them where [`integer_blocks`]; see [`Inputs::prepare`]).
 pub fn takes_integer_path(kind: QuantType, rows: usize) -> bool {
-    let block = integer_rows(kind);
-    rows <= block || block >= 2
+    rows <= integer_rows(kind) || integer_blocks(kind)
 }
 
 /// The inputs of one call as the kernels read them: the float rows, and for

@@ -17,6 +17,20 @@ use super::unpack_avx2::{by_format, expand, Format};
 use crate::kernels::cpu_matmul::avx2::horizontal_sum;
 use crate::kernels::cpu_matmul::OutPtr;
 
+/// Input rows per unpacking of a weight sub-block on the integer path: one
+/// accumulator per row, the two 16-bit weight vectors and a row's two inputs
+/// and products within 16 registers.
+const INTEGER_ROW_GROUP: usize = 4;
+/// Calls of at most this many rows take the AVX2 integer path
+/// ([`super::qmatmul::integer_rows`]), more the float path. Per extra row it
+/// costs ~1.5 ns a sub-block against the float row groups' fixed ~10 ns of
+/// FMA latency chains, and about what the panel costs at 16 rows
+/// (`cargo bench --bench cpu_matmul -- quant_qmatmul`, Q4_0 576x1536 x 30 on a
+/// 2-core Zen 3, float -> integer: 2 rows 8.7 -> 3.6-3.9 ms, 4 rows 9.7 ->
+/// 5.7-6.2, 8 rows 9.3 -> 8.7-12.0, 16 rows 20.3 -> 17.2-21.4, 32 rows 29.8 ->
+/// 37-50; 2026-11-29, `benches/RESULTS.md`), so a verification of up to 15
+/// drafted tokens gets the decode step's bits.
+pub(super) const INTEGER_ROWS: usize = 16;
 /// Input rows per expansion of a weight row on the few-row float path: one
 /// accumulator per row, four weight vectors and one input within 16
 /// registers (measured against 5 rows with two chains each: 8 rows 21.8 ->
@@ -409,6 +423,8 @@ impl Block {
     }
 }
 
+/// The integer path: each weight row read once from memory and unpacked once
+/// per group of up to [`INTEGER_ROW_GROUP`] input rows.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn integer_tile_of<F: Format>(
     shape: &QuantShape,
@@ -420,12 +436,25 @@ unsafe fn integer_tile_of<F: Format>(
     end: usize,
 ) {
     let row_bytes = F::KIND.row_bytes(shape.inner).expect("validated");
-    for r in 0..shape.rows {
-        for out in start..end {
-            prefetch_ahead(w, (out + 1) * row_bytes, row_bytes);
-            let row = w.as_ptr().add(out * row_bytes);
-            let scale = row_scale(shape, row_scales, out);
-            *y.at(r * shape.outs + out) = integer_row_dot::<F>(row, scale, xq, r);
+    for out in start..end {
+        prefetch_ahead(w, (out + 1) * row_bytes, row_bytes);
+        let row = w.as_ptr().add(out * row_bytes);
+        let scale = row_scale(shape, row_scales, out);
+        for first in (0..shape.rows).step_by(INTEGER_ROW_GROUP) {
+            macro_rules! dispatch {
+                ($($r:literal),*) => {
+                    match (shape.rows - first).min(INTEGER_ROW_GROUP) {
+                        $($r => {
+                            let sums = integer_row_dots::<F, $r>(row, scale, xq, first);
+                            for (r, value) in sums.iter().enumerate() {
+                                *y.at((first + r) * shape.outs + out) = *value;
+                            }
+                        })*
+                        _ => unreachable!("integer row groups hold 1..={INTEGER_ROW_GROUP} rows"),
+                    }
+                };
+            }
+            dispatch!(1, 2, 3, 4);
         }
     }
 }
@@ -448,50 +477,62 @@ pub(super) unsafe fn prefetch_ahead(w: &[u8], from: usize, len: usize) {
     }
 }
 
-/// `x[r] · w_row` with 16-bit inputs: two `pmaddwd` per 32 weights.
+/// `x[r] · w_row` for the `R` 16-bit input rows from `first`: per 32 weights
+/// unpacked once, two `pmaddwd` per row. Each row runs exactly the operations
+/// of a call of that row alone (its own accumulator and offset, in the same
+/// order), so its result does not depend on `R` or on the call's other rows.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn integer_row_dot<F: Format>(
+#[allow(clippy::needless_range_loop)] // index loops name the register blocking
+unsafe fn integer_row_dots<F: Format, const R: usize>(
     row: *const u8,
     row_scale: f32,
     xq: &Q16Rows,
-    r: usize,
-) -> f32 {
+    first: usize,
+) -> [f32; R] {
     let subs_per_block = F::KIND.block_elems() / SUB;
     let subs = xq.inner / SUB;
-    let mut acc = _mm256_setzero_ps();
-    let mut offset = 0.0f32;
-    let x_q = xq.q.as_ptr().add(r * xq.inner);
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut offset = [0.0f32; R];
+    let x_q = xq.q.as_ptr().add(first * xq.inner);
     let (x_d, x_half, x_sum) = (
-        xq.d.as_ptr().add(r * subs),
-        xq.half_sums.as_ptr().add(2 * r * subs),
-        xq.sums.as_ptr().add(r * subs),
+        xq.d.as_ptr().add(first * subs),
+        xq.half_sums.as_ptr().add(2 * first * subs),
+        xq.sums.as_ptr().add(first * subs),
     );
     for b in 0..xq.inner / F::KIND.block_elems() {
         for j in 0..subs_per_block {
             let s = b * subs_per_block + j;
             let sub = F::wide_sub(row.add(b * F::KIND.block_bytes()), j, row_scale);
-            let [low, high] = sub.q;
-            let x0 = _mm256_loadu_si256(x_q.add(s * SUB) as *const __m256i);
-            let x1 = _mm256_loadu_si256(x_q.add(s * SUB + 16) as *const __m256i);
-            let low = _mm256_madd_epi16(low, x0);
-            let high = _mm256_madd_epi16(high, x1);
-            let dx = *x_d.add(s);
-            if F::HALVES_DIFFER {
-                let (h0, h1) = (*x_half.add(2 * s), *x_half.add(2 * s + 1));
-                let s0 = _mm256_set1_ps(sub.scale[0] * dx);
-                let s1 = _mm256_set1_ps(sub.scale[1] * dx);
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(low), s0, acc);
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(high), s1, acc);
-                offset += sub.min[0] * h0 + sub.min[1] * h1;
-            } else {
-                let sum = _mm256_cvtepi32_ps(_mm256_add_epi32(low, high));
-                acc = _mm256_fmadd_ps(sum, _mm256_set1_ps(sub.scale[0] * dx), acc);
-                if !F::SIGNED {
-                    offset += sub.min[0] * *x_sum.add(s);
+            let [low_w, high_w] = sub.q;
+            for r in 0..R {
+                let xr = x_q.add(r * xq.inner + s * SUB);
+                let x0 = _mm256_loadu_si256(xr as *const __m256i);
+                let x1 = _mm256_loadu_si256(xr.add(16) as *const __m256i);
+                let low = _mm256_madd_epi16(low_w, x0);
+                let high = _mm256_madd_epi16(high_w, x1);
+                let b_r = r * subs + s;
+                let dx = *x_d.add(b_r);
+                if F::HALVES_DIFFER {
+                    let (h0, h1) = (*x_half.add(2 * b_r), *x_half.add(2 * b_r + 1));
+                    let s0 = _mm256_set1_ps(sub.scale[0] * dx);
+                    let s1 = _mm256_set1_ps(sub.scale[1] * dx);
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(low), s0, acc[r]);
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(high), s1, acc[r]);
+                    offset[r] += sub.min[0] * h0 + sub.min[1] * h1;
+                } else {
+                    let sum = _mm256_cvtepi32_ps(_mm256_add_epi32(low, high));
+                    acc[r] = _mm256_fmadd_ps(sum, _mm256_set1_ps(sub.scale[0] * dx), acc[r]);
+                    if !F::SIGNED {
+                        offset[r] += sub.min[0] * *x_sum.add(b_r);
+                    }
                 }
             }
         }
     }
-    horizontal_sum(acc) + offset
+    let mut sums = [0.0f32; R];
+    for r in 0..R {
+        sums[r] = horizontal_sum(acc[r]) + offset[r];
+    }
+    sums
 }

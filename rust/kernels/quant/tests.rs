@@ -6,7 +6,7 @@ use super::activations::Q16Rows;
 use super::call::{self, QuantShape};
 use super::dequantize;
 use super::formats::{self, f16_to_f32, QuantType, SUB};
-use super::qmatmul::{self, integer_rows, qmatmul, takes_integer_path, Inputs};
+use super::qmatmul::{self, integer_blocks, integer_rows, qmatmul, takes_integer_path, Inputs};
 use crate::kernels::cpu_matmul::OutPtr;
 use crate::test_rng::SplitMix64 as TestRng;
 
@@ -223,7 +223,7 @@ fn a_row_does_not_depend_on_the_other_rows_of_a_multi_row_call() {
         };
         // Row groups and the panel (16 rows and more) sum in the same order; the
         // integer path (up to `integer_rows` rows, and past them in blocks of that
-        // many where a kernel reads several rows) sums each row alone.
+        // many where `integer_blocks`) sums each row alone.
         let cases = [
             (0, 2),
             (8, 3),
@@ -474,15 +474,15 @@ fn the_format_table_is_in_code_order_and_its_names_round_trip() {
 }
 
 /// Inner sizes of whole groups of 16 sub-blocks and of partial ones, every row
-/// count of the integer path: the AVX-512 VNNI kernel where the CPU has it,
-/// else the one-row and float paths, against the reference.
+/// count of the integer path (the AVX-512 VNNI kernels where the CPU has them,
+/// else AVX2's; blocks past them with VNNI), against the reference.
 #[test]
 fn products_of_many_sub_blocks_match_the_reference_at_every_integer_row_count() {
     let mut rng = TestRng::new(29);
     for kind in QuantType::ALL {
         for subs in [8usize, 16, 18, 28, 40, 48] {
             let inner = (subs * SUB).next_multiple_of(kind.block_elems());
-            let blocks = if integer_rows(kind) >= 2 {
+            let blocks = if integer_blocks(kind) {
                 vec![33, 70]
             } else {
                 vec![]

@@ -5,9 +5,10 @@ Owns :func:`qmatmul_call` and :func:`dequantize_call` (the Rust core's
 where one hands over to the other (:func:`dequantize_rows`):
 
 * ``kvpage_qmatmul_<kind>``: ``x [T, K] . dequant(w) [N, K]^T`` read straight from the
-  stored blocks: the integer path (16-bit inputs, integer multiply-adds) for one row,
-  and with AVX-512 VNNI for any row count in blocks of 32 (:func:`integer_rows`);
-  otherwise each sub-block expanded to float once in registers and shared by the rows.
+  stored blocks: the integer path (16-bit inputs, integer multiply-adds) up to 16 rows
+  with AVX2, 32 with AVX-512 VNNI (:func:`integer_rows`), and with VNNI for any row count in blocks of 32
+  (:func:`integer_blocks`); otherwise each sub-block expanded to float once in registers
+  and shared by the rows.
   Only the first ``live_rows`` rows (a device scalar) are computed, the others are
   zeros: a padded step's padding rows cost nothing.
 * ``kvpage_qmatmul_multi_<kind>``: the same for up to :data:`MAX_MULTI_WEIGHTS` weights
@@ -49,22 +50,34 @@ DEQUANTIZE_ROWS = 128
 """Products of this many rows or more dequantize where the core has no multi-row integer
 kernel for the format (module docs)."""
 BLOCKED_DEQUANTIZE_ROWS = 512
-"""The same where it has one (:func:`integer_rows` from 2 on)."""
+"""The same where the integer path takes any row count (:func:`integer_blocks`)."""
 MAX_MULTI_WEIGHTS = 4
 """Most weights one ``kvpage_qmatmul_multi_<kind>`` call takes (Rust's constant)."""
 
 
+def _probe(name: str, kind: str) -> int:
+    probe = getattr(core_library(), name, None)
+    return int(probe(KINDS.index(kind))) if probe is not None and kind in KINDS else 0
+
+
 @functools.cache
 def integer_rows(kind: str) -> int:
-    """The rows the core's integer path reads at once for ``kind`` on this CPU (1: one
-    row, else any count in blocks of that many; 0 without the core)."""
-    probe = getattr(core_library(), "kvpage_qmatmul_integer_rows", None)
-    return int(probe(KINDS.index(kind))) if probe is not None and kind in KINDS else 0
+    """Products of ``kind`` with up to this many rows take the core's integer path on
+    this CPU (1 with the portable loop, 16 with AVX2, 32 with AVX-512 VNNI; 0 without
+    the core)."""
+    return _probe("kvpage_qmatmul_integer_rows", kind)
+
+
+@functools.cache
+def integer_blocks(kind: str) -> bool:
+    """Whether products of more rows take it too, in blocks of :func:`integer_rows`
+    (with AVX-512 VNNI)."""
+    return bool(_probe("kvpage_qmatmul_integer_blocks", kind))
 
 
 def dequantize_rows(kind: str) -> int:
     """Products of ``kind`` with this many rows or more dequantize (module docs)."""
-    return BLOCKED_DEQUANTIZE_ROWS if integer_rows(kind) >= 2 else DEQUANTIZE_ROWS
+    return BLOCKED_DEQUANTIZE_ROWS if integer_blocks(kind) else DEQUANTIZE_ROWS
 
 
 def target(kind: str) -> str:
