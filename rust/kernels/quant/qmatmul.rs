@@ -56,8 +56,9 @@ use super::qmatmul_avx2 as avx2;
 use crate::kernels::cpu_matmul::OutPtr;
 
 /// Calls of at most this many rows take the integer path (module docs): one
-/// with the portable loop, 16 with AVX2 (`qmatmul_avx2.rs`), 32 with AVX-512
-/// VNNI ([`LANES_ROWS`], [`VNNI_ROWS`]).
+/// with the portable loop (and for the formats AVX-512 CPUs have no VNNI
+/// kernel for: their float panel takes 2 rows and more), 16 with AVX2 alone
+/// (`qmatmul_avx2.rs`), 32 with AVX-512 VNNI ([`LANES_ROWS`], [`VNNI_ROWS`]).
 pub fn integer_rows(kind: QuantType) -> usize {
     #[cfg(target_arch = "x86_64")]
     if vectorized() && lanes_avx512::takes(kind) {
@@ -68,7 +69,7 @@ pub fn integer_rows(kind: QuantType) -> usize {
         return VNNI_ROWS;
     }
     #[cfg(target_arch = "x86_64")]
-    if vectorized() {
+    if vectorized() && !avx2::panel_from_two_rows() {
         return avx2::INTEGER_ROWS;
     }
     let _ = kind;

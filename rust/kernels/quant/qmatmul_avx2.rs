@@ -48,6 +48,12 @@ const FLOAT_ROW_GROUP: usize = 10;
 /// 3.3 / 4.1 / 5.5 ms, Q5_0 6.5 / 7.3 / 7.8 -> 4.1 / 5.0 / 5.9 ms, Q8_0
 /// 5.9 / 6.7 / 5.0 -> 3.5 / 4.2 / 5.4 ms), at +0-10 % on Q4_1, Q4_K and
 /// Q6_K (`benches/RESULTS.md`, "Few-row quantized products").
+/// Whether the float panel takes calls from 2 rows (AVX-512), where the AVX2
+/// integer path of [`INTEGER_ROWS`] is not used past one row.
+pub(super) fn panel_from_two_rows() -> bool {
+    panel_avx512::available()
+}
+
 fn panel_min_rows() -> usize {
     if panel_avx512::available() {
         2
