@@ -77,7 +77,7 @@ class BackgroundCompiler:
         self._building = 0
         self._building_key: Hashable | None = None
         self._closed = False
-        """The thread took its last key (set under the lock: :meth:`add_first`)."""
+        """The thread took its last key (set under the lock: :meth:`promote`)."""
         self._deferred: set[Hashable] | None = None
         """The deferrable keys (known once the thread has started)."""
         self.failed: list[tuple[Hashable, str]] = []
@@ -85,15 +85,9 @@ class BackgroundCompiler:
         _LIVE.add(self)
         self._thread.start()
 
-    def promote(self, key: Hashable) -> None:
-        """Build ``key`` next (a step is waiting in a larger bucket for it)."""
-        with self._lock:
-            if key in self._queue:
-                self._queue.remove(key)
-            self._queue.insert(0, key)
-
-    def add_first(self, key: Hashable) -> bool:
-        """Build ``key`` next (after the one in flight); False when the thread has
+    def promote(self, key: Hashable) -> bool:
+        """Build ``key`` next, after the one in flight (a step is waiting in a larger
+        bucket for it, or multi-step decode is asked for); False when the thread has
         already finished its queue (nothing more will be built)."""
         with self._lock:
             if self._closed:

@@ -363,7 +363,7 @@ class StepExecutables:
         if background is None or not background.compiles_left:
             return False
         self._queued_builds[key] = build
-        if background.add_first(key):
+        if background.promote(key):
             return True
         del self._queued_builds[key]
         return False
