@@ -6,9 +6,9 @@ where one hands over to the other (:func:`dequantize_rows`):
 
 * ``kvpage_qmatmul_<kind>``: ``x [T, K] . dequant(w) [N, K]^T`` read straight from the
   stored blocks: the integer path (16-bit inputs, integer multiply-adds) up to 16 rows
-  with AVX2, 32 with AVX-512 VNNI (:func:`integer_rows`), and with VNNI for any row count in blocks of 32
-  (:func:`integer_blocks`); otherwise each sub-block expanded to float once in registers
-  and shared by the rows.
+  with AVX2, 32 with AVX-512 VNNI (:func:`integer_rows`), and with VNNI for any row
+  count in blocks of 32 (:func:`integer_blocks`); otherwise each sub-block expanded to
+  float once in registers and shared by the rows.
   Only the first ``live_rows`` rows (a device scalar) are computed, the others are
   zeros: a padded step's padding rows cost nothing.
 * ``kvpage_qmatmul_multi_<kind>``: the same for up to :data:`MAX_MULTI_WEIGHTS` weights
