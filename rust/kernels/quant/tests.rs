@@ -51,17 +51,21 @@ pub(crate) fn random_weights(
 /// `scale * q` by the 16-bit inputs and `min` by the float ones; the float
 /// path reads float inputs throughout.
 fn reference(shape: &QuantShape, x: &[f32], w: &[u8], row_scales: &[f32]) -> Vec<f64> {
-    reference_of(shape, x, w, row_scales, vnni_folds_offset(shape.kind))
+    reference_of(shape, x, w, row_scales, folds_offset(shape.kind))
 }
 
-/// Whether the kernels take the AVX-512 VNNI path for `kind`, which folds
-/// Q6_K's offset (-32 per weight) into its integers: it then multiplies the
-/// quantized inputs, where the other integer paths add `min · Σ x` exactly.
-fn vnni_folds_offset(kind: QuantType) -> bool {
+/// Whether the vectorized integer path for `kind` folds its offset into the
+/// integers, so that it multiplies the quantized inputs where the other
+/// integer paths add `min · Σ x` exactly: Q6_K's -32 per weight on the AVX-512
+/// VNNI path, Q4_0's -8 on the AVX2 one (`unpack_avx2.rs`).
+fn folds_offset(kind: QuantType) -> bool {
     #[cfg(target_arch = "x86_64")]
-    return kind == QuantType::Q6K
-        && super::call::vectorized()
-        && super::integer_avx512::takes(kind);
+    return super::call::vectorized()
+        && match kind {
+            QuantType::Q6K => super::integer_avx512::takes(kind),
+            QuantType::Q4_0 => !super::lanes_avx512::takes(kind),
+            _ => false,
+        };
     #[cfg(not(target_arch = "x86_64"))]
     return false;
 }
@@ -119,7 +123,7 @@ fn reference_of(
 fn check(
     seed: u64,
     cases: usize,
-    vnni: bool,
+    vectorized: bool,
     compute: impl Fn(&QuantShape, &[f32], &[u8], &[f32], &mut [f32]),
 ) {
     // Miri (scripts/sanitize.sh) interprets every load: two small cases a type.
@@ -155,7 +159,7 @@ fn check(
         };
         let mut y = vec![f32::NAN; shape.rows * shape.outs];
         compute(&shape, &x, &w, &row_scales, &mut y);
-        let folds = vnni && vnni_folds_offset(kind);
+        let folds = vectorized && folds_offset(kind);
         let want = reference_of(&shape, &x, &w, &row_scales, folds);
         let scale = want.iter().fold(1e-3f64, |m, v| m.max(v.abs()));
         for (i, (got, want)) in y.iter().zip(&want).enumerate() {

@@ -36,7 +36,8 @@ pub(super) struct WideSub {
 /// [`super::formats`]); a type per format so every call inlines.
 pub(super) trait Format {
     const KIND: QuantType;
-    /// The offsets are zero.
+    /// [`Format::wide_sub`]'s offsets are zero (its integers carry the sign;
+    /// [`Format::sub`]'s may still have one).
     const SIGNED: bool;
     /// The two halves have their own scale and offset (Q6_K's 16-weight groups).
     const HALVES_DIFFER: bool = false;
@@ -232,7 +233,7 @@ impl Format for Int8 {
 pub(super) struct Q4_0;
 impl Format for Q4_0 {
     const KIND: QuantType = QuantType::Q4_0;
-    const SIGNED: bool = false;
+    const SIGNED: bool = true;
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn sub(block: *const u8, _j: usize, _row_scale: f32) -> Sub {
@@ -246,11 +247,12 @@ impl Format for Q4_0 {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn wide_sub(block: *const u8, _j: usize, _row_scale: f32) -> WideSub {
-        let d = one_f16(block);
+        let [low, high] = nibbles_wide(block.add(2));
+        let eight = _mm256_set1_epi16(8);
         WideSub {
-            q: nibbles_wide(block.add(2)),
-            scale: [d; 2],
-            min: [-8.0 * d; 2],
+            q: [_mm256_sub_epi16(low, eight), _mm256_sub_epi16(high, eight)],
+            scale: [one_f16(block); 2],
+            min: [0.0; 2],
         }
     }
 }
