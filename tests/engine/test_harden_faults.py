@@ -37,7 +37,7 @@ from kvpage.engine.config import EngineConfig
 from kvpage.engine.llm_engine import LLMEngine
 from server_harness import InProcessServer, metric, parse_metrics
 from test_harden_isolation import SpyScheduler, live_blocks
-from test_server_async_engine import start_fake_server, stream_completion
+from test_server_async_engine import start_fake_server, stream_completion, wait_until_streaming
 
 KEY = "faults-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
@@ -363,7 +363,7 @@ def test_sigint_drains_running_requests_and_exits_0() -> None:
         ]
         for t in threads:
             t.start()
-        time.sleep(0.15)
+        wait_until_streaming(short, long)
         proc.send_signal(signal.SIGINT)
         signalled = time.monotonic()
         time.sleep(0.4)  # uvicorn checks for the signal every 0.1 s

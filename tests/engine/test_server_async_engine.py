@@ -438,6 +438,15 @@ def stream_completion(url: str, max_tokens: int, out: list[str]) -> None:
         out.append(f"error: {exc!r}")
 
 
+def wait_until_streaming(*outs: list[str], timeout: float = 20.0) -> None:
+    """Wait until every stream in ``outs`` has its first line: the requests are running
+    (a fixed sleep let a loaded machine signal before they were taken in)."""
+    deadline = time.monotonic() + timeout
+    while not all(outs):
+        assert time.monotonic() < deadline, "the streams never started"
+        time.sleep(0.01)
+
+
 def test_sigterm_drains_running_requests_and_exits_0() -> None:
     proc, url = start_fake_server()
     try:
@@ -447,7 +456,7 @@ def test_sigterm_drains_running_requests_and_exits_0() -> None:
                    threading.Thread(target=stream_completion, args=(url, 100_000, long))]
         for t in threads:
             t.start()
-        time.sleep(0.15)
+        wait_until_streaming(short, long)
         signalled = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=20)

@@ -442,6 +442,9 @@ unsafe fn integer_tile_of<F: Format>(
     end: usize,
 ) {
     let row_bytes = F::KIND.row_bytes(shape.inner).expect("validated");
+    if shape.rows == 1 && F::INTERLEAVES_OUTS {
+        return one_row_tile_of::<F>(shape, xq, w, row_scales, y, start, end);
+    }
     for out in start..end {
         prefetch_ahead(w, (out + 1) * row_bytes, row_bytes);
         let row = w.as_ptr().add(out * row_bytes);
@@ -463,6 +466,107 @@ unsafe fn integer_tile_of<F: Format>(
             dispatch!(1, 2, 3, 4);
         }
     }
+}
+
+/// The integer path for one input row of a format that
+/// [`Format::INTERLEAVES_OUTS`]: [`ONE_ROW_OUTS`] weight rows at a time,
+/// so their accumulation chains overlap (one row's chain of dependent FMAs
+/// would wait on each sub-block's latency) and the input is loaded once for
+/// them. Each output runs exactly the operations of [`integer_row_dots`] for
+/// one row, so the result equals that of the same row in a call of more rows.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn one_row_tile_of<F: Format>(
+    shape: &QuantShape,
+    xq: &Q16Rows,
+    w: &[u8],
+    row_scales: &[f32],
+    y: OutPtr,
+    start: usize,
+    end: usize,
+) {
+    let row_bytes = F::KIND.row_bytes(shape.inner).expect("validated");
+    let mut out = start;
+    while out + ONE_ROW_OUTS <= end {
+        prefetch_ahead(
+            w,
+            (out + ONE_ROW_OUTS) * row_bytes,
+            ONE_ROW_OUTS * row_bytes,
+        );
+        let rows: [*const u8; ONE_ROW_OUTS] =
+            std::array::from_fn(|o| w.as_ptr().add((out + o) * row_bytes));
+        let scales = std::array::from_fn(|o| row_scale(shape, row_scales, out + o));
+        let sums = integer_out_dots::<F, ONE_ROW_OUTS>(rows, scales, xq);
+        for (o, value) in sums.iter().enumerate() {
+            *y.at(out + o) = *value;
+        }
+        out += ONE_ROW_OUTS;
+    }
+    for out in out..end {
+        prefetch_ahead(w, (out + 1) * row_bytes, row_bytes);
+        let row = w.as_ptr().add(out * row_bytes);
+        let [value] = integer_row_dots::<F, 1>(row, row_scale(shape, row_scales, out), xq, 0);
+        *y.at(out) = value;
+    }
+}
+
+/// Weight rows per pass of [`one_row_tile_of`]: one accumulator each, the
+/// input's two vectors, and a weight row's unpacked sub-block within 16
+/// registers.
+const ONE_ROW_OUTS: usize = 4;
+
+/// `x[0] · w_row[o]` for `O` weight rows: per 32 inputs loaded once, each
+/// row's sub-block unpacked and multiplied as [`integer_row_dots`] does for
+/// one input row (the same operations in the same order per output).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::needless_range_loop)] // index loops name the register blocking
+unsafe fn integer_out_dots<F: Format, const O: usize>(
+    rows: [*const u8; O],
+    row_scales: [f32; O],
+    xq: &Q16Rows,
+) -> [f32; O] {
+    let subs_per_block = F::KIND.block_elems() / SUB;
+    let mut acc = [_mm256_setzero_ps(); O];
+    let mut offset = [0.0f32; O];
+    let x_q = xq.q.as_ptr();
+    for b in 0..xq.inner / F::KIND.block_elems() {
+        for j in 0..subs_per_block {
+            let s = b * subs_per_block + j;
+            let xr = x_q.add(s * SUB);
+            let x0 = _mm256_loadu_si256(xr as *const __m256i);
+            let x1 = _mm256_loadu_si256(xr.add(16) as *const __m256i);
+            let dx = *xq.d.get_unchecked(s);
+            for o in 0..O {
+                let sub = F::wide_sub(rows[o].add(b * F::KIND.block_bytes()), j, row_scales[o]);
+                let [low_w, high_w] = sub.q;
+                let low = _mm256_madd_epi16(low_w, x0);
+                let high = _mm256_madd_epi16(high_w, x1);
+                if F::HALVES_DIFFER {
+                    let (h0, h1) = (
+                        *xq.half_sums.get_unchecked(2 * s),
+                        *xq.half_sums.get_unchecked(2 * s + 1),
+                    );
+                    let s0 = _mm256_set1_ps(sub.scale[0] * dx);
+                    let s1 = _mm256_set1_ps(sub.scale[1] * dx);
+                    acc[o] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(low), s0, acc[o]);
+                    acc[o] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(high), s1, acc[o]);
+                    offset[o] += sub.min[0] * h0 + sub.min[1] * h1;
+                } else {
+                    let sum = _mm256_cvtepi32_ps(_mm256_add_epi32(low, high));
+                    acc[o] = _mm256_fmadd_ps(sum, _mm256_set1_ps(sub.scale[0] * dx), acc[o]);
+                    if !F::SIGNED {
+                        offset[o] += sub.min[0] * *xq.sums.get_unchecked(s);
+                    }
+                }
+            }
+        }
+    }
+    let mut sums = [0.0f32; O];
+    for o in 0..O {
+        sums[o] = horizontal_sum(acc[o]) + offset[o];
+    }
+    sums
 }
 
 /// Bytes ahead of the weight row being read that the one-row and row-group
