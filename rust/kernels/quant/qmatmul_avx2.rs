@@ -13,7 +13,7 @@ use super::call::{row_scale, QuantShape, OUTS_PER_TILE};
 use super::formats::{QuantType, SUB};
 use super::panel_avx512;
 use super::panel_block::{Block, PANEL_INNER};
-use super::unpack_avx2::{by_format, expand, Format};
+use super::unpack_avx2::{by_format, expand, Format, WideSub};
 use crate::kernels::cpu_matmul::avx2::horizontal_sum;
 use crate::kernels::cpu_matmul::OutPtr;
 
@@ -539,26 +539,7 @@ unsafe fn integer_out_dots<F: Format, const O: usize>(
             let dx = *xq.d.get_unchecked(s);
             for o in 0..O {
                 let sub = F::wide_sub(rows[o].add(b * F::KIND.block_bytes()), j, row_scales[o]);
-                let [low_w, high_w] = sub.q;
-                let low = _mm256_madd_epi16(low_w, x0);
-                let high = _mm256_madd_epi16(high_w, x1);
-                if F::HALVES_DIFFER {
-                    let (h0, h1) = (
-                        *xq.half_sums.get_unchecked(2 * s),
-                        *xq.half_sums.get_unchecked(2 * s + 1),
-                    );
-                    let s0 = _mm256_set1_ps(sub.scale[0] * dx);
-                    let s1 = _mm256_set1_ps(sub.scale[1] * dx);
-                    acc[o] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(low), s0, acc[o]);
-                    acc[o] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(high), s1, acc[o]);
-                    offset[o] += sub.min[0] * h0 + sub.min[1] * h1;
-                } else {
-                    let sum = _mm256_cvtepi32_ps(_mm256_add_epi32(low, high));
-                    acc[o] = _mm256_fmadd_ps(sum, _mm256_set1_ps(sub.scale[0] * dx), acc[o]);
-                    if !F::SIGNED {
-                        offset[o] += sub.min[0] * *xq.sums.get_unchecked(s);
-                    }
-                }
+                accumulate_sub::<F>(&sub, [x0, x1], dx, xq, s, &mut acc[o], &mut offset[o]);
             }
         }
     }
@@ -567,6 +548,42 @@ unsafe fn integer_out_dots<F: Format, const O: usize>(
         sums[o] = horizontal_sum(acc[o]) + offset[o];
     }
     sums
+}
+
+/// One 32-weight sub-block of one output and one input row on the integer
+/// path: `sub` against the row's 16-bit inputs `x` (scale `dx`; `index`, the
+/// row's sub-block counted over all rows of `xq`, finds its sums), into the
+/// output's accumulator and offset. Every integer-path caller sums through
+/// here, so an output's bits do not depend on how a call groups its rows or
+/// outputs.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn accumulate_sub<F: Format>(
+    sub: &WideSub,
+    x: [__m256i; 2],
+    dx: f32,
+    xq: &Q16Rows,
+    index: usize,
+    acc: &mut __m256,
+    offset: &mut f32,
+) {
+    let low = _mm256_madd_epi16(sub.q[0], x[0]);
+    let high = _mm256_madd_epi16(sub.q[1], x[1]);
+    if F::HALVES_DIFFER {
+        let h0 = *xq.half_sums.get_unchecked(2 * index);
+        let h1 = *xq.half_sums.get_unchecked(2 * index + 1);
+        let s0 = _mm256_set1_ps(sub.scale[0] * dx);
+        let s1 = _mm256_set1_ps(sub.scale[1] * dx);
+        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(low), s0, *acc);
+        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(high), s1, *acc);
+        *offset += sub.min[0] * h0 + sub.min[1] * h1;
+    } else {
+        let sum = _mm256_cvtepi32_ps(_mm256_add_epi32(low, high));
+        *acc = _mm256_fmadd_ps(sum, _mm256_set1_ps(sub.scale[0] * dx), *acc);
+        if !F::SIGNED {
+            *offset += sub.min[0] * *xq.sums.get_unchecked(index);
+        }
+    }
 }
 
 /// Bytes ahead of the weight row being read that the one-row and row-group
@@ -605,38 +622,17 @@ unsafe fn integer_row_dots<F: Format, const R: usize>(
     let mut acc = [_mm256_setzero_ps(); R];
     let mut offset = [0.0f32; R];
     let x_q = xq.q.as_ptr().add(first * xq.inner);
-    let (x_d, x_half, x_sum) = (
-        xq.d.as_ptr().add(first * subs),
-        xq.half_sums.as_ptr().add(2 * first * subs),
-        xq.sums.as_ptr().add(first * subs),
-    );
     for b in 0..xq.inner / F::KIND.block_elems() {
         for j in 0..subs_per_block {
             let s = b * subs_per_block + j;
             let sub = F::wide_sub(row.add(b * F::KIND.block_bytes()), j, row_scale);
-            let [low_w, high_w] = sub.q;
             for r in 0..R {
                 let xr = x_q.add(r * xq.inner + s * SUB);
                 let x0 = _mm256_loadu_si256(xr as *const __m256i);
                 let x1 = _mm256_loadu_si256(xr.add(16) as *const __m256i);
-                let low = _mm256_madd_epi16(low_w, x0);
-                let high = _mm256_madd_epi16(high_w, x1);
-                let b_r = r * subs + s;
-                let dx = *x_d.add(b_r);
-                if F::HALVES_DIFFER {
-                    let (h0, h1) = (*x_half.add(2 * b_r), *x_half.add(2 * b_r + 1));
-                    let s0 = _mm256_set1_ps(sub.scale[0] * dx);
-                    let s1 = _mm256_set1_ps(sub.scale[1] * dx);
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(low), s0, acc[r]);
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(high), s1, acc[r]);
-                    offset[r] += sub.min[0] * h0 + sub.min[1] * h1;
-                } else {
-                    let sum = _mm256_cvtepi32_ps(_mm256_add_epi32(low, high));
-                    acc[r] = _mm256_fmadd_ps(sum, _mm256_set1_ps(sub.scale[0] * dx), acc[r]);
-                    if !F::SIGNED {
-                        offset[r] += sub.min[0] * *x_sum.add(b_r);
-                    }
-                }
+                let index = (first + r) * subs + s;
+                let dx = *xq.d.get_unchecked(index);
+                accumulate_sub::<F>(&sub, [x0, x1], dx, xq, index, &mut acc[r], &mut offset[r]);
             }
         }
     }
