@@ -11,6 +11,8 @@
 //! past the 32 MB L3 of the machine in `benches/RESULTS.md`, as a decode step
 //! streams SmolLM2's 96 MB (the 30-product sets above fit in L3 for the 4-bit
 //! formats).
+//! Q4_0 and Q4_1 packed into tiles (`quant_packed`, where this CPU packs them:
+//! what a loaded model's projections and experts are) follow both sets.
 //! Run: `cargo bench --bench cpu_matmul` (`-- quant` for the quantized ones,
 //! `-- split` for the two-thread split, `-- from_dram` for the 160 MB one).
 
@@ -21,7 +23,8 @@ use kvpage_core::kernels::cpu_matmul::OutPtr;
 use kvpage_core::kernels::cpu_matmul::{matmul_nt, MatmulShape};
 use kvpage_core::kernels::quant::call::{tiles, QuantShape};
 use kvpage_core::kernels::quant::formats::QuantType;
-use kvpage_core::kernels::quant::qmatmul::{qmatmul, tile, Inputs};
+use kvpage_core::kernels::quant::qmatmul::{packs, qmatmul, tile, tile_packed, Inputs};
+use kvpage_core::kernels::quant::tiles::pack_tiles;
 
 const LAYERS: usize = 30;
 
@@ -232,10 +235,65 @@ fn one_row_from_dram(c: &mut Criterion) {
     group.finish();
 }
 
+/// `quant_qmatmul`'s and `quant_one_row`'s Q4_0 and Q4_1 products with the
+/// weights packed into tiles, as a loaded model holds them where this CPU
+/// packs (`qmatmul::packs`).
+fn packed_projection(c: &mut Criterion) {
+    let mut group = c.benchmark_group("quant_packed");
+    group.sample_size(10);
+    let (inner, outs) = (576usize, 1536usize);
+    for kind in [QuantType::Q4_0, QuantType::Q4_1] {
+        if !packs(kind, outs) {
+            println!("{} is not packed on this CPU", kind.name());
+            continue;
+        }
+        let bytes = kind.row_bytes(inner).expect("whole blocks") * outs;
+        for (count, place) in [
+            (LAYERS, "cache"),
+            (160_000_000usize.div_ceil(bytes), "dram"),
+        ] {
+            let weights: Vec<Vec<u8>> = (0..count)
+                .map(|l| pack_tiles(kind, &quantized_weights(kind, outs, inner, l), outs, inner))
+                .collect();
+            let rows_set: &[usize] = if place == "dram" {
+                &[1]
+            } else {
+                &[1, 2, 4, 8, 16, 32, 128]
+            };
+            for &rows in rows_set {
+                let shape = QuantShape {
+                    kind,
+                    rows,
+                    inner,
+                    outs,
+                };
+                let x = inputs(rows * inner);
+                let mut y = vec![0.0f32; rows * outs];
+                let name = format!("{}_rows{rows}_{inner}x{outs}_x{count}_{place}", kind.name());
+                group.bench_function(name, |b| {
+                    b.iter(|| {
+                        for w in &weights {
+                            let prepared = Inputs::prepare(&shape, &x);
+                            let out = OutPtr::new(&mut y);
+                            for index in 0..tiles(&shape) {
+                                // SAFETY: shapes as built above; `w` packed; one thread.
+                                unsafe { tile_packed(&shape, &prepared, w, out, index) };
+                            }
+                            black_box(&y);
+                        }
+                    })
+                });
+            }
+        }
+    }
+    group.finish();
+}
+
 criterion_group!(
     benches,
     mlp_projection,
     quantized_projection,
+    packed_projection,
     two_thread_split,
     one_row_from_dram
 );

@@ -18,6 +18,7 @@ use std::hint::black_box;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use kvpage_core::kernels::expert_ffn::{expert_ffn, FfnShape, FfnWeights, Router};
 use kvpage_core::kernels::expert_matmul::{expert_qmatmul, ExpertShape, Routed};
 use kvpage_core::kernels::parallel::{Parallel, Sequential};
 use kvpage_core::kernels::quant::call::QuantShape;
@@ -178,5 +179,81 @@ fn q4k_top4(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, q4k_top4);
+/// `kvpage bench moe`'s layer (`python/kvpage/bench/moe_model.py`): 32 Q4_0
+/// experts of width 512 over hidden 1024, top-4, router in f32; one token
+/// through [`expert_ffn`] (router, gate and up, SwiGLU, down, weighted sum),
+/// `FFN_LAYERS` layers of weights (226 MB) so they come from memory. The
+/// throughput is the active experts' bytes: four experts' gate, up and down.
+fn moe_layer_one_token(c: &mut Criterion) {
+    const FFN_LAYERS: usize = 8;
+    const HIDDEN: usize = 1024;
+    const WIDTH: usize = 512;
+    let kind = QuantType::Q4_0;
+    let quantized = |rows: usize, inner: usize, seed: usize| -> Vec<u8> {
+        let mut bytes: Vec<u8> = (0..EXPERTS * rows * kind.row_bytes(inner).unwrap())
+            .map(|i| ((i.wrapping_mul(2654435761) + seed) >> 7) as u8)
+            .collect();
+        for block in bytes.chunks_exact_mut(kind.block_bytes()) {
+            block[..2].copy_from_slice(&0x1800u16.to_le_bytes()); // 2^-9
+        }
+        bytes
+    };
+    let layers: Vec<[Vec<u8>; 3]> = (0..FFN_LAYERS)
+        .map(|l| {
+            [
+                quantized(WIDTH, HIDDEN, 3 * l),
+                quantized(WIDTH, HIDDEN, 3 * l + 1),
+                quantized(HIDDEN, WIDTH, 3 * l + 2),
+            ]
+        })
+        .collect();
+    let routers: Vec<Vec<f32>> = (0..FFN_LAYERS)
+        .map(|l| {
+            (0..EXPERTS * HIDDEN)
+                .map(|i| (((i * 7919 + l * 104729) % 997) as f32 - 498.0) / 4980.0)
+                .collect()
+        })
+        .collect();
+    let shape = FfnShape {
+        tokens: 1,
+        hidden: HIDDEN,
+        width: WIDTH,
+        experts: EXPERTS,
+        top_k: TOP_K,
+    };
+    let active = FFN_LAYERS * TOP_K * 3 * WIDTH * kind.row_bytes(HIDDEN).unwrap();
+    let x: Vec<f32> = (0..HIDDEN)
+        .map(|i| ((i % 13) as f32 - 6.0) / 13.0)
+        .collect();
+    let mut y = vec![0.0f32; HIDDEN];
+    let mut group = c.benchmark_group("expert_ffn_q4_0_top4");
+    group.sample_size(20);
+    group.throughput(Throughput::Bytes(active as u64));
+    let threads: [(&str, &dyn Parallel); 2] = [("1thread", &Sequential), ("all_cores", &Claiming)];
+    for (name, parallel) in threads {
+        group.bench_function(format!("one_token_{name}_x{FFN_LAYERS}"), |b| {
+            b.iter(|| {
+                for ([gate, up, down], router) in layers.iter().zip(&routers) {
+                    let weights = FfnWeights {
+                        router,
+                        router_bias: &[],
+                        gate_up_kind: kind,
+                        gate,
+                        up,
+                        down_kind: kind,
+                        down,
+                        gate_up_packed: false,
+                        down_packed: false,
+                    };
+                    let router = Router::SoftmaxTopK { renormalize: true };
+                    expert_ffn(&shape, &weights, router, &x, 1, &mut y, parallel).unwrap();
+                    black_box(&y);
+                }
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, q4k_top4, moe_layer_one_token);
 criterion_main!(benches);

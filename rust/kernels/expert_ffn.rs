@@ -264,10 +264,12 @@ impl<'a> Products<'a> {
                 inner,
                 outs,
             };
-            inputs.push(Inputs::prepare(
-                &shape,
-                &x[rows.start * inner..rows.end * inner],
-            ));
+            let x = &x[rows.start * inner..rows.end * inner];
+            inputs.push(if packed {
+                Inputs::prepare_packed(&shape, x)
+            } else {
+                Inputs::prepare(&shape, x)
+            });
             shapes.push(shape);
         }
         Products {

@@ -8,7 +8,7 @@ use super::expert_matmul::{expert_qmatmul, ExpertShape, Routed};
 use super::guard_page::{Edge, Guarded};
 use super::parallel::{Parallel, ScopedThreads, Sequential};
 use super::quant::formats::QuantType;
-use super::quant::qmatmul::packs;
+use super::quant::qmatmul::{packed_matches_rows, packs};
 use super::quant::tests::random_weights;
 use super::quant::tiles::pack_tiles;
 use crate::test_rng::SplitMix64 as TestRng;
@@ -202,10 +202,13 @@ fn one_call_equals_routing_then_three_expert_calls() {
     }
 }
 
+/// The same bits where packed weights give their rows' bits
+/// (`qmatmul::packed_matches_rows`: AVX-512 VNNI), else the same results to the
+/// integer path's rounding; and with any thread count the same bits.
 #[test]
 fn experts_packed_into_tiles_give_the_same_bits() {
     if !packs(QuantType::Q4_0, 16) {
-        return; // no AVX-512 VNNI here
+        return; // no AVX2 here
     }
     let mut rng = TestRng::new(309);
     for kinds in [
@@ -218,10 +221,19 @@ fn experts_packed_into_tiles_give_the_same_bits() {
             let layer = Layer::random(&mut rng, s, kinds, true);
             let packed = layer.packed();
             let x = floats(&mut rng, tokens * s.hidden, 1.0);
+            let alone = packed.run(RULES[1], &x, tokens, &Sequential);
             for parallel in [&Sequential as &dyn Parallel, &ScopedThreads] {
                 let want = layer.run(RULES[1], &x, tokens, parallel);
                 let got = packed.run(RULES[1], &x, tokens, parallel);
-                assert_eq!(got, want, "{kinds:?} {s:?}");
+                assert_eq!(got, alone, "{kinds:?} {s:?}: thread count");
+                if packed_matches_rows(kinds.0) && packed_matches_rows(kinds.1) {
+                    assert_eq!(got, want, "{kinds:?} {s:?}");
+                } else {
+                    let scale = want.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
+                    for (g, w) in got.iter().zip(&want) {
+                        assert!((g - w).abs() <= 1e-3 * scale, "{kinds:?} {s:?}: {g} vs {w}");
+                    }
+                }
             }
         }
     }

@@ -50,6 +50,8 @@ pub mod formats;
 #[cfg(target_arch = "x86_64")]
 pub mod integer_avx512;
 #[cfg(target_arch = "x86_64")]
+pub mod lanes_avx2;
+#[cfg(target_arch = "x86_64")]
 pub mod lanes_avx512;
 #[cfg(target_arch = "x86_64")]
 mod panel_avx512;

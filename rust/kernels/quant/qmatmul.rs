@@ -50,6 +50,8 @@ use super::formats::{dequantize_row, unpack, QuantType, SubBlock, SUB};
 #[cfg(target_arch = "x86_64")]
 use super::integer_avx512::{self, VNNI_ROWS};
 #[cfg(target_arch = "x86_64")]
+use super::lanes_avx2;
+#[cfg(target_arch = "x86_64")]
 use super::lanes_avx512::{self, LANES_ROWS};
 #[cfg(target_arch = "x86_64")]
 use super::qmatmul_avx2 as avx2;
@@ -119,6 +121,18 @@ impl<'a> Inputs<'a> {
         } else {
             Vec::new()
         };
+        Inputs { x, integer }
+    }
+
+    /// Prepare `x` (validated for `shape`) for weights packed into tiles
+    /// ([`tile_packed`]): the lanes kernel that reads them takes every row
+    /// count, in blocks of [`packed_rows`] rows.
+    pub fn prepare_packed(shape: &QuantShape, x: &'a [f32]) -> Self {
+        let row_block = packed_rows(shape.kind) * shape.inner;
+        let integer = x
+            .chunks(row_block)
+            .map(|rows| Q16Rows::quantize(rows, rows.len() / shape.inner, shape.inner))
+            .collect();
         Inputs { x, integer }
     }
 
@@ -194,24 +208,55 @@ pub unsafe fn tile(
 pub fn packs(kind: QuantType, outs: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
     if super::tiles::packs(kind) && outs.is_multiple_of(OUTS_PER_TILE) {
-        return vectorized() && lanes_avx512::takes(kind);
+        return vectorized() && (lanes_avx512::takes(kind) || lanes_avx2::takes(kind));
     }
     let _ = (kind, outs);
     false
+}
+
+/// Whether `kind`'s weights packed into tiles give the bits of the same
+/// weights in rows (AVX-512 VNNI: one lanes kernel reads both; with AVX2 the
+/// rows keep the row-at-a-time kernel, `lanes_avx2.rs`).
+pub fn packed_matches_rows(kind: QuantType) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return lanes_avx512::takes(kind);
+    #[cfg(not(target_arch = "x86_64"))]
+    return {
+        let _ = kind;
+        false
+    };
+}
+
+/// Input rows per block of a call on weights packed into tiles: the rows of
+/// the lanes kernel that reads them (AVX-512 VNNI: 32; AVX2: 16).
+pub fn packed_rows(kind: QuantType) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if lanes_avx512::takes(kind) {
+        return LANES_ROWS;
+    }
+    let _ = kind;
+    #[cfg(target_arch = "x86_64")]
+    return lanes_avx2::LANES_ROWS;
+    #[cfg(not(target_arch = "x86_64"))]
+    return 1;
 }
 
 /// [`tile`] for weights packed into tiles (`tiles::pack_tiles`).
 ///
 /// # Safety
 /// As [`tile`], with [`packs`]`(shape.kind, shape.outs)`, `w` packed, and
-/// `inputs` from [`Inputs::prepare`] (the integer path).
+/// `inputs` from [`Inputs::prepare_packed`].
 pub unsafe fn tile_packed(shape: &QuantShape, inputs: &Inputs, w: &[u8], y: OutPtr, index: usize) {
     debug_assert!(packs(shape.kind, shape.outs) && !inputs.integer.is_empty());
     #[cfg(target_arch = "x86_64")]
     {
         let start = index * OUTS_PER_TILE;
         for (block, xq, y) in row_blocks(shape, inputs, y) {
-            lanes_avx512::tile_packed(&block, xq, w, y, start, start + OUTS_PER_TILE);
+            if lanes_avx512::takes(shape.kind) {
+                lanes_avx512::tile_packed(&block, xq, w, y, start, start + OUTS_PER_TILE);
+            } else {
+                lanes_avx2::tile_packed(&block, xq, w, y, start, start + OUTS_PER_TILE);
+            }
         }
     }
     #[cfg(not(target_arch = "x86_64"))]

@@ -51,7 +51,8 @@ pub(crate) fn random_weights(
 /// `scale * q` by the 16-bit inputs and `min` by the float ones; the float
 /// path reads float inputs throughout.
 fn reference(shape: &QuantShape, x: &[f32], w: &[u8], row_scales: &[f32]) -> Vec<f64> {
-    reference_of(shape, x, w, row_scales, folds_offset(shape.kind))
+    let integer = takes_integer_path(shape.kind, shape.rows);
+    reference_of(shape, x, w, row_scales, integer, folds_offset(shape.kind))
 }
 
 /// Whether the vectorized integer path for `kind` folds its offset into the
@@ -77,9 +78,9 @@ fn reference_of(
     x: &[f32],
     w: &[u8],
     row_scales: &[f32],
+    integer: bool,
     folds_offset: bool,
 ) -> Vec<f64> {
-    let integer = takes_integer_path(shape.kind, shape.rows);
     let kind = shape.kind;
     let row_bytes = kind.row_bytes(shape.inner).unwrap();
     let per_block = kind.block_elems() / SUB;
@@ -160,7 +161,8 @@ fn check(
         let mut y = vec![f32::NAN; shape.rows * shape.outs];
         compute(&shape, &x, &w, &row_scales, &mut y);
         let folds = vectorized && folds_offset(kind);
-        let want = reference_of(&shape, &x, &w, &row_scales, folds);
+        let integer = takes_integer_path(shape.kind, shape.rows);
+        let want = reference_of(&shape, &x, &w, &row_scales, integer, folds);
         let scale = want.iter().fold(1e-3f64, |m, v| m.max(v.abs()));
         for (i, (got, want)) in y.iter().zip(&want).enumerate() {
             assert!(
@@ -522,12 +524,16 @@ fn products_of_many_sub_blocks_match_the_reference_at_every_integer_row_count() 
     }
 }
 
+/// Packed weights give their rows' bits where [`qmatmul::packed_matches_rows`]
+/// (AVX-512 VNNI), else (AVX2) the float64 reference of the integer path (no
+/// offset folded) within its rounding; either way a row's result does not
+/// depend on the call's other rows.
 #[test]
 fn weights_packed_into_tiles_give_the_bits_of_their_rows() {
     use super::tiles::pack_tiles;
     use crate::kernels::guard_page::{Edge, Guarded};
     if !qmatmul::packs(QuantType::Q4_0, 16) {
-        return; // no AVX-512 VNNI here
+        return; // no AVX2 here
     }
     let mut rng = TestRng::new(611);
     for kind in [QuantType::Q4_0, QuantType::Q4_1] {
@@ -545,7 +551,39 @@ fn weights_packed_into_tiles_give_the_bits_of_their_rows() {
             let mut want = vec![0.0f32; rows * outs];
             qmatmul(&shape, &x, &w, &[], &mut want).unwrap();
             let packed = pack_tiles(kind, &w, outs, inner);
-            let inputs = Inputs::prepare(&shape, &x);
+            let inputs = Inputs::prepare_packed(&shape, &x);
+            let packed_product = |x: &[f32], shape: &QuantShape, w: &[u8]| {
+                let inputs = Inputs::prepare_packed(shape, x);
+                let mut y = vec![f32::NAN; shape.rows * outs];
+                let out = OutPtr::new(&mut y);
+                for index in 0..call::tiles(shape) {
+                    // SAFETY: shapes as validated by `qmatmul` above; one thread.
+                    unsafe { qmatmul::tile_packed(shape, &inputs, w, out, index) };
+                }
+                y
+            };
+            if !qmatmul::packed_matches_rows(kind) {
+                let exact = reference_of(&shape, &x, &w, &[], true, false);
+                let scale = exact.iter().fold(1e-3f64, |m, v| m.max(v.abs()));
+                let got = packed_product(&x, &shape, &packed);
+                for (i, (got, exact)) in got.iter().zip(&exact).enumerate() {
+                    assert!(
+                        (f64::from(*got) - exact).abs() <= 2e-5 * scale,
+                        "{kind:?} {rows}x{inner}x{outs} element {i}: {got} vs {exact}"
+                    );
+                }
+                // Each row alone: the bits it has among the others.
+                let one = QuantShape { rows: 1, ..shape };
+                for r in 0..rows {
+                    let alone = packed_product(&x[r * inner..][..inner], &one, &packed);
+                    assert_eq!(
+                        alone[..],
+                        got[r * outs..][..outs],
+                        "{kind:?} row {r} of {rows}"
+                    );
+                }
+                want = got;
+            }
             // The packed weights' first and last bytes against an unmapped page.
             for edge in Edge::BOTH {
                 let guarded = Guarded::new(&packed, edge);
