@@ -1,8 +1,9 @@
 """Q4_0 / Q4_1 weights packed into tiles of sixteen rows for the CPU kernels
 (``kvpage.quant.tiles``, ``kvpage.quant.packing``): the layout Rust's ``pack_tiles``
 describes, undone exactly in the step, and engines whose weights are packed (a MoE and a
-dense model) generating the same tokens and logprobs, bit for bit, as ones that keep
-GGUF's row order."""
+dense model) generating the same tokens and logprobs as ones that keep GGUF's row order:
+bit for bit with AVX-512 VNNI, where one kernel reads both layouts; with AVX2 alone the
+rows keep the row-at-a-time kernel, so the two agree to the integer path's rounding."""
 
 from __future__ import annotations
 
@@ -14,6 +15,26 @@ import numpy as np
 import pytest
 from kvpage.quant.tiles import PACKED_KINDS, can_pack, pack_tiles, unpack_tiles
 from kvpage.quant.weights import QuantizedWeight
+
+NO_PACKED_KERNEL = "this CPU has no kernel for packed tiles (AVX2 or AVX-512 VNNI)"
+
+
+def same_bits(kind: str) -> bool:
+    """Whether packed weights give their rows' bits here (the core's lanes kernel reads
+    both layouts: AVX-512 VNNI, where products of any row count take the integer path)."""
+    from kvpage.kernels.host.cpu_qmatmul import integer_blocks
+
+    return integer_blocks(kind)
+
+
+def assert_agree(got: np.ndarray, want: np.ndarray, kind: str) -> None:
+    """Equal bits where :func:`same_bits`, else equal to the integer path's rounding
+    (16-bit inputs: ~1.5e-5 of each input) relative to the largest magnitude."""
+    if same_bits(kind):
+        np.testing.assert_array_equal(got, want)
+    else:
+        scale = max(float(np.abs(want).max()), 1e-3)
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * scale)
 
 SMALL = dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, experts=8, top_k=2,
              expert_width=32, vocab=512, context=256)
@@ -68,13 +89,14 @@ def test_a_packed_weight_dequantizes_as_its_rows() -> None:
 @pytest.mark.parametrize("rows", [1, 6, 40, 600])
 def test_packed_products_equal_their_rows_on_every_path(kind: str, rows: int) -> None:
     """One weight and a q/k/v group, packed or not, through ``matmul_nt`` / ``linears``
-    with the host kernels on: the same bits (600 rows: the dequantize path, in rows)."""
+    with the host kernels on: the same results (:func:`assert_agree`; 600 rows: the
+    dequantize path, the same bits everywhere)."""
     import jax
     from kvpage.model.linear import linears
     from kvpage.model.linear_kernels import host_matmuls
 
     if not can_pack(kind, 16):
-        pytest.skip("this CPU has no kernel for packed tiles (AVX-512 VNNI)")
+        pytest.skip(NO_PACKED_KERNEL)
     shapes = [(48, 64), (16, 64), (16, 64)]
     plain = [QuantizedWeight(jnp.asarray(random_blocks(kind, s, i)), kind, s)
              for i, s in enumerate(shapes)]
@@ -89,7 +111,20 @@ def test_packed_products_equal_their_rows_on_every_path(kind: str, rows: int) ->
             return [np.asarray(y) for y in f(x)]
 
     for got, want in zip(run(packed), run(plain), strict=True):
-        np.testing.assert_array_equal(got, want)
+        if rows >= 600:
+            np.testing.assert_array_equal(got, want)
+        else:
+            assert_agree(got, want, kind)
+
+
+def assert_logprobs_agree(got: list, want: list, kind: str) -> None:
+    """The same logprobs: bit for bit where :func:`same_bits`, else within 5e-3 (a
+    random model's logits amplify the rounding: 1.7e-3 seen on a Zen 3, 2026-11-29)."""
+    if same_bits(kind):
+        assert got == want
+    else:
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, w, rtol=0, atol=5e-3)
 
 
 def _generate(path: Path, monkeypatch: pytest.MonkeyPatch, pack: bool
@@ -108,13 +143,13 @@ def _generate(path: Path, monkeypatch: pytest.MonkeyPatch, pack: bool
     return tokens, logprobs, llm.engine.runner.params
 
 
-def test_an_engine_with_packed_experts_generates_the_same_bits(
+def test_an_engine_with_packed_experts_generates_the_same_tokens(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from kvpage.bench.moe_model import MoEShape, write_random_moe_gguf
 
     if not can_pack("q4_0", 32):
-        pytest.skip("this CPU has no kernel for packed tiles (AVX-512 VNNI)")
+        pytest.skip(NO_PACKED_KERNEL)
     path = write_random_moe_gguf(tmp_path / "moe.gguf", MoEShape(**SMALL))
 
     def layouts(params: dict) -> set[str]:
@@ -125,10 +160,11 @@ def test_an_engine_with_packed_experts_generates_the_same_bits(
     assert layouts(params) == {"tiles16"}
     rows_tokens, rows_logprobs, rows_params = _generate(path, monkeypatch, pack=False)
     assert layouts(rows_params) == {"rows"}
-    assert (tokens, logprobs) == (rows_tokens, rows_logprobs)
+    assert tokens == rows_tokens
+    assert_logprobs_agree(logprobs, rows_logprobs, "q4_0")
 
 
-def test_a_dense_engine_with_packed_projections_generates_the_same_bits(
+def test_a_dense_engine_with_packed_projections_generates_the_same_tokens(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """q/k/v in Q4_0 (one packed call), gate/up in Q4_1 packed; the Q8_0 embedding and
@@ -139,7 +175,7 @@ def test_a_dense_engine_with_packed_projections_generates_the_same_bits(
     from model_fixtures import build_hf_model
 
     if not can_pack("q4_0", 16):
-        pytest.skip("this CPU has no kernel for packed tiles (AVX-512 VNNI)")
+        pytest.skip(NO_PACKED_KERNEL)
     model = build_hf_model("llama", seed=5, vocab_size=TOKENIZER_VOCAB, intermediate_size=128,
                            tie_word_embeddings=False, num_hidden_layers=2)
     quant = {"token_embd.weight": "Q8_0", "attn_q.weight": "Q4_0", "attn_k.weight": "Q4_0",
@@ -162,7 +198,8 @@ def test_a_dense_engine_with_packed_projections_generates_the_same_bits(
                                "lm_head": lm_head, "embed": "rows"}
     rows_tokens, rows_logprobs, rows_params = _generate(path, monkeypatch, pack=False)
     assert set(layouts(rows_params).values()) == {"rows"}
-    assert (tokens, logprobs) == (rows_tokens, rows_logprobs)
+    assert tokens == rows_tokens
+    assert_logprobs_agree(logprobs, rows_logprobs, "q4_0")
 
 
 def test_experts_no_one_host_call_reads_stay_in_rows() -> None:
@@ -171,7 +208,7 @@ def test_experts_no_one_host_call_reads_stay_in_rows() -> None:
     from kvpage.quant.packing import pack_weights
 
     if not can_pack("q4_0", 32):
-        pytest.skip("this CPU has no kernel for packed tiles (AVX-512 VNNI)")
+        pytest.skip(NO_PACKED_KERNEL)
 
     def weight(shape: tuple[int, ...]) -> dict:
         return {"weight": QuantizedWeight(jnp.asarray(random_blocks("q4_0", shape)), "q4_0",
