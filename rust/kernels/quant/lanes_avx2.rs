@@ -129,8 +129,9 @@ unsafe fn factors<F: Nibbles>(d: __m256, m: __m256) -> (__m256, __m256) {
 }
 
 /// The nibbles of a block of eight rows, `t` as packed (register `q`, lane
-/// `o`: row `o`'s bytes `4q..4q + 4`), one weight a byte: register `j`, lane `o` holds row `o`'s weights `4j..4j + 4` (the low
-/// nibbles of bytes `0..16` are weights `0..16`, the high ones `16..32`).
+/// `o`: row `o`'s bytes `4q..4q + 4`), one weight a byte: register `j`, lane
+/// `o` holds row `o`'s weights `4j..4j + 4` (the low nibbles of bytes `0..16`
+/// are weights `0..16`, the high ones `16..32`).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn nibble_quads(t: &[__m256i; 4]) -> [__m256i; 8] {
