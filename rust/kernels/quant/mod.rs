@@ -28,7 +28,8 @@
 //! - [`dequantize`]: the float weights, for products of many rows.
 //! - [`tiles`]: Q4_0 and Q4_1 weights packed into tiles of sixteen rows, the
 //!   order [`lanes_avx512`]'s registers hold them in (read by its
-//!   `tile_packed`), and back.
+//!   `tile_packed`; with AVX2 alone by [`lanes_avx2`], eight rows a register),
+//!   and back.
 //!
 //! Invariants:
 //! - a weight buffer has exactly `outs * row_bytes(inner)` bytes and `inner` is a

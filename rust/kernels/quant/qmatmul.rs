@@ -35,6 +35,11 @@
 //!   ([`crate::kernels::cpu_matmul`]): the expansion is shared by every row, so
 //!   the cost per row is the float kernel's and no input precision is lost.
 //!
+//! Weights packed into tiles ([`tile_packed`]) take a lanes kernel at every row
+//! count, in blocks of [`packed_rows`]: `lanes_avx512.rs` with AVX-512 VNNI (the
+//! same bits as the weights' rows), `lanes_avx2.rs` with AVX2 alone (the rows
+//! keep the kernels above there, so the two agree to rounding).
+//!
 //! A row's result therefore depends on whether its call takes the integer path
 //! (as XLA's own dot differs between shapes); within a path it does not depend
 //! on the other rows. [`Inputs::float_path`] takes the float path for any row
