@@ -164,11 +164,7 @@ unsafe fn run_qmatmul(frame: &CallFrame, kind: QuantType, path: Path) -> Result<
         return Ok(());
     }
     let x_s = &x_s[..live * product.shape.inner];
-    let inputs = match path {
-        Path::Invariant => Inputs::float_path(x_s),
-        Path::Tiles => Inputs::prepare_packed(&product.shape, x_s),
-        Path::Rows => Inputs::prepare(&product.shape, x_s),
-    };
+    let inputs = path.inputs(&product.shape, x_s);
     let Product {
         shape,
         w,
@@ -203,6 +199,15 @@ impl Path {
             ));
         }
         Ok(())
+    }
+
+    /// `x` (validated for `shape`) as this path's kernels read it.
+    fn inputs<'a>(self, shape: &QuantShape, x: &'a [f32]) -> Inputs<'a> {
+        match self {
+            Path::Rows => Inputs::prepare(shape, x),
+            Path::Invariant => Inputs::float_path(x),
+            Path::Tiles => Inputs::prepare_packed(shape, x),
+        }
     }
 
     /// Tile `index` of a product on this path.
@@ -266,11 +271,7 @@ unsafe fn run_qmatmul_multi(frame: &CallFrame, kind: QuantType, path: Path) -> R
     }
     let x_s = &x_s[..live * products[0].shape.inner];
     // Every product has x's rows and inner size, and `kind`: one preparation.
-    let inputs = if path == Path::Tiles {
-        Inputs::prepare_packed(&products[0].shape, x_s)
-    } else {
-        Inputs::prepare(&products[0].shape, x_s)
-    };
+    let inputs = path.inputs(&products[0].shape, x_s);
     let mut first_tiles = Vec::with_capacity(count + 1);
     first_tiles.push(0);
     for product in &products {

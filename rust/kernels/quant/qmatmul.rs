@@ -119,10 +119,7 @@ impl<'a> Inputs<'a> {
     /// float panel is left to kernels of one row.
     pub fn prepare(shape: &QuantShape, x: &'a [f32]) -> Self {
         let integer = if takes_integer_path(shape.kind, shape.rows) {
-            let row_block = integer_rows(shape.kind) * shape.inner;
-            x.chunks(row_block)
-                .map(|rows| Q16Rows::quantize(rows, rows.len() / shape.inner, shape.inner))
-                .collect()
+            quantized_blocks(x, shape.inner, integer_rows(shape.kind))
         } else {
             Vec::new()
         };
@@ -133,11 +130,7 @@ impl<'a> Inputs<'a> {
     /// ([`tile_packed`]): the lanes kernel that reads them takes every row
     /// count, in blocks of [`packed_rows`] rows.
     pub fn prepare_packed(shape: &QuantShape, x: &'a [f32]) -> Self {
-        let row_block = packed_rows(shape.kind) * shape.inner;
-        let integer = x
-            .chunks(row_block)
-            .map(|rows| Q16Rows::quantize(rows, rows.len() / shape.inner, shape.inner))
-            .collect();
+        let integer = quantized_blocks(x, shape.inner, packed_rows(shape.kind));
         Inputs { x, integer }
     }
 
@@ -149,6 +142,13 @@ impl<'a> Inputs<'a> {
             integer: Vec::new(),
         }
     }
+}
+
+/// The rows of `x` (`inner` inputs each) quantized in blocks of `rows` rows.
+fn quantized_blocks(x: &[f32], inner: usize, rows: usize) -> Vec<Q16Rows> {
+    x.chunks(rows * inner)
+        .map(|block| Q16Rows::quantize(block, block.len() / inner, inner))
+        .collect()
 }
 
 /// `y = x · dequant(w)ᵀ` on the calling thread.
