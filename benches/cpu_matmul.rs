@@ -273,7 +273,7 @@ fn packed_projection(c: &mut Criterion) {
                 group.bench_function(name, |b| {
                     b.iter(|| {
                         for w in &weights {
-                            let prepared = Inputs::prepare(&shape, &x);
+                            let prepared = Inputs::prepare_packed(&shape, &x);
                             let out = OutPtr::new(&mut y);
                             for index in 0..tiles(&shape) {
                                 // SAFETY: shapes as built above; `w` packed; one thread.
