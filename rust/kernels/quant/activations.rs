@@ -118,13 +118,7 @@ impl Q16Rows {
         unsafe fn tree_sum(v: __m512) -> f32 {
             let low = _mm512_castps512_ps256(v);
             let high = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
-            let eight = _mm256_add_ps(low, high);
-            let four = _mm_add_ps(
-                _mm256_castps256_ps128(eight),
-                _mm256_extractf128_ps::<1>(eight),
-            );
-            let two = _mm_add_ps(four, _mm_movehl_ps(four, four));
-            _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps::<1>(two, two)))
+            tree_sum_of_eight(_mm256_add_ps(low, high))
         }
         let (low_limit, high_limit) = (_mm512_set1_epi32(-32767), _mm512_set1_epi32(32767));
         for b in 0..self.d.len() {
@@ -179,18 +173,6 @@ impl Q16Rows {
     #[target_feature(enable = "avx2,fma")]
     unsafe fn fill_avx2(&mut self, x: &[f32]) {
         use std::arch::x86_64::*;
-        /// [`tree_sum16`] of `a` (inputs `0..8`) and `b` (`8..16`).
-        #[inline]
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn tree_sum(a: __m256, b: __m256) -> f32 {
-            let eight = _mm256_add_ps(a, b);
-            let four = _mm_add_ps(
-                _mm256_castps256_ps128(eight),
-                _mm256_extractf128_ps::<1>(eight),
-            );
-            let two = _mm_add_ps(four, _mm_movehl_ps(four, four));
-            _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps::<1>(two, two)))
-        }
         /// `packs`/`packus` interleave the 128-bit halves: put them back.
         const IN_ORDER: i32 = 0b11_01_10_00;
         let sign = _mm256_set1_ps(-0.0);
@@ -276,7 +258,10 @@ impl Q16Rows {
                     _mm_cvtsi128_si32(_mm_add_epi32(two, _mm_shuffle_epi32::<1>(two)));
             }
             self.d[b] = d;
-            let (first, second) = (tree_sum(v[0], v[1]), tree_sum(v[2], v[3]));
+            let (first, second) = (
+                tree_sum_of_eight(_mm256_add_ps(v[0], v[1])),
+                tree_sum_of_eight(_mm256_add_ps(v[2], v[3])),
+            );
             self.half_sums[2 * b] = first;
             self.half_sums[2 * b + 1] = second;
             self.sums[b] = first + second;
@@ -311,6 +296,24 @@ fn tree_sum16(x: &[f32]) -> f32 {
         }
     }
     v[0]
+}
+
+/// The last three levels of [`tree_sum16`] (`+ 4`, `+ 2`, `+ 1` apart) of
+/// `eight`, its first level (`x[i] + x[i + 8]`) already added.
+///
+/// # Safety
+/// The CPU has AVX2.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn tree_sum_of_eight(eight: std::arch::x86_64::__m256) -> f32 {
+    use std::arch::x86_64::*;
+    let four = _mm_add_ps(
+        _mm256_castps256_ps128(eight),
+        _mm256_extractf128_ps::<1>(eight),
+    );
+    let two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps::<1>(two, two)))
 }
 
 /// Whether [`Q16Rows::quantize`] runs its AVX-512 loop: the CPU has AVX-512 F
