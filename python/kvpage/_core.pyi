@@ -25,6 +25,8 @@ __all__ = [
     "byte_level_token_bytes",
     "prefix_block_hashes",
     "quant_formats",
+    "set_cpu_input_bits",
+    "cpu_input_bits",
 ]
 
 @final
@@ -315,3 +317,5 @@ def prefix_block_hashes(token_ids: Sequence[int], block_size: int,
                         salt: str | None = None) -> npt.NDArray[np.uint64]: ...
 
 def quant_formats() -> list[tuple[int, str, int, int, bool, str | None]]: ...
+def set_cpu_input_bits(bits: int) -> None: ...
+def cpu_input_bits() -> int: ...

@@ -17,7 +17,7 @@ SMALL = MoEShape(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, experts=
 
 
 def test_random_moe_file_loads_as_quantized_qwen3_moe_and_generates(tmp_path: Path) -> None:
-    from kvpage import LLM, SamplingParams
+    from kvpage import LLM, SamplingParams, _core
     from kvpage.model.gguf_loader import load_gguf
     from kvpage.quant.weights import QuantizedWeight
 
@@ -32,11 +32,17 @@ def test_random_moe_file_loads_as_quantized_qwen3_moe_and_generates(tmp_path: Pa
     for name in ("gate_proj", "down_proj"):
         w = np.asarray(params["layers"][0]["mlp"]["experts"][name]["weight"].dequantize())
         assert abs(float(w.mean())) < 0.02 * float(w.std()), name
-    llm = LLM(str(path), max_model_len=64, max_num_seqs=8, num_gpu_blocks=64, block_size=8)
+    # As bench moe's second server runs it: 8-bit inputs (``--cpu-input-bits 8``).
+    llm = LLM(str(path), max_model_len=64, max_num_seqs=8, num_gpu_blocks=64, block_size=8,
+              cpu_input_bits=8)
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(0, 257, 6).tolist()} for _ in range(8)]
-    out = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
-                       use_tqdm=False)
+    try:
+        assert _core.cpu_input_bits() == 8
+        out = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0,
+                                                   ignore_eos=True), use_tqdm=False)
+    finally:
+        _core.set_cpu_input_bits(16)
     assert all(len(o.outputs[0].token_ids) == 6 for o in out)
     last = {o.outputs[0].token_ids[-1] for o in out}
     assert len(last) >= 4, f"greedy continuations collapsed to {sorted(last)}"

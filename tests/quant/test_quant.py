@@ -102,6 +102,55 @@ def test_cpu_kernel_matches_dequantize_then_matmul(kind: str, rows: int) -> None
     assert np.abs(got - want).max() <= tolerance * scale
 
 
+def eight_bit(x: np.ndarray) -> np.ndarray:
+    """``x`` rounded as 8-bit inputs per block of 32: ``d8 = max|x| / 127``,
+    ``round(x / d8) · d8`` (llama.cpp's ``q8`` rounding, ties to even)."""
+    blocks = x.reshape(*x.shape[:-1], -1, 32).astype(np.float32)
+    d8 = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)
+    inverse = np.where(d8 == 0, np.float32(0), np.float32(1) / np.where(d8 == 0, 1, d8))
+    q = np.clip(np.rint(blocks * inverse.astype(np.float32)), -127, 127)
+    return (q * d8).reshape(x.shape)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_eight_bit_inputs_are_llama_cpps_rounding_until_set_back(rows: int) -> None:
+    """``set_cpu_input_bits(8)`` (``EngineConfig.cpu_input_bits``): the integer path's
+    products are those of the 8-bit inputs (Q8_0: no offset, the same on every path),
+    ~1e-3 away from the 16-bit ones; 16 restores them."""
+    from kvpage import _core
+    from kvpage.engine.config import EngineConfig
+
+    if rows > cpu_qmatmul.integer_rows("q8_0") and not cpu_qmatmul.integer_blocks("q8_0"):
+        pytest.skip("this CPU's integer path takes one row (no AVX2)")
+    inner, outs = 512, 48
+    rng = np.random.default_rng(rows)
+    weight = QuantizedWeight(jnp.asarray(stored_blocks("Q8_0", (outs, inner), rows)), "q8_0",
+                             (outs, inner))
+    x = rng.standard_normal((rows, inner)).astype(np.float32)
+    dequantized = np.asarray(weight.dequantize(), np.float64)
+
+    def product() -> np.ndarray:
+        with host_matmuls(True):
+            return np.asarray(jax.jit(lambda x, w: matmul_nt(x, w))(jnp.asarray(x), weight))
+
+    assert _core.cpu_input_bits() == 16
+    sixteen = product()
+    try:
+        _core.set_cpu_input_bits(8)
+        got = product()
+    finally:
+        _core.set_cpu_input_bits(16)
+    want = eight_bit(x).astype(np.float64) @ dequantized.T
+    scale = np.abs(want).max()
+    assert np.abs(got - want).max() <= 1e-5 * scale
+    assert 1e-5 * scale < np.abs(got - sixteen).max() < 2e-2 * scale
+    np.testing.assert_array_equal(product(), sixteen)
+    with pytest.raises(ValueError, match="input bits must be 8 or 16, got 4"):
+        _core.set_cpu_input_bits(4)
+    with pytest.raises(ValueError, match="cpu_input_bits must be one of"):
+        EngineConfig(model="m", cpu_input_bits=4)
+
+
 @pytest.mark.parametrize("kind", ["q4_1", "int8"])
 def test_the_cpu_kernel_leaves_padding_rows_out(kind: str) -> None:
     """Rows past the live count are zeros; the live ones are the full product's (a live

@@ -6,6 +6,10 @@ in its own process on this machine, all up at once and taking turns at each leve
 
 * ``kvpage serve`` with its defaults: the experts run only where tokens are routed
   (the Rust expert kernel streams each routed expert's blocks once per step);
+* ``kvpage serve --cpu-input-bits 8``: the same, its inputs to the quantized products
+  rounded to 8 bits per block as llama.cpp rounds them (its ``q8`` inputs; kvpage's
+  default keeps 16), the packed 4-bit kernels' multiply-adds halved
+  (``--input-bits 16`` leaves it out);
 * ``kvpage serve`` computing every expert for every token
   (``KVPAGE_MOE_DENSE_COMPUTE=1``): the same model's dense-compute equivalent;
 * llama.cpp's ``llama-server`` on the same file (``--llama-server PATH``, else on PATH;
@@ -13,7 +17,8 @@ in its own process on this machine, all up at once and taking turns at each leve
 
 At each ``--concurrency`` level the same fixed-length requests go through the same
 streaming client (a warm-up round, then the timed round), ``ignore_eos``. Printed:
-generated tokens per second, the ratios kvpage / llama.cpp and routed / dense, and the
+generated tokens per second, the ratios kvpage / llama.cpp (each input precision) and
+routed / dense, and the
 bytes per decode token: the active experts' bytes (``top_k`` experts per layer) against
 the expert bytes the routed kernel streams (each distinct routed expert once per step,
 so at batch 1 exactly the active experts; at batch ``B`` the expected number of
@@ -32,6 +37,10 @@ from typing import Any
 
 from kvpage.bench.common import format_table, synthetic_requests
 from kvpage.bench.moe_model import MoEShape, write_random_moe_gguf
+
+ROUTED = "kvpage (routed)"
+ROUTED_8_BIT = "kvpage (routed, 8-bit inputs)"
+DENSE = "kvpage (dense compute)"
 
 
 def expert_traffic(shape: MoEShape, batch: int) -> dict[str, float]:
@@ -69,13 +78,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     context = args.input_len + args.output_len + 16
     servers: list[Server] = []
     try:
-        for name, env in (("kvpage (routed)", {}),
-                          ("kvpage (dense compute)", {MOE_DENSE_COMPUTE_ENV: "1"})):
+        kvpage_servers = [(ROUTED, "routed", 16, {})]
+        if 8 in args.input_bits:
+            kvpage_servers.append((ROUTED_8_BIT, "routed-8-bit", 8, {}))
+        kvpage_servers.append((DENSE, "dense", 16, {MOE_DENSE_COMPUTE_ENV: "1"}))
+        for name, log, bits, env in kvpage_servers:
             port = free_port()
             command = kvpage_serve_command(model, port, "--max-num-seqs", str(top),
-                                           "--warmup", "full")
+                                           "--warmup", "full", "--cpu-input-bits", str(bits))
             servers.append(Server(name, command, f"http://127.0.0.1:{port}",
-                                  workdir / f"{name.split()[1][1:]}.log", env=env))
+                                  workdir / f"{log}.log", env=env))
             servers[-1].wait_ready()  # one compile at a time
         binary = args.llama_server or shutil.which("llama-server")
         if binary is None:
@@ -99,18 +111,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def print_table(result: dict[str, Any]) -> None:
     by_name = {s["server"]: s for s in result["servers"]}
-    routed = by_name.get("kvpage (routed)")
-    dense = by_name.get("kvpage (dense compute)")
-    llama = by_name.get("llama.cpp")
     rows = []
     for level in result["concurrency"]:
-        r, d, ll = (None if server is None else server["levels"][level]["output_tok_s"]
-                    for server in (routed, dense, llama))
+        r, r8, d, ll = (by_name[name]["levels"][level]["output_tok_s"]
+                        if name in by_name else None
+                        for name in (ROUTED, ROUTED_8_BIT, DENSE, "llama.cpp"))
         t = result["traffic"][level]
         rows.append([
             level,
-            f"{r:.1f}" if r else "-", f"{d:.1f}" if d else "-", f"{ll:.1f}" if ll else "-",
-            f"{r / ll:.2f}x" if r and ll else "-", f"{r / d:.2f}x" if r and d else "-",
+            f"{r:.1f}" if r else "-", f"{r8:.1f}" if r8 else "-", f"{d:.1f}" if d else "-",
+            f"{ll:.1f}" if ll else "-",
+            f"{r / ll:.2f}x" if r and ll else "-", f"{r8 / ll:.2f}x" if r8 and ll else "-",
+            f"{r / d:.2f}x" if r and d else "-",
             f"{t['active_mb']:.1f}", f"{t['streamed_mb']:.1f} ({t['streamed_over_active']:.2f}x)",
         ])
     shape = result["model"]["shape"]
@@ -118,8 +130,9 @@ def print_table(result: dict[str, Any]) -> None:
           f"{shape['layers']} layers, hidden {shape['hidden']}, expert width "
           f"{shape['expert_width']}, {shape['kind']} ({result['model']['file_mb']:.0f} MB)")
     print(format_table(
-        ["concurrency", "kvpage tok/s", "dense-compute tok/s", "llama.cpp tok/s",
-         "kvpage / llama.cpp", "routed / dense", "active expert MB/token",
+        ["concurrency", "kvpage tok/s", "8-bit inputs tok/s", "dense-compute tok/s",
+         "llama.cpp tok/s", "kvpage / llama.cpp", "8-bit / llama.cpp", "routed / dense",
+         "active expert MB/token",
          "expert MB streamed/token"],
         rows,
     ))
@@ -141,6 +154,9 @@ def add_parser(sub: Any) -> None:
                    help="requests in flight")
     p.add_argument("--kind", default="Q4_0", choices=["Q4_0", "Q8_0"],
                    help="block format of the random weights")
+    p.add_argument("--input-bits", type=int, nargs="+", default=[16, 8], choices=[16, 8],
+                   help="input precisions of the routed kvpage servers (--cpu-input-bits): "
+                   "16 (the default server) always, 8 (llama.cpp's) unless left out")
     p.add_argument("--input-len", type=int, default=32, help="prompt tokens per request")
     p.add_argument("--output-len", type=int, default=64, help="generated tokens per request")
     p.add_argument("--seed", type=int, default=0, help="weights and workload seed")

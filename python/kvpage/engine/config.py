@@ -20,6 +20,7 @@ POLICIES = ("fcfs", "priority", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = DTYPES
 WARMUP_MODES = ("none", "background", "full")
+CPU_INPUT_BITS = (16, 8)
 
 
 @dataclass(slots=True)
@@ -56,6 +57,11 @@ class EngineConfig:
     """Element type of the KV pools (:func:`kvpage.runner.kv_cache.resolve_kv_cache_dtype`):
     ``"auto"`` is float16 when quantized weights run on CPU (as llama.cpp keeps its cache:
     half the bytes each decode step reads), else the weights' dtype."""
+    cpu_input_bits: int = 16
+    """Bits a host CPU kernel keeps of each input to a quantized (GGUF) product, per block
+    of 32: 16, or 8 for llama.cpp's numerics (its ``q8`` inputs), which halves the packed
+    4-bit kernels' multiply-adds at an input rounding of ~4e-3 instead of ~1.5e-5 (near-tied
+    greedy tokens can flip). Process-wide: the last engine built sets it."""
     num_scheduler_steps: int | None = None
     """Most decode steps one device call runs (multi-step scheduling,
     :mod:`kvpage.runner.multi_step`): small pure-decode batches sample several tokens per
@@ -153,6 +159,10 @@ speculative_config`): e.g. ``{"method": "ngram", "num_speculative_tokens": 15}``
             self.warmup = "full" if self.warmup else "none"
         if self.warmup not in WARMUP_MODES:
             raise ValueError(f"warmup must be one of {WARMUP_MODES}, got {self.warmup!r}")
+        if self.cpu_input_bits not in CPU_INPUT_BITS:
+            raise ValueError(
+                f"cpu_input_bits must be one of {CPU_INPUT_BITS}, got {self.cpu_input_bits!r}"
+            )
         if not 0 <= self.max_logprobs <= 1024:
             raise ValueError(f"max_logprobs must be in [0, 1024], got {self.max_logprobs!r}")
 
@@ -308,6 +318,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=KV_CACHE_DTYPES,
         help="KV cache element type: auto (float16 with quantized weights on CPU, else the "
         "weights' dtype), float32, bfloat16 or float16",
+    )
+    g.add_argument(
+        "--cpu-input-bits",
+        type=int,
+        default=d.cpu_input_bits,
+        choices=CPU_INPUT_BITS,
+        help="bits the CPU kernels keep of each input to a quantized product: 16, or 8 "
+        "(llama.cpp's numerics: faster 4-bit products, inputs rounded to ~4e-3)",
     )
     g.add_argument(
         "--num-scheduler-steps",

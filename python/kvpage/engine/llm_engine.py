@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvpage._core import Scheduler, TokenDecoder
+from kvpage._core import Scheduler, TokenDecoder, set_cpu_input_bits
 from kvpage.engine.config import EngineConfig
 from kvpage.engine.context import EngineContext
 from kvpage.engine.draft_model import DraftModelProposer, draft_engine_config
@@ -110,6 +110,7 @@ class LLMEngine:
         self.model_config = model_config
         self.max_model_len = config.resolve_max_model_len(model_config.max_position_embeddings)
         self.compilation_cache_dir = enable_compilation_cache(config.compilation_cache_dir)
+        set_cpu_input_bits(config.cpu_input_bits)  # process-wide (EngineConfig)
         compiles_before = compile_counts()
         self.kv_cache_dtype = config.kv_cache_dtype
         """The KV pools' element type (what ``"auto"`` resolved to, when the engine built

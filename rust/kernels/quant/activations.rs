@@ -1,10 +1,15 @@
 //! The input rows of a one-row quantized product, in 16 bits per block of 32.
 //!
-//! Owns [`Q16Rows`]: each block of 32 inputs becomes `q = round(x / d)` with
-//! `d = max|x| / 32767` (ties to even), so the weights' integers multiply them
-//! with integer multiply-adds, at a relative rounding error of ~1.5e-5 per
-//! input (8-bit inputs, llama.cpp's choice, lose ~4e-3: enough to flip near-tied
-//! greedy tokens). Beside them, the float sums of each half block (added in a
+//! Owns [`Q16Rows`] and the process's [`cpu_input_bits`]: each block of 32 inputs
+//! becomes `q = round(x / d)` with `d = max|x| / 32767` (ties to even), so the
+//! weights' integers multiply them with integer multiply-adds, at a relative
+//! rounding error of ~1.5e-5 per input. With [`set_cpu_input_bits`]`(8)` (opt-in:
+//! llama.cpp's numerics for 4-bit weights) a block keeps 8 bits, `q8 =
+//! round(x / d8)` with `d8 = max|x| / 127`, stored as `q = 256 · q8` and `d =
+//! d8 / 256` (the same products; exact unless `d8 / 256` is subnormal): every
+//! kernel reads it unchanged and the lanes kernels skip the zero low bytes,
+//! half their multiply-adds, for a rounding error of ~4e-3 (enough to flip
+//! near-tied greedy tokens, hence not the default). Beside them, the float sums of each half block (added in a
 //! fixed tree order) and each block, for the weights' offsets. Quantized once
 //! per call, read by every weight row; with AVX2 eight lanes at a time, with
 //! AVX-512 sixteen, to the same bits (quantizing a decode step's inputs one
@@ -14,14 +19,35 @@
 //! Invariant: `q` (and its bytes `high`, `low`), `d` (and `sums`,
 //! `high_sums`) and `half_sums` have `rows * inner`, `rows * inner / 32` and
 //! `rows * inner / 16` entries; `q == 256 * high + low` everywhere and
-//! `high_sums` sums each block's `high`; a block of zeros has `d = 0` and
-//! `q = 0`;
+//! `high_sums` sums each block's `high`; with `bits == 8` every `low` is 0;
+//! a block of zeros has `d = 0` and `q = 0`;
 //! `|q| <= 32767`, so a sum of 32 products with weights `|w| <= 128` fits in i32;
 //! a block holding a NaN or an infinity has `d = NaN`, so every product of its
 //! row is NaN, as the float path's is (`f32::max` skips NaN and NaN casts to 0:
 //! a NaN input would otherwise vanish from a one-row product).
 
+use std::sync::atomic::{AtomicU32, Ordering};
+
 use super::formats::SUB;
+
+/// Bits each quantized input keeps: 16 (the default) or 8 ([`set_cpu_input_bits`]).
+static INPUT_BITS: AtomicU32 = AtomicU32::new(16);
+
+/// The input bits of the products this process runs from now on (module
+/// docs): 16, or 8 for llama.cpp's numerics at half the lanes kernels'
+/// multiply-adds. `Err` names any other value.
+pub fn set_cpu_input_bits(bits: u32) -> Result<(), String> {
+    if bits != 8 && bits != 16 {
+        return Err(format!("input bits must be 8 or 16, got {bits}"));
+    }
+    INPUT_BITS.store(bits, Ordering::Relaxed);
+    Ok(())
+}
+
+/// The input bits [`Q16Rows::quantize`] uses now ([`set_cpu_input_bits`]).
+pub fn cpu_input_bits() -> u32 {
+    INPUT_BITS.load(Ordering::Relaxed)
+}
 
 /// `rows` rows of `inner` inputs (a multiple of 32), quantized.
 pub struct Q16Rows {
@@ -41,15 +67,28 @@ pub struct Q16Rows {
     pub low: Vec<u8>,
     /// The sum of each block's 32 `high` bytes (for signed weights).
     pub high_sums: Vec<i32>,
+    /// 16, or 8: every `low` is 0 and `q = 256 · high` (module docs).
+    pub bits: u32,
 }
 
 impl Q16Rows {
-    /// Quantize `x [rows, inner]` (`inner` a multiple of 32, checked by the caller).
+    /// Quantize `x [rows, inner]` (`inner` a multiple of 32, checked by the
+    /// caller) to the process's [`cpu_input_bits`].
     pub fn quantize(x: &[f32], rows: usize, inner: usize) -> Q16Rows {
+        Self::quantize_to(x, rows, inner, cpu_input_bits())
+    }
+
+    /// Quantize `x [rows, inner]` to `bits` (8 or 16) bits.
+    pub fn quantize_to(x: &[f32], rows: usize, inner: usize, bits: u32) -> Q16Rows {
         debug_assert_eq!(x.len(), rows * inner);
         debug_assert_eq!(inner % SUB, 0);
+        assert!(
+            bits == 8 || bits == 16,
+            "input bits must be 8 or 16, got {bits}"
+        );
         let blocks = rows * inner / SUB;
         let mut out = Q16Rows {
+            bits,
             rows,
             inner,
             q: vec![0; rows * inner],
@@ -88,10 +127,12 @@ impl Q16Rows {
         // `f32::max` skips a NaN: a second, branch-free fold finds one.
         let amax = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
         let nan = xs.iter().fold(false, |seen, v| seen | v.is_nan());
-        let (d, inverse) = scale(amax, nan);
+        let Scale { d, inverse } = scale(amax, nan, self.bits);
+        let (limit, shift) = limit_and_shift(self.bits);
         self.high_sums[b] = 0;
         for (i, v) in xs.iter().enumerate() {
-            let q = (round_ties_even_small(v * inverse) as i32).clamp(-32767, 32767) as i16;
+            let q =
+                ((round_ties_even_small(v * inverse) as i32).clamp(-limit, limit) << shift) as i16;
             self.q[b * SUB + i] = q;
             self.high[b * SUB + i] = (q >> 8) as i8;
             self.low[b * SUB + i] = q as u8;
@@ -120,7 +161,9 @@ impl Q16Rows {
             let high = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
             tree_sum_of_eight(_mm256_add_ps(low, high))
         }
-        let (low_limit, high_limit) = (_mm512_set1_epi32(-32767), _mm512_set1_epi32(32767));
+        let (limit, shift) = limit_and_shift(self.bits);
+        let (low_limit, high_limit) = (_mm512_set1_epi32(-limit), _mm512_set1_epi32(limit));
+        let shift = _mm_cvtsi32_si128(shift);
         for b in 0..self.d.len() {
             let at = x.as_ptr().add(b * SUB);
             let (lo, hi) = (_mm512_loadu_ps(at), _mm512_loadu_ps(at.add(16)));
@@ -128,7 +171,7 @@ impl Q16Rows {
                 | _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(hi, hi))
                 != 0;
             let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-            let (d, inverse) = scale(amax, nan);
+            let Scale { d, inverse } = scale(amax, nan, self.bits);
             if inverse.is_infinite() {
                 // A subnormal scale: `cvtps2dq` would turn an infinite product
                 // into i32::MIN, where the scalar cast saturates by sign.
@@ -146,6 +189,7 @@ impl Q16Rows {
                 for (half, v) in [lo, hi].into_iter().enumerate() {
                     let ints = _mm512_cvtps_epi32(_mm512_mul_ps(v, inverse));
                     let ints = _mm512_min_epi32(_mm512_max_epi32(ints, low_limit), high_limit);
+                    let ints = _mm512_sll_epi32(ints, shift);
                     let high_bytes = _mm512_srai_epi32::<8>(ints);
                     _mm256_storeu_si256(q.add(half), _mm512_cvtepi32_epi16(ints));
                     _mm_storeu_si128(high.add(half), _mm512_cvtepi32_epi8(high_bytes));
@@ -176,7 +220,9 @@ impl Q16Rows {
         /// `packs`/`packus` interleave the 128-bit halves: put them back.
         const IN_ORDER: i32 = 0b11_01_10_00;
         let sign = _mm256_set1_ps(-0.0);
-        let (low_limit, high_limit) = (_mm256_set1_epi32(-32767), _mm256_set1_epi32(32767));
+        let (limit, shift) = limit_and_shift(self.bits);
+        let (low_limit, high_limit) = (_mm256_set1_epi32(-limit), _mm256_set1_epi32(limit));
+        let shift = _mm_cvtsi32_si128(shift);
         let low_byte = _mm256_set1_epi16(255);
         for b in 0..self.d.len() {
             let at = x.as_ptr().add(b * SUB);
@@ -208,7 +254,7 @@ impl Q16Rows {
             );
             let max2 = _mm_max_ps(max4, _mm_movehl_ps(max4, max4));
             let amax = _mm_cvtss_f32(_mm_max_ss(max2, _mm_shuffle_ps::<1>(max2, max2)));
-            let (d, inverse) = scale(amax, nan);
+            let Scale { d, inverse } = scale(amax, nan, self.bits);
             if inverse.is_infinite() {
                 // A subnormal scale: `cvtps2dq` would turn an infinite product
                 // into i32::MIN, where the scalar cast saturates by sign.
@@ -222,7 +268,9 @@ impl Q16Rows {
                 let mut ints = [_mm256_setzero_si256(); 4];
                 for (ints, v) in ints.iter_mut().zip(v) {
                     let rounded = _mm256_cvtps_epi32(_mm256_mul_ps(v, inverse));
-                    *ints = _mm256_min_epi32(_mm256_max_epi32(rounded, low_limit), high_limit);
+                    let clamped =
+                        _mm256_min_epi32(_mm256_max_epi32(rounded, low_limit), high_limit);
+                    *ints = _mm256_sll_epi32(clamped, shift);
                 }
                 // Within ±32767, so the saturating packs are exact.
                 let q = [
@@ -274,14 +322,43 @@ impl Q16Rows {
     }
 }
 
-/// A block's scale `d` and `1 / d` from its largest magnitude (`nan`: it holds
-/// a NaN): `(NaN, 0)` for a NaN or an infinity, `(0, 0)` for zeros.
+/// A block's stored scale and the factor that rounds its inputs.
+struct Scale {
+    /// `q · d` is an input's value.
+    d: f32,
+    /// `round(x · inverse)` is `q` with 16 bits, `q / 256` with 8.
+    inverse: f32,
+}
+
+/// A block's [`Scale`] from its largest magnitude (`nan`: it holds a NaN) for
+/// `bits`: `d = NaN, inverse = 0` for a NaN or an infinity, both 0 for zeros.
+/// With 8 bits `inverse` is `1 / d8` and `d` is `d8 / 256` (module docs).
 #[inline(always)]
-fn scale(amax: f32, nan: bool) -> (f32, f32) {
+fn scale(amax: f32, nan: bool, bits: u32) -> Scale {
     let finite = amax.is_finite() && !nan;
-    let d = if finite { amax / 32767.0 } else { f32::NAN };
-    let inverse = if d == 0.0 || !finite { 0.0 } else { 1.0 / d };
-    (d, inverse)
+    let levels = if bits == 8 { 127.0 } else { 32767.0 };
+    let rounding = if finite { amax / levels } else { f32::NAN };
+    let inverse = if rounding == 0.0 || !finite {
+        0.0
+    } else {
+        1.0 / rounding
+    };
+    let d = if bits == 8 {
+        rounding * (1.0 / 256.0)
+    } else {
+        rounding
+    };
+    Scale { d, inverse }
+}
+
+/// The largest rounded magnitude and the left shift that makes it `q`.
+#[inline(always)]
+fn limit_and_shift(bits: u32) -> (i32, i32) {
+    if bits == 8 {
+        (127, 8)
+    } else {
+        (32767, 0)
+    }
 }
 
 /// The sum of 16 values in a fixed tree: `x[i] + x[i + 8]`, then `+ 4`, `+ 2`,
@@ -346,11 +423,11 @@ mod tests {
     use super::{round_ties_even_small, Q16Rows};
     use crate::test_rng::SplitMix64 as TestRng;
 
-    /// The portable loop over `x`, and each vector loop this CPU runs (none
-    /// without AVX2).
-    fn every_loop(x: &[f32]) -> (Q16Rows, Vec<(&'static str, Q16Rows)>) {
+    /// The portable loop over `x` to `bits`, and each vector loop this CPU
+    /// runs (none without AVX2).
+    fn every_loop(x: &[f32], bits: u32) -> (Q16Rows, Vec<(&'static str, Q16Rows)>) {
         let inner = x.len();
-        let empty = || Q16Rows::quantize(&vec![0.0; inner], 1, inner);
+        let empty = || Q16Rows::quantize_to(&vec![0.0; inner], 1, inner, bits);
         let mut portable = empty();
         portable.fill_portable(x);
         #[allow(unused_mut)]
@@ -400,9 +477,10 @@ mod tests {
                 let block = rng.below(12);
                 x[block * 32..][..32].fill(if case % 2 == 0 { 0.0 } else { 1e-41 });
             }
-            let (want, vector) = every_loop(&x);
+            let bits = [16, 8][case % 2];
+            let (want, vector) = every_loop(&x, bits);
             for (name, got) in vector {
-                let case = format!("{name}, case {case}");
+                let case = format!("{name}, {bits} bits, case {case}");
                 let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                 assert_eq!(got.q, want.q, "{case}");
                 assert_eq!(bits(&got.d), bits(&want.d), "{case}");
@@ -419,7 +497,42 @@ mod tests {
                 let sum: i32 = block.iter().map(|&h| i32::from(h)).sum();
                 assert_eq!(want.high_sums[b], sum, "case {case}, block {b}");
             }
+            if bits == 8 {
+                assert!(want.low.iter().all(|&l| l == 0), "case {case}");
+            }
         }
+    }
+
+    #[test]
+    fn eight_bit_inputs_are_the_nearest_of_255_levels_per_block() {
+        let mut rng = TestRng::new(7);
+        for case in 0..200 {
+            let magnitude = [1e-3f32, 1.0, 1e3, 1e20][case % 4];
+            let x: Vec<f32> = (0..64)
+                .map(|_| (rng.below(20001) as f32 / 10000.0 - 1.0) * magnitude)
+                .collect();
+            let rows = Q16Rows::quantize_to(&x, 1, 64, 8);
+            for (b, xs) in x.chunks(32).enumerate() {
+                let amax = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                let d8 = amax / 127.0;
+                assert_eq!(rows.d[b], d8 / 256.0, "case {case}");
+                for (i, &v) in xs.iter().enumerate() {
+                    let q = rows.q[b * 32 + i];
+                    assert_eq!(q % 256, 0, "case {case}");
+                    assert!((q / 256).abs() <= 127, "case {case}");
+                    // The product with the stored scale is the 8-bit value's.
+                    let value = f32::from(q) * rows.d[b];
+                    assert_eq!(value, f32::from(q / 256) * d8, "case {case}");
+                    assert!(
+                        (value - v).abs() <= 0.5001 * d8,
+                        "case {case}: {v} -> {value}"
+                    );
+                }
+            }
+        }
+        assert!(super::set_cpu_input_bits(12)
+            .unwrap_err()
+            .contains("8 or 16, got 12"));
     }
 
     #[test]

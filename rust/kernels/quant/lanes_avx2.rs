@@ -16,6 +16,8 @@
 //! the integer sums are exactly those of 16-bit products, as in the AVX-512
 //! lanes kernel (`lanes_avx512.rs`, whose `vpdpbusd` AVX2 lacks: here
 //! `pmaddubsw`, 16-bit adds and three `pmaddwd` per block and input row).
+//! With 8-bit inputs (`set_cpu_input_bits(8)`: every `low` is 0) the `low`
+//! half is left out: eight `pmaddubsw` and one `pmaddwd` per block and row.
 //! Weights in GGUF's row order keep the row-at-a-time kernel: transposing
 //! eight rows here for every block made one-row products 1.85x slower than it
 //! (`cargo bench --bench cpu_matmul`, 2026-11-29), so a packed matrix and the
@@ -201,7 +203,12 @@ unsafe fn tile_packed_of<F: Nibbles>(
             for (q, t) in t.iter_mut().enumerate() {
                 *t = _mm256_loadu_si256(at.add(nibbles_at + 64 * q + 32 * h) as *const __m256i);
             }
-            add_block(&nibble_quads(&t), factor, offset, xq, b, acc);
+            let quads = nibble_quads(&t);
+            if xq.bits == 8 {
+                add_block::<false>(&quads, factor, offset, xq, b, acc);
+            } else {
+                add_block::<true>(&quads, factor, offset, xq, b, acc);
+            }
         }
     }
     for (h, acc) in acc.iter().enumerate() {
@@ -227,10 +234,12 @@ unsafe fn broadcast(p: *const u8, at: usize) -> __m256i {
 /// unsigned operand for `high`, `low` for the other), 16-bit adds within the
 /// module's bounds, and `pmaddwd` to 32 bits. The sums are exact, so any order
 /// of the integer instructions gives the same result; the float steps after
-/// them are a row's own, in a fixed order.
+/// them are a row's own, in a fixed order. Without `LOW` (8-bit inputs: every
+/// `low` is 0) the `low` products are left out, half the multiply-adds, to the
+/// same sums.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn add_block(
+unsafe fn add_block<const LOW: bool>(
     quads: &[__m256i; 8],
     factor: __m256,
     offset: __m256,
@@ -256,20 +265,25 @@ unsafe fn add_block(
                 _mm256_maddubs_epi16(quads[j], broadcast(high, at)),
                 _mm256_maddubs_epi16(quads[j + 1], broadcast(high, at + 4)),
             );
-            let l = _mm256_add_epi16(
-                _mm256_maddubs_epi16(broadcast(low, at), quads[j]),
-                _mm256_maddubs_epi16(broadcast(low, at + 4), quads[j + 1]),
-            );
             high_sum = _mm256_add_epi16(high_sum, h);
-            low_sums[p / 2] = _mm256_add_epi16(low_sums[p / 2], l);
+            if LOW {
+                let l = _mm256_add_epi16(
+                    _mm256_maddubs_epi16(broadcast(low, at), quads[j]),
+                    _mm256_maddubs_epi16(broadcast(low, at + 4), quads[j + 1]),
+                );
+                low_sums[p / 2] = _mm256_add_epi16(low_sums[p / 2], l);
+            }
         }
-        let sum = _mm256_add_epi32(
-            _mm256_madd_epi16(high_sum, _mm256_set1_epi16(256)),
-            _mm256_add_epi32(
-                _mm256_madd_epi16(low_sums[0], ones),
-                _mm256_madd_epi16(low_sums[1], ones),
-            ),
-        );
+        let mut sum = _mm256_madd_epi16(high_sum, _mm256_set1_epi16(256));
+        if LOW {
+            sum = _mm256_add_epi32(
+                sum,
+                _mm256_add_epi32(
+                    _mm256_madd_epi16(low_sums[0], ones),
+                    _mm256_madd_epi16(low_sums[1], ones),
+                ),
+            );
+        }
         let at = r * subs + b;
         let scale = _mm256_mul_ps(factor, _mm256_set1_ps(xq.d[at]));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc[r]);

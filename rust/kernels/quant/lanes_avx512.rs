@@ -382,7 +382,12 @@ unsafe fn tile_of<F: Lanes>(
             next.prefetch::<_MM_HINT_T1>(o, first.clone(), bb, row_bytes);
         }
         let (factor, offset) = factors::<F>(&rows, b);
-        add_block::<F>(&F::quads(&rows, b), factor, offset, xq, b, &mut acc);
+        let quads = F::quads(&rows, b);
+        if xq.bits == 8 {
+            add_block::<F, false>(&quads, factor, offset, xq, b, &mut acc);
+        } else {
+            add_block::<F, true>(&quads, factor, offset, xq, b, &mut acc);
+        }
     }
     let lanes: __mmask16 = if count == LANES {
         0xffff
@@ -464,7 +469,12 @@ unsafe fn tile_packed_of<F: Lanes>(
         };
         let nibbles: [__m512i; 4] =
             std::array::from_fn(|q| _mm512_loadu_si512(at.add(header + 64 * q) as *const _));
-        add_block::<F>(&nibble_quads(&nibbles), factor, offset, xq, b, &mut acc);
+        let quads = nibble_quads(&nibbles);
+        if xq.bits == 8 {
+            add_block::<F, false>(&quads, factor, offset, xq, b, &mut acc);
+        } else {
+            add_block::<F, true>(&quads, factor, offset, xq, b, &mut acc);
+        }
     }
     for (r, acc) in acc.iter().enumerate().take(xq.rows) {
         _mm512_storeu_ps(y.at(r * shape.outs + start), *acc);
@@ -481,9 +491,11 @@ unsafe fn tile_packed_of<F: Lanes>(
 /// weights (Q8_0) go in as `w + 128` against `high`, and `128 · Σ high` comes
 /// off. The sums are exact, so any order of the instructions gives the same
 /// result; the float steps after them are a row's own, in a fixed order.
+/// Without `LOW` (8-bit inputs: every `low` is 0) the `low` products are
+/// left out, to the same sums.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn add_block<F: Lanes>(
+unsafe fn add_block<F: Lanes, const LOW: bool>(
     quads: &[__m512i; 8],
     factor: __m512,
     offset: __m512,
@@ -511,9 +523,6 @@ unsafe fn add_block<F: Lanes>(
                 let high = _mm512_set1_epi32(std::ptr::read_unaligned(
                     xq.high.as_ptr().add(at) as *const i32
                 ));
-                let low = _mm512_set1_epi32(std::ptr::read_unaligned(
-                    xq.low.as_ptr().add(at) as *const i32
-                ));
                 let w = quads[j + k];
                 let unsigned = if F::SIGNED {
                     _mm512_xor_si512(w, flip)
@@ -521,7 +530,12 @@ unsafe fn add_block<F: Lanes>(
                     w
                 };
                 *h = dpbusd(*h, unsigned, high);
-                *l = dpbusd(*l, low, w);
+                if LOW {
+                    let low = _mm512_set1_epi32(std::ptr::read_unaligned(
+                        xq.low.as_ptr().add(at) as *const i32
+                    ));
+                    *l = dpbusd(*l, low, w);
+                }
             }
         }
         let at = r * subs + b;

@@ -28,7 +28,8 @@
 //!   row, 73.5 -> 41.4 ms four rows; 2026-11-27, `benches/RESULTS.md`). 8-bit inputs with `pmaddubsw` (llama.cpp's
 //!   choice for 4-bit weights) ran 1.1-1.3x faster still but flipped SmolLM2's
 //!   greedy tokens: 43 % agreement with the float path over 8 prompts, against
-//!   91 % with 16 bits (`tests/quant/test_quant.py`).
+//!   91 % with 16 bits (`tests/quant/test_quant.py`); they are opt-in
+//!   ([`super::activations::set_cpu_input_bits`], `--cpu-input-bits 8`).
 //! - **more rows**: each sub-block is expanded to float in registers once for
 //!   a group of input rows (`scale · q + min`, one FMA per 8 weights) and
 //!   multiplied against the float inputs, as the float kernel does

@@ -52,7 +52,15 @@ pub(crate) fn random_weights(
 /// path reads float inputs throughout.
 fn reference(shape: &QuantShape, x: &[f32], w: &[u8], row_scales: &[f32]) -> Vec<f64> {
     let integer = takes_integer_path(shape.kind, shape.rows);
-    reference_of(shape, x, w, row_scales, integer, folds_offset(shape.kind))
+    reference_of(
+        shape,
+        x,
+        w,
+        row_scales,
+        integer,
+        folds_offset(shape.kind),
+        16,
+    )
 }
 
 /// Whether the vectorized integer path for `kind` folds its offset into the
@@ -80,11 +88,12 @@ fn reference_of(
     row_scales: &[f32],
     integer: bool,
     folds_offset: bool,
+    bits: u32,
 ) -> Vec<f64> {
     let kind = shape.kind;
     let row_bytes = kind.row_bytes(shape.inner).unwrap();
     let per_block = kind.block_elems() / SUB;
-    let xq = Q16Rows::quantize(x, shape.rows, shape.inner);
+    let xq = Q16Rows::quantize_to(x, shape.rows, shape.inner, bits);
     let mut y = vec![0.0; shape.rows * shape.outs];
     for o in 0..shape.outs {
         let scale = if kind.row_scaled() {
@@ -162,7 +171,7 @@ fn check(
         compute(&shape, &x, &w, &row_scales, &mut y);
         let folds = vectorized && folds_offset(kind);
         let integer = takes_integer_path(shape.kind, shape.rows);
-        let want = reference_of(&shape, &x, &w, &row_scales, integer, folds);
+        let want = reference_of(&shape, &x, &w, &row_scales, integer, folds, 16);
         let scale = want.iter().fold(1e-3f64, |m, v| m.max(v.abs()));
         for (i, (got, want)) in y.iter().zip(&want).enumerate() {
             assert!(
@@ -563,7 +572,7 @@ fn weights_packed_into_tiles_give_the_bits_of_their_rows() {
                 y
             };
             if !qmatmul::packed_matches_rows(kind) {
-                let exact = reference_of(&shape, &x, &w, &[], true, false);
+                let exact = reference_of(&shape, &x, &w, &[], true, false, 16);
                 let scale = exact.iter().fold(1e-3f64, |m, v| m.max(v.abs()));
                 let got = packed_product(&x, &shape, &packed);
                 for (i, (got, exact)) in got.iter().zip(&exact).enumerate() {
@@ -600,4 +609,86 @@ fn weights_packed_into_tiles_give_the_bits_of_their_rows() {
         }
     }
     assert!(!qmatmul::packs(QuantType::Q4_0, 40) && !qmatmul::packs(QuantType::Q8_0, 16));
+}
+
+/// With 8-bit inputs (`set_cpu_input_bits(8)`) packed weights and weight rows
+/// give the float64 reference of their 8-bit inputs within rounding (the lanes
+/// kernels leave the zero low bytes out), and stay within 8-bit rounding of
+/// the 16-bit products.
+#[test]
+fn eight_bit_inputs_give_the_products_of_their_8_bit_values() {
+    use super::tiles::pack_tiles;
+    let mut rng = TestRng::new(809);
+    for kind in [
+        QuantType::Q4_0,
+        QuantType::Q4_1,
+        QuantType::Q8_0,
+        QuantType::Q4K,
+    ] {
+        for (rows, inner, outs) in [(1, 256, 16), (3, 512, 48), (17, 256, 32)] {
+            let shape = QuantShape {
+                kind,
+                rows,
+                inner,
+                outs,
+            };
+            let x: Vec<f32> = (0..rows * inner)
+                .map(|_| rng.below(2001) as f32 / 1000.0 - 1.0)
+                .collect();
+            let w = random_weights(&mut rng, kind, outs, inner);
+            let s: Vec<f32> = if kind.row_scaled() {
+                (0..outs).map(|o| (1 + o) as f32 * 1e-3).collect()
+            } else {
+                Vec::new()
+            };
+            let packed = qmatmul::packs(kind, outs);
+            let block = if packed {
+                qmatmul::packed_rows(kind)
+            } else {
+                integer_rows(kind)
+            };
+            let inputs = Inputs {
+                x: &x,
+                integer: x
+                    .chunks(block * inner)
+                    .map(|b| Q16Rows::quantize_to(b, b.len() / inner, inner, 8))
+                    .collect(),
+            };
+            let mut y = vec![f32::NAN; rows * outs];
+            let out = OutPtr::new(&mut y);
+            let tiles_of = if packed {
+                pack_tiles(kind, &w, outs, inner)
+            } else {
+                w.clone()
+            };
+            for index in 0..call::tiles(&shape) {
+                // SAFETY: sizes as `qmatmul` validates them; one thread.
+                unsafe {
+                    if packed {
+                        qmatmul::tile_packed(&shape, &inputs, &tiles_of, out, index)
+                    } else {
+                        qmatmul::tile(&shape, &inputs, &w, &s, out, index)
+                    }
+                };
+            }
+            let folds = !packed && folds_offset(kind);
+            let exact = reference_of(&shape, &x, &w, &s, true, folds, 8);
+            let sixteen = reference_of(&shape, &x, &w, &s, true, folds, 16);
+            let scale = exact.iter().fold(1e-3f64, |m, v| m.max(v.abs()));
+            for (i, got) in y.iter().enumerate() {
+                let case = format!("{kind:?} {rows}x{inner}x{outs} element {i}");
+                let got = f64::from(*got);
+                assert!(
+                    (got - exact[i]).abs() <= 2e-5 * scale,
+                    "{case}: {got} vs {}",
+                    exact[i]
+                );
+                assert!(
+                    (got - sixteen[i]).abs() <= 2e-2 * scale,
+                    "{case}: {got} vs {}",
+                    sixteen[i]
+                );
+            }
+        }
+    }
 }
