@@ -12,7 +12,8 @@
 //! streams SmolLM2's 96 MB (the 30-product sets above fit in L3 for the 4-bit
 //! formats).
 //! Q4_0 and Q4_1 packed into tiles (`quant_packed`, where this CPU packs them:
-//! what a loaded model's projections and experts are) follow both sets.
+//! what a loaded model's projections and experts are) follow both sets, with
+//! 16-bit inputs and (names ending `_8bit`) 8-bit ones (`--cpu-input-bits 8`).
 //! Run: `cargo bench --bench cpu_matmul` (`-- quant` for the quantized ones,
 //! `-- split` for the two-thread split, `-- from_dram` for the 160 MB one).
 
@@ -21,6 +22,7 @@ use std::hint::black_box;
 use criterion::{criterion_group, criterion_main, Criterion};
 use kvpage_core::kernels::cpu_matmul::OutPtr;
 use kvpage_core::kernels::cpu_matmul::{matmul_nt, MatmulShape};
+use kvpage_core::kernels::quant::activations::set_cpu_input_bits;
 use kvpage_core::kernels::quant::call::{tiles, QuantShape};
 use kvpage_core::kernels::quant::formats::QuantType;
 use kvpage_core::kernels::quant::qmatmul::{packs, qmatmul, tile, tile_packed, Inputs};
@@ -260,7 +262,13 @@ fn packed_projection(c: &mut Criterion) {
             } else {
                 &[1, 2, 4, 8, 16, 32, 128]
             };
-            for &rows in rows_set {
+            // 8-bit inputs (`--cpu-input-bits 8`) beside the default 16, in cache.
+            let bits_set: &[u32] = if place == "dram" { &[16] } else { &[16, 8] };
+            for (&rows, &bits) in rows_set
+                .iter()
+                .flat_map(|r| bits_set.iter().map(move |b| (r, b)))
+            {
+                set_cpu_input_bits(bits).expect("8 or 16");
                 let shape = QuantShape {
                     kind,
                     rows,
@@ -269,7 +277,11 @@ fn packed_projection(c: &mut Criterion) {
                 };
                 let x = inputs(rows * inner);
                 let mut y = vec![0.0f32; rows * outs];
-                let name = format!("{}_rows{rows}_{inner}x{outs}_x{count}_{place}", kind.name());
+                let suffix = if bits == 8 { "_8bit" } else { "" };
+                let name = format!(
+                    "{}_rows{rows}_{inner}x{outs}_x{count}_{place}{suffix}",
+                    kind.name()
+                );
                 group.bench_function(name, |b| {
                     b.iter(|| {
                         for w in &weights {
@@ -286,6 +298,7 @@ fn packed_projection(c: &mut Criterion) {
             }
         }
     }
+    set_cpu_input_bits(16).expect("16");
     group.finish();
 }
 
