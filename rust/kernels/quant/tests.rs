@@ -46,6 +46,26 @@ pub(crate) fn random_weights(
     (0..blocks).flat_map(|_| random_block(rng, kind)).collect()
 }
 
+/// A call of `rows x inner` inputs in [-1, 1] and `outs` random weight rows of `kind`.
+fn random_case(
+    rng: &mut TestRng,
+    kind: QuantType,
+    rows: usize,
+    inner: usize,
+    outs: usize,
+) -> (QuantShape, Vec<f32>, Vec<u8>) {
+    let shape = QuantShape {
+        kind,
+        rows,
+        inner,
+        outs,
+    };
+    let x = (0..rows * inner)
+        .map(|_| rng.below(2001) as f32 / 1000.0 - 1.0)
+        .collect();
+    (shape, x, random_weights(rng, kind, outs, inner))
+}
+
 /// `y[r, o]` in float64 from the unpacked weights `scale * q + min` and the
 /// inputs as the call's path reads them: the integer path multiplies
 /// `scale * q` by the 16-bit inputs and `min` by the float ones; the float
@@ -547,16 +567,7 @@ fn weights_packed_into_tiles_give_the_bits_of_their_rows() {
     let mut rng = TestRng::new(611);
     for kind in [QuantType::Q4_0, QuantType::Q4_1] {
         for (rows, inner, outs) in [(1, 64, 16), (2, 96, 48), (5, 576, 32), (33, 64, 64)] {
-            let shape = QuantShape {
-                kind,
-                rows,
-                inner,
-                outs,
-            };
-            let x: Vec<f32> = (0..rows * inner)
-                .map(|_| rng.below(2001) as f32 / 1000.0 - 1.0)
-                .collect();
-            let w = random_weights(&mut rng, kind, outs, inner);
+            let (shape, x, w) = random_case(&mut rng, kind, rows, inner, outs);
             let mut want = vec![0.0f32; rows * outs];
             qmatmul(&shape, &x, &w, &[], &mut want).unwrap();
             let packed = pack_tiles(kind, &w, outs, inner);
@@ -626,16 +637,7 @@ fn eight_bit_inputs_give_the_products_of_their_8_bit_values() {
         QuantType::Q4K,
     ] {
         for (rows, inner, outs) in [(1, 256, 16), (3, 512, 48), (17, 256, 32)] {
-            let shape = QuantShape {
-                kind,
-                rows,
-                inner,
-                outs,
-            };
-            let x: Vec<f32> = (0..rows * inner)
-                .map(|_| rng.below(2001) as f32 / 1000.0 - 1.0)
-                .collect();
-            let w = random_weights(&mut rng, kind, outs, inner);
+            let (shape, x, w) = random_case(&mut rng, kind, rows, inner, outs);
             let s: Vec<f32> = if kind.row_scaled() {
                 (0..outs).map(|o| (1 + o) as f32 * 1e-3).collect()
             } else {
