@@ -625,10 +625,11 @@ fn weights_packed_into_tiles_give_the_bits_of_their_rows() {
 /// With 8-bit inputs (`set_cpu_input_bits(8)`) packed weights and weight rows
 /// give the float64 reference of their 8-bit inputs within rounding (the lanes
 /// kernels leave the zero low bytes out), and stay within 8-bit rounding of
-/// the 16-bit products.
+/// the 16-bit products; the weights' ends against an unmapped page change nothing.
 #[test]
 fn eight_bit_inputs_give_the_products_of_their_8_bit_values() {
     use super::tiles::pack_tiles;
+    use crate::kernels::guard_page::{Edge, Guarded};
     let mut rng = TestRng::new(809);
     for kind in [
         QuantType::Q4_0,
@@ -656,22 +657,35 @@ fn eight_bit_inputs_give_the_products_of_their_8_bit_values() {
                     .map(|b| Q16Rows::quantize_to(b, b.len() / inner, inner, 8))
                     .collect(),
             };
-            let mut y = vec![f32::NAN; rows * outs];
-            let out = OutPtr::new(&mut y);
-            let tiles_of = if packed {
+            let weights = if packed {
                 pack_tiles(kind, &w, outs, inner)
             } else {
                 w.clone()
             };
-            for index in 0..call::tiles(&shape) {
-                // SAFETY: sizes as `qmatmul` validates them; one thread.
-                unsafe {
-                    if packed {
-                        qmatmul::tile_packed(&shape, &inputs, &tiles_of, out, index)
-                    } else {
-                        qmatmul::tile(&shape, &inputs, &w, &s, out, index)
-                    }
-                };
+            let product = |weights: &[u8]| {
+                let mut y = vec![f32::NAN; rows * outs];
+                let out = OutPtr::new(&mut y);
+                for index in 0..call::tiles(&shape) {
+                    // SAFETY: sizes as `qmatmul` validates them; one thread.
+                    unsafe {
+                        if packed {
+                            qmatmul::tile_packed(&shape, &inputs, weights, out, index)
+                        } else {
+                            qmatmul::tile(&shape, &inputs, weights, &s, out, index)
+                        }
+                    };
+                }
+                y
+            };
+            let y = product(&weights);
+            // The weights' first and last bytes against an unmapped page.
+            for edge in Edge::BOTH {
+                let guarded = Guarded::new(&weights, edge);
+                assert_eq!(
+                    product(guarded.as_slice()),
+                    y,
+                    "{kind:?} {rows} rows {edge:?}"
+                );
             }
             let folds = !packed && folds_offset(kind);
             let exact = reference_of(&shape, &x, &w, &s, true, folds, 8);
