@@ -9,12 +9,13 @@
 //! d8 / 256` (the same products; exact unless `d8 / 256` is subnormal): every
 //! kernel reads it unchanged and the lanes kernels skip the zero low bytes,
 //! half their multiply-adds, for a rounding error of ~4e-3 (enough to flip
-//! near-tied greedy tokens, hence not the default). Beside them, the float sums of each half block (added in a
-//! fixed tree order) and each block, for the weights' offsets. Quantized once
-//! per call, read by every weight row; with AVX2 eight lanes at a time, with
-//! AVX-512 sixteen, to the same bits (quantizing a decode step's inputs one
-//! scalar at a time took ~4 % of a MoE decode step with AVX-512, 2026-11-28,
-//! and ~9 % of a 32-token one with AVX2, 2026-11-29).
+//! near-tied greedy tokens, hence not the default). Beside them, the float
+//! sums of each half block (added in a fixed tree order) and each block, for
+//! the weights' offsets. Quantized once per call, read by every weight row;
+//! with AVX2 eight lanes at a time, with AVX-512 sixteen, to the same bits
+//! (quantizing a decode step's inputs one scalar at a time took ~4 % of a MoE
+//! decode step with AVX-512, 2026-11-28, and ~9 % of a 32-token one with AVX2,
+//! 2026-11-29).
 //!
 //! Invariant: `q` (and its bytes `high`, `low`), `d` (and `sums`,
 //! `high_sums`) and `half_sums` have `rows * inner`, `rows * inner / 32` and
