@@ -104,7 +104,8 @@ def test_cpu_kernel_matches_dequantize_then_matmul(kind: str, rows: int) -> None
 
 def eight_bit(x: np.ndarray) -> np.ndarray:
     """``x`` rounded as 8-bit inputs per block of 32: ``d8 = max|x| / 127``,
-    ``round(x / d8) · d8`` (llama.cpp's ``q8`` rounding, ties to even)."""
+    ``round(x / d8) · d8`` (llama.cpp's ``q8`` scale; ties go to even here, away from
+    zero in llama.cpp)."""
     blocks = x.reshape(*x.shape[:-1], -1, 32).astype(np.float32)
     d8 = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)
     inverse = np.where(d8 == 0, np.float32(0), np.float32(1) / np.where(d8 == 0, 1, d8))

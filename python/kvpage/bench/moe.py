@@ -18,11 +18,11 @@ in its own process on this machine, all up at once and taking turns at each leve
 At each ``--concurrency`` level the same fixed-length requests go through the same
 streaming client (a warm-up round, then the timed round), ``ignore_eos``. Printed:
 generated tokens per second, the ratios kvpage / llama.cpp (each input precision) and
-routed / dense, and the
-bytes per decode token: the active experts' bytes (``top_k`` experts per layer) against
-the expert bytes the routed kernel streams (each distinct routed expert once per step,
-so at batch 1 exactly the active experts; at batch ``B`` the expected number of
-distinct experts under uniform routing, shared by the ``B`` tokens).
+routed / dense, and the bytes per decode token: the active experts' bytes (``top_k``
+experts per layer) against the expert bytes the routed kernel streams (each distinct
+routed expert once per step, so at batch 1 exactly the active experts; at batch ``B``
+the expected number of distinct experts under uniform routing, shared by the ``B``
+tokens).
 """
 
 from __future__ import annotations
