@@ -56,3 +56,24 @@ def test_expert_traffic_is_the_active_experts_at_batch_one() -> None:
                                              / 1e6)
     many = expert_traffic(shape, 32)  # experts shared by the step's tokens
     assert many["streamed_mb"] < one["streamed_mb"] < one["dense_mb"]
+
+
+def test_the_table_gives_each_input_precision_its_ratio(capsys: pytest.CaptureFixture[str]
+                                                        ) -> None:
+    from kvpage.bench.moe import DENSE, ROUTED, ROUTED_8_BIT, print_table
+
+    def server(name: str, tok_s: float) -> dict:
+        return {"server": name, "levels": {32: {"output_tok_s": tok_s}}}
+
+    shape = MoEShape()
+    result = {"model": {"shape": shape.__dict__, "file_mb": 244.0}, "concurrency": [32],
+              "servers": [server(ROUTED, 300.0), server(ROUTED_8_BIT, 450.0),
+                          server("llama.cpp", 250.0)],
+              "traffic": {32: expert_traffic(shape, 32)}}
+    print_table(result)
+    row = capsys.readouterr().out.splitlines()[-1].split()
+    assert row[:8] == ["32", "300.0", "450.0", "-", "250.0", "1.20x", "1.80x", "-"]
+    result["servers"] = [server(ROUTED, 300.0), server(DENSE, 60.0)]  # --input-bits 16
+    print_table(result)
+    row = capsys.readouterr().out.splitlines()[-1].split()
+    assert row[:8] == ["32", "300.0", "-", "60.0", "-", "-", "-", "5.00x"]
