@@ -66,6 +66,15 @@ fn random_case(
     (shape, x, random_weights(rng, kind, outs, inner))
 }
 
+/// Row scales `1e-3, 2e-3, ...` for the `outs` rows of a per-channel `kind`, else none.
+fn row_scales(kind: QuantType, outs: usize) -> Vec<f32> {
+    if kind.row_scaled() {
+        (0..outs).map(|o| (1 + o) as f32 * 1e-3).collect()
+    } else {
+        Vec::new()
+    }
+}
+
 /// `y[r, o]` in float64 from the unpacked weights `scale * q + min` and the
 /// inputs as the call's path reads them: the integer path multiplies
 /// `scale * q` by the 16-bit inputs and `min` by the float ones; the float
@@ -523,21 +532,8 @@ fn products_of_many_sub_blocks_match_the_reference_at_every_integer_row_count() 
                 vec![]
             };
             for rows in (1..=integer_rows(kind).max(2)).chain(blocks) {
-                let shape = QuantShape {
-                    kind,
-                    rows,
-                    inner,
-                    outs: 21,
-                };
-                let x: Vec<f32> = (0..rows * inner)
-                    .map(|_| rng.below(2001) as f32 / 1000.0 - 1.0)
-                    .collect();
-                let w = random_weights(&mut rng, kind, shape.outs, inner);
-                let s: Vec<f32> = if kind.row_scaled() {
-                    (0..shape.outs).map(|o| (1 + o) as f32 * 1e-3).collect()
-                } else {
-                    Vec::new()
-                };
+                let (shape, x, w) = random_case(&mut rng, kind, rows, inner, 21);
+                let s = row_scales(kind, shape.outs);
                 let mut y = vec![f32::NAN; rows * shape.outs];
                 qmatmul(&shape, &x, &w, &s, &mut y).unwrap();
                 let want = reference(&shape, &x, &w, &s);
@@ -639,11 +635,7 @@ fn eight_bit_inputs_give_the_products_of_their_8_bit_values() {
     ] {
         for (rows, inner, outs) in [(1, 256, 16), (3, 512, 48), (17, 256, 32)] {
             let (shape, x, w) = random_case(&mut rng, kind, rows, inner, outs);
-            let s: Vec<f32> = if kind.row_scaled() {
-                (0..outs).map(|o| (1 + o) as f32 * 1e-3).collect()
-            } else {
-                Vec::new()
-            };
+            let s = row_scales(kind, outs);
             let packed = qmatmul::packs(kind, outs);
             let block = if packed {
                 qmatmul::packed_rows(kind)
@@ -693,17 +685,15 @@ fn eight_bit_inputs_give_the_products_of_their_8_bit_values() {
             let scale = exact.iter().fold(1e-3f64, |m, v| m.max(v.abs()));
             for (i, got) in y.iter().enumerate() {
                 let case = format!("{kind:?} {rows}x{inner}x{outs} element {i}");
-                let got = f64::from(*got);
-                assert!(
-                    (got - exact[i]).abs() <= 2e-5 * scale,
-                    "{case}: {got} vs {}",
-                    exact[i]
-                );
-                assert!(
-                    (got - sixteen[i]).abs() <= 2e-2 * scale,
-                    "{case}: {got} vs {}",
-                    sixteen[i]
-                );
+                // Within rounding of the 8-bit values' products, and of 8-bit
+                // rounding of the 16-bit ones.
+                for (want, tolerance) in [(exact[i], 2e-5), (sixteen[i], 2e-2)] {
+                    let got = f64::from(*got);
+                    assert!(
+                        (got - want).abs() <= tolerance * scale,
+                        "{case}: {got} vs {want}"
+                    );
+                }
             }
         }
     }
