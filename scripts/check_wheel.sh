@@ -21,9 +21,6 @@ cleanup() {
     rm -rf "$work"
 }
 trap cleanup EXIT
-# kvpage's persistent compilation cache follows XDG: keep this check's out of ~/.cache.
-export XDG_CACHE_HOME="$work/cache"
-
 if [[ $# -ge 1 ]]; then
     wheel="$1"
 else
@@ -45,6 +42,11 @@ py="$work/venv/bin/python"
 "$py" -m pip install --quiet --upgrade pip
 "$py" -m pip install --quiet "${wheel}[serve,ray]"
 kvpage="$work/venv/bin/kvpage"
+# kvpage's persistent compilation cache follows XDG: keep this check's out of ~/.cache.
+# Set only now: maturin keeps its zig linker shims under XDG_CACHE_HOME, and a new
+# linker path makes cargo rebuild every release artifact the editable install built
+# (4 min on 2 cores); pip keeps its wheel cache there too.
+export XDG_CACHE_HOME="$work/cache"
 cd "$work"  # not the source tree: import the installed package
 
 echo "== kvpage --help"
